@@ -1,0 +1,47 @@
+# Two commands set everything up on a fresh machine (run as root there; apt-get needs it):
+#   make demo   create .venv, install, run the main job
+#   make test   create .venv, install with test extras, run pytest
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# A CPU torch wheel lies on the dev/CI machines; pinning it first stops pip from pulling a CUDA build.
+# pyproject accepts torch>=2.6, so GPU users keep their own CUDA build (make TORCH= to skip the pin).
+TORCH ?= torch==2.13.0
+# Debian packages the project needs (PyAV's wheel bundles FFmpeg, so none yet; MuJoCo's GL libs go here).
+APT_PACKAGES :=
+
+.PHONY: demo test test-all bench system venv clean
+
+system:
+	@if [ -z "$(strip $(APT_PACKAGES))" ]; then :; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
+		missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+		if [ -n "$$missing" ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+		fi; \
+	else echo "note: not root or no apt-get; skipping system packages ($(APT_PACKAGES))"; fi
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+venv: $(BIN)/python
+	@if [ -n "$(TORCH)" ]; then $(BIN)/pip install -q "$(TORCH)"; fi
+	$(BIN)/pip install -q -e ".[dev,rl]"
+
+demo: system venv
+	$(BIN)/kilovla demo
+
+test: system venv
+	@# pytest exits 5 when it collects no test: that is a broken suite here, not a pass.
+	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+test-all: venv
+	$(BIN)/python -m pytest -q -m "" ; rc=$$?; [ $$rc -eq 5 ] && exit 1; exit $$rc
+
+bench: venv
+	$(BIN)/kilovla bench all
+
+clean:
+	rm -rf $(VENV) bench-results demo-output build src/*.egg-info

@@ -1,0 +1,133 @@
+"""One catalog over many LeRobot datasets: mixture weights, a global sample index, token lengths.
+
+Global sample id g belongs to source d when offsets[d] <= g < offsets[d + 1]; its position in that
+dataset is g - offsets[d]. Every sample's token length comes from metadata alone (no decoding), from
+the model's token layout::
+
+    tokens = tokens_per_camera * enabled cameras + language tokens + state tokens + action horizon
+
+e.g. pi0.5 on LIBERO: 256 * 2 + len("pick up the black bowl ...") + 8 + 10.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kilovla.data.lerobot import LeRobotDataset
+from kilovla.errors import KilovlaError
+
+
+def byte_token_count(text: str) -> int:
+    """Tokens of a byte-level tokenizer: one per UTF-8 byte, plus BOS."""
+    return len(text.encode("utf-8")) + 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenLayout:
+    """How many tokens a model spends on one sample.
+
+    cameras: the enabled camera keys (None: every camera of the dataset). A dataset lacking an
+    enabled camera simply contributes fewer tokens.
+    """
+
+    tokens_per_camera: int = 256
+    cameras: tuple[str, ...] | None = None
+    max_language_tokens: int = 200
+    state_tokens: int = 1
+    action_horizon: int = 50
+
+    def sample_tokens(self, n_cameras: np.ndarray | int, language_tokens: np.ndarray | int,
+                      action_horizon: int | None = None) -> np.ndarray:
+        horizon = self.action_horizon if action_horizon is None else action_horizon
+        lang = np.minimum(language_tokens, self.max_language_tokens)
+        return np.asarray(self.tokens_per_camera * n_cameras + lang + self.state_tokens + horizon, dtype=np.int64)
+
+    def fixed_tokens(self, n_camera_slots: int) -> int:
+        """Tokens of one sample under fixed padding: every camera slot, full language length."""
+        return int(self.sample_tokens(n_camera_slots, self.max_language_tokens))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LakeSource:
+    """One dataset of the lake. weight 2.0 shows each sample twice per epoch, 0.5 half of them."""
+
+    root: str
+    weight: float = 1.0
+    delta_timestamps: dict | None = None
+    action_horizon: int | None = None  # overrides the layout's for this dataset
+    episodes: tuple[int, ...] | None = None
+
+
+class DataLake:
+    """Datasets behind one global index.
+
+    >>> lake = DataLake([LakeSource(root="ds_a"), LakeSource(root="ds_b", weight=0.5)])  # doctest: +SKIP
+    >>> lake.lengths[:3], len(lake)  # doctest: +SKIP
+    (array([541, 541, 559]), 1200)
+    """
+
+    def __init__(self, sources: Sequence[LakeSource | str | Path], layout: TokenLayout | None = None,
+                 count_tokens: Callable[[str], int] = byte_token_count, video_backend: str = "auto",
+                 datasets: Sequence[LeRobotDataset] | None = None):
+        if not sources:
+            raise KilovlaError("a data lake needs at least one dataset")
+        self.sources = [s if isinstance(s, LakeSource) else LakeSource(root=str(s)) for s in sources]
+        for s in self.sources:
+            if s.weight < 0:
+                raise KilovlaError(f"{s.root}: mixture weight must be >= 0, got {s.weight}")
+        self.layout = layout or TokenLayout()
+        self.datasets = list(datasets) if datasets is not None else [
+            LeRobotDataset(s.root, delta_timestamps=s.delta_timestamps, episodes=s.episodes,
+                           video_backend=video_backend) for s in self.sources]
+        sizes = np.array([len(d) for d in self.datasets], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
+        self.weights = np.array([s.weight for s in self.sources], dtype=np.float64)
+        self.lengths = np.concatenate([self._lengths(d, s, count_tokens) for d, s in zip(self.datasets, self.sources)])
+
+    def _lengths(self, ds: LeRobotDataset, source: LakeSource, count_tokens) -> np.ndarray:
+        cams = ds.camera_keys if self.layout.cameras is None else [c for c in ds.camera_keys if c in self.layout.cameras]
+        per_task = np.array([count_tokens(t) for t in ds.meta.tasks], dtype=np.int64)
+        task_index = ds.task_of(np.arange(len(ds)))
+        return self.layout.sample_tokens(len(cams), per_task[task_index], source.action_horizon)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def dataset_of(self, ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.offsets, np.asarray(ids), side="right") - 1
+
+    def fingerprint(self) -> str:
+        """Changes when the samples or their lengths change; stored with a plan's state."""
+        h = hashlib.sha256()
+        for s, d in zip(self.sources, self.datasets):
+            h.update(f"{s.root}|{s.weight}|{len(d)}|".encode())
+        h.update(self.lengths.tobytes())
+        return h.hexdigest()[:16]
+
+    def get_batch(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Samples by global id, in the order given; every dataset in the call must share feature shapes."""
+        ids = np.asarray(ids, dtype=np.int64)
+        which = self.dataset_of(ids)
+        groups = [(d, np.flatnonzero(which == d)) for d in np.unique(which)]
+        parts = [(pos, self.datasets[d].get_batch(ids[pos] - self.offsets[d])) for d, pos in groups]
+        if len(parts) == 1:
+            out = parts[0][1]
+        else:
+            out = {}
+            order = np.argsort(np.concatenate([pos for pos, _ in parts]), kind="stable")
+            for key in parts[0][1]:
+                values = [b.get(key) for _, b in parts]
+                shapes = {None if v is None else v.shape[1:] for v in values}
+                if len(shapes) != 1 or None in shapes:
+                    names = [self.sources[d].root for d, _ in groups]
+                    raise KilovlaError(f"datasets {names} disagree on feature {key!r} ({shapes}); "
+                                       "they cannot share one batch")
+                out[key] = np.concatenate(values)[order]
+        out["sample_index"] = ids
+        out["dataset_index"] = which
+        return out

@@ -1,0 +1,218 @@
+"""Engines that execute a `GlobalBatchPlan`: they decide where decoding runs, never what is loaded.
+
+- `InProcessLoader`: decodes in the training process (tests, 2-core boxes, debugging).
+- `TorchLoader`: a torch DataLoader whose workers fetch whole packed rows; the sampler walks the plan
+  in the main process and `in_order` delivery keeps the output identical to the in-process one
+  for any number of workers. Pinned memory on CUDA.
+- `RayLoader`: a pool of Ray actors, each holding the lake, fetches rows on any node of a Ray
+  cluster (the elastic data lake); results come back in plan order.
+
+All three yield the same thing: one packed row at a time, a dict of numpy arrays (camera frames
+uint8 HWC) plus the packing metadata the model needs::
+
+    {"step": 12, "row": 0, "rows_in_step": 3,        # optimizer step after the last row of a step
+     "sample_index": (n,), "dataset_index": (n,),    # global sample ids of the row
+     "lengths": (n,), "cu_seqlens": (n+1,) int32,     # token lengths and their prefix sums
+     "position_ids": (T,) int64,                      # restart at 0 for every sample
+     "action": (n, H, D), "action_is_pad": (n, H), "observation.images.front": (n, K, h, w, 3), ...}
+
+`plan.step` advances when the last row of a step has been yielded, so `plan.state_dict()` taken
+between steps resumes exactly there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+
+from kilovla.data.lake import DataLake
+from kilovla.data.plan import GlobalBatchPlan
+from kilovla.errors import KilovlaError
+
+log = logging.getLogger(__name__)
+
+
+def packing_fields(lengths: np.ndarray) -> dict[str, np.ndarray]:
+    """cu_seqlens and position_ids for samples of `lengths` laid end to end.
+
+    >>> f = packing_fields(np.array([3, 2]))
+    >>> f["cu_seqlens"].tolist(), f["position_ids"].tolist()
+    ([0, 3, 5], [0, 1, 2, 0, 1])
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    position_ids = np.arange(cu[-1]) - np.repeat(cu[:-1], lengths)
+    return {"lengths": lengths, "cu_seqlens": cu.astype(np.int32), "position_ids": position_ids}
+
+
+def fetch_row(lake: DataLake, ids: np.ndarray) -> dict:
+    """Decode and collate one packed row of global sample ids."""
+    batch = lake.get_batch(ids)
+    batch.update(packing_fields(lake.lengths[ids]))
+    return batch
+
+
+def _plan_rows(plan: GlobalBatchPlan, rank: int, world_size: int, start: int, stop: int | None):
+    step = start
+    while stop is None or step < stop:
+        rows = plan.rank_rows(step, rank, world_size)
+        for j, ids in enumerate(rows):
+            yield step, j, len(rows), ids
+        step += 1
+
+
+def _stamp(batch: dict, step: int, j: int, n: int) -> dict:
+    batch["step"], batch["row"], batch["rows_in_step"] = step, j, n
+    return batch
+
+
+class _Loader:
+    def __init__(self, lake: DataLake, plan: GlobalBatchPlan, rank: int = 0, world_size: int = 1,
+                 steps: int | None = None):
+        if not 0 <= rank < world_size:
+            raise KilovlaError(f"rank {rank} is outside world size {world_size}")
+        self.lake, self.plan, self.rank, self.world_size, self.steps = lake, plan, rank, world_size, steps
+
+    def _stop(self) -> int | None:
+        return None if self.steps is None else self.plan.step + self.steps
+
+    def _advance(self, batch: dict) -> dict:
+        if batch["row"] == batch["rows_in_step"] - 1:
+            self.plan.step = batch["step"] + 1
+        return batch
+
+    def frames_decoded(self) -> int:
+        return sum(d.decoder_pool.frames_decoded for d in self.lake.datasets if d._pool is not None)
+
+
+class InProcessLoader(_Loader):
+    """Fetches rows in the calling process."""
+
+    def __iter__(self) -> Iterator[dict]:
+        for step, j, n, ids in _plan_rows(self.plan, self.rank, self.world_size, self.plan.step, self._stop()):
+            yield self._advance(_stamp(fetch_row(self.lake, ids), step, j, n))
+
+
+class _RowDataset:
+    """Map-style dataset whose keys are plan rows: (step, row, rows_in_step, sample ids)."""
+
+    def __init__(self, lake: DataLake):
+        self.lake = lake
+
+    def __getitem__(self, key):
+        step, j, n, ids = key
+        return _stamp(fetch_row(self.lake, np.asarray(ids)), step, j, n)
+
+
+class _PlanSampler:
+    def __init__(self, plan, rank, world_size, start, stop):
+        self.args = (plan, rank, world_size, start, stop)
+
+    def __iter__(self):
+        return _plan_rows(*self.args)
+
+
+def _no_collate(batch):
+    return batch
+
+
+class TorchLoader(_Loader):
+    """Rows fetched by torch DataLoader workers, delivered in plan order.
+
+    Decoders are opened lazily inside each worker (the pool notices a fork and never reuses a
+    parent's decoder). Workers start by fork, the fastest, unless this process has already decoded
+    video: FFmpeg's threads may then hold locks that a forked child inherits locked (a hang), so
+    "forkserver" is used instead.
+    """
+
+    def __init__(self, lake, plan, rank=0, world_size=1, steps=None, num_workers: int = 2, prefetch_factor: int = 2,
+                 pin_memory: bool | None = None, multiprocessing_context: str | None = None):
+        super().__init__(lake, plan, rank, world_size, steps)
+        import torch
+
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor if num_workers > 0 else None
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.multiprocessing_context = multiprocessing_context
+
+    def __iter__(self) -> Iterator[dict]:
+        import torch
+
+        loader = torch.utils.data.DataLoader(
+            _RowDataset(self.lake), batch_size=None, collate_fn=_no_collate,
+            sampler=_PlanSampler(self.plan, self.rank, self.world_size, self.plan.step, self._stop()),
+            num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+            multiprocessing_context=self._start_method() if self.num_workers else None,
+            pin_memory=False, in_order=True,
+        )
+        for batch in loader:
+            if self.pin_memory:
+                batch = {k: torch.from_numpy(v).pin_memory() if isinstance(v, np.ndarray) and v.dtype != object else v
+                         for k, v in batch.items()}
+            yield self._advance(batch)
+
+
+    def _start_method(self) -> str:
+        if self.multiprocessing_context is not None:
+            return self.multiprocessing_context
+        decoded_here = any(d._pool is not None and d._pool.open_files for d in self.lake.datasets)
+        return "forkserver" if decoded_here else "fork"
+
+
+class _RayFetcher:
+    def __init__(self, lake):
+        self.lake = lake
+
+    def fetch(self, key):
+        step, j, n, ids = key
+        return _stamp(fetch_row(self.lake, np.asarray(ids)), step, j, n)
+
+
+class RayLoader(_Loader):
+    """Rows fetched by a pool of Ray actors (any node of the cluster), delivered in plan order.
+
+    `ray.init` is the caller's business (`ray.init(address="auto")` on a cluster); when Ray is not
+    initialised, a local instance is started.
+    """
+
+    def __init__(self, lake, plan, rank=0, world_size=1, steps=None, num_actors: int = 2,
+                 num_cpus_per_actor: float = 1.0, max_in_flight: int | None = None):
+        super().__init__(lake, plan, rank, world_size, steps)
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise KilovlaError("the Ray loader needs Ray: pip install 'kilovla[rl]'") from None
+        self.num_actors = num_actors
+        self.num_cpus_per_actor = num_cpus_per_actor
+        self.max_in_flight = max_in_flight or 2 * num_actors
+
+    def __iter__(self) -> Iterator[dict]:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=max(2, self.num_actors), include_dashboard=False, log_to_driver=False)
+        lake_ref = ray.put(self.lake)
+        actor_cls = ray.remote(num_cpus=self.num_cpus_per_actor)(_RayFetcher)
+        actors = [actor_cls.remote(lake_ref) for _ in range(self.num_actors)]
+        keys = _plan_rows(self.plan, self.rank, self.world_size, self.plan.step, self._stop())
+        pending = []
+        try:
+            for n, key in enumerate(keys):
+                pending.append(actors[n % len(actors)].fetch.remote(key))
+                if len(pending) >= self.max_in_flight:
+                    yield self._advance(ray.get(pending.pop(0)))
+            while pending:
+                yield self._advance(ray.get(pending.pop(0)))
+        finally:
+            for a in actors:
+                ray.kill(a)
+
+
+def build_loader(engine: str, lake: DataLake, plan: GlobalBatchPlan, **kwargs) -> _Loader:
+    """engine: 'inprocess', 'torch' or 'ray'."""
+    engines = {"inprocess": InProcessLoader, "torch": TorchLoader, "ray": RayLoader}
+    if engine not in engines:
+        raise KilovlaError(f"loader engine must be one of {sorted(engines)}, not {engine!r}")
+    return engines[engine](lake, plan, **kwargs)

@@ -47,11 +47,11 @@ def feature_stats(values: np.ndarray) -> dict[str, np.ndarray]:
     return stats
 
 
-def image_stats(frames: np.ndarray) -> dict[str, np.ndarray]:
+def image_stats(frames: np.ndarray, max_frames: int = MAX_IMAGE_SAMPLES) -> dict[str, np.ndarray]:
     """Per-channel stats of (N, H, W, 3) uint8 frames, in [0, 1], shaped (3, 1, 1)."""
     n = len(frames)
-    if n > MAX_IMAGE_SAMPLES:
-        frames = frames[np.linspace(0, n - 1, MAX_IMAGE_SAMPLES).round().astype(int)]
+    if n > max_frames:
+        frames = frames[np.linspace(0, n - 1, max_frames).round().astype(int)]
     pixels = frames.reshape(-1, frames.shape[-1]).astype(np.float32) / 255.0  # (N*H*W, 3)
     stats = feature_stats(pixels)
     stats["count"] = np.array([len(frames)], dtype=np.int64)
@@ -91,3 +91,20 @@ def stats_to_json(stats: Mapping[str, Mapping[str, np.ndarray]]) -> dict:
 
 def stats_from_json(data: Mapping) -> dict[str, dict[str, np.ndarray]]:
     return {k: {s: np.asarray(v) for s, v in st.items()} for k, st in data.items()}
+
+
+def compute_dataset_stats(dataset, max_image_frames: int = 500) -> dict[str, dict[str, np.ndarray]]:
+    """Exact stats over every frame of a `LeRobotDataset` (cameras: up to `max_image_frames` frames,
+    evenly spaced, per camera)."""
+    out = {}
+    for key, column in dataset.columns.items():
+        if column.dtype != object and column.dtype.kind in "fiub":
+            out[key] = feature_stats(column)
+    n = len(dataset)
+    positions = np.unique(np.linspace(0, n - 1, min(n, max_image_frames)).round().astype(np.int64))
+    for key in dataset.camera_keys:
+        frames = dataset.get_batch(positions, video_keys=[key])[key]
+        if frames.ndim == 5:  # a delta window on the camera: keep the current frame only
+            frames = frames[:, -1]
+        out[key] = image_stats(frames, max_frames=max_image_frames)
+    return out

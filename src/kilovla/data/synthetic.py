@@ -23,7 +23,7 @@ def render_frame(height: int, width: int, t: int, xy: np.ndarray, hue: int) -> n
     img = np.empty((height, width, 3), dtype=np.uint8)
     img[..., 0] = (xx * 255 // max(width - 1, 1) + t) % 256
     img[..., 1] = (yy * 255 // max(height - 1, 1) + hue) % 256
-    img[..., 2] = hue
+    img[..., 2] = hue % 256
     cx, cy = (xy[0] + 1) / 2 * (width - 1), (xy[1] + 1) / 2 * (height - 1)
     r = max(2, min(height, width) // 8)
     img[(xx - cx) ** 2 + (yy - cy) ** 2 < r * r] = (250, 40, 40)

@@ -35,11 +35,12 @@ import pyarrow.parquet as pq
 
 from kilovla.data import stats as stats_mod
 from kilovla.data.lerobot import (DEFAULT_DATA_PATH, DEFAULT_VIDEO_PATH, EPISODES_PATH, DatasetMeta,
-                                  column_to_numpy)
+                                  LeRobotDataset, column_to_numpy)
 from kilovla.data.video import CODEC_NAMES, VideoEncoder, concat_videos, probe_video
 from kilovla.errors import DatasetError, KilovlaError
 
 CODEBASE_VERSION = "v3.0"
+CONVERT_STAT_FRAMES = 10  # frames decoded per episode and camera when a v2.1 dataset lacks camera stats
 DEFAULT_FEATURES = {
     "timestamp": {"dtype": "float32", "shape": [1], "names": None},
     "frame_index": {"dtype": "int64", "shape": [1], "names": None},
@@ -250,7 +251,7 @@ class DatasetWriter:
     def _encode_episode(self, key: str, video: np.ndarray) -> dict[str, Any]:
         state = self._video[key]
         enc = state["encoder"]
-        if enc is not None and enc.bytes_written > self.video_limit:
+        if enc is not None and enc.frames and enc.bytes_written >= self.video_limit:
             enc.close()
             state["file"] = self._next_file(*state["file"])
             enc = None
@@ -453,13 +454,22 @@ def _convert(meta: DatasetMeta, tmp: Path, data_limit: int, video_limit: int) ->
         info.setdefault("video.codec", probe["codec"])
         info.setdefault("video.pix_fmt", probe["pix_fmt"])
         info.setdefault("video.fps", meta.fps)
-    # Camera stats: v2.1 keeps them per episode in episodes_stats.jsonl; carry them over when present.
+    # Camera stats: v2.1 keeps them per episode in episodes_stats.jsonl; carry them over, and
+    # compute them from a few decoded frames per episode where they are missing.
+    by_ep = {}
     if meta.video_keys and files.exists("meta/episodes_stats.jsonl"):
         by_ep = {r["episode_index"]: r["stats"] for r in files.read_jsonl("meta/episodes_stats.jsonl")}
-        for e, st in enumerate(episode_stats):
-            for key in meta.video_keys:
-                if key in by_ep.get(e, {}):
-                    st[key] = {k: np.asarray(v) for k, v in by_ep[e][key].items()}
+    source = None
+    for e, st in enumerate(episode_stats):
+        for key in meta.video_keys:
+            if key in by_ep.get(e, {}):
+                st[key] = {k: np.asarray(v) for k, v in by_ep[e][key].items()}
+                continue
+            if source is None:
+                source = LeRobotDataset(meta.root, video_backend="pyav")
+            positions = np.unique(np.linspace(eps.row_from[e], eps.row_to[e] - 1, CONVERT_STAT_FRAMES).round())
+            frames = source.get_batch(positions.astype(np.int64), video_keys=[key])[key]
+            st[key] = stats_mod.image_stats(frames)
     write_meta(tmp, fps=int(meta.fps), robot_type=meta.info.get("robot_type", "unknown"), features=features,
                tasks=meta.tasks, episodes=episodes, episode_stats=episode_stats,
                chunks_size=int(meta.info.get("chunks_size", 1000)), data_mb=data_limit // 2**20,

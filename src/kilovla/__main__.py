@@ -1,0 +1,5 @@
+import sys
+
+from kilovla.cli import main
+
+sys.exit(main())

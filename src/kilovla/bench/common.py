@@ -1,0 +1,100 @@
+"""The one result format every benchmark suite writes (see DESIGN.md, Benchmarks).
+
+`ratio` is oriented so that > 1 means ours is better: ours/baseline for throughput
+(`higher_is_better=True`), baseline/ours for time, bytes and waste.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_OUT = "bench-results"
+
+
+@dataclass
+class Row:
+    name: str
+    unit: str
+    baseline: float | None
+    ours: float | None
+    ratio: float | None
+    limit: float | None
+    note: str
+
+    @classmethod
+    def compare(cls, name: str, unit: str, baseline: float | None, ours: float | None, *, higher_is_better: bool,
+                limit: float | None = None, note: str = "") -> Row:
+        ratio = None
+        if baseline is not None and ours is not None:
+            num, den = (ours, baseline) if higher_is_better else (baseline, ours)
+            ratio = round(num / den, 3) if den else None
+        return cls(name, unit, _round(baseline), _round(ours), ratio, limit, note)
+
+
+def _round(x: float | None) -> float | None:
+    if x is None:
+        return None
+    return round(float(x), 4 if abs(x) < 10 else 1)
+
+
+def machine_info() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__.split("+")[0],
+            "python": platform.python_version()}
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def write_suite(suite: str, rows: list[Row], *, quick: bool, out_dir: str | Path = DEFAULT_OUT,
+                extra: dict | None = None, console=None) -> Path:
+    """Print the table and write `out_dir/<suite>.json` atomically; returns the JSON path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"suite": suite, "quick": quick, "machine": machine_info(), "rows": [asdict(r) for r in rows]}
+    if extra:
+        result.update(extra)
+    path = out_dir / f"{suite}.json"
+    tmp = out_dir / f".{suite}.json.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, path)
+    print_rows(suite, rows, console=console)
+    return path
+
+
+def print_rows(title: str, rows: list[Row], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kilovla bench {title}")
+    for col in ("row", "unit", "baseline", "ours", "ratio", "limit", "note"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r.name, r.unit, _fmt(r.baseline), _fmt(r.ours), _fmt(r.ratio), _fmt(r.limit), r.note)
+    (console or Console(width=max(Console().width, 150))).print(table)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:g}"

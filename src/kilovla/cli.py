@@ -1,0 +1,205 @@
+"""`kilovla <command>`: one entry point; each command parses its flags and calls one function.
+
+Bad input (a KilovlaError) prints one line and exits 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from kilovla.errors import KilovlaError
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=max(Console().width, 120))
+
+
+# -- kilovla data ... ------------------------------------------------------------------------------
+def cmd_data_info(args) -> int:
+    from rich.table import Table
+
+    from kilovla.data.lerobot import DatasetMeta
+
+    info = DatasetMeta(args.path).summary()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    table = Table(title=f"{info['root']} (LeRobot {info['codebase_version']})", show_header=False)
+    for key in ("episodes", "frames", "fps", "robot_type", "video_codec"):
+        table.add_row(key, str(info[key]))
+    table.add_row("size on disk", f"{info['size_bytes'] / 2**20:.1f} MiB")
+    table.add_row("cameras", ", ".join(info["cameras"]) or "-")
+    table.add_row("tasks", f"{len(info['tasks'])}: " + "; ".join(info["tasks"][:5]) + (" ..." if len(info["tasks"]) > 5 else ""))
+    for name, f in info["features"].items():
+        table.add_row(f"  {name}", f"{f['dtype']} {f['shape']}")
+    _console().print(table)
+    return 0
+
+
+def cmd_data_validate(args) -> int:
+    from kilovla.data.validate import validate_dataset
+
+    problems = validate_dataset(args.path, deep=args.deep)
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    if problems:
+        return 2
+    print(f"{args.path}: valid")
+    return 0
+
+
+def cmd_data_stats(args) -> int:
+    from rich.table import Table
+
+    from kilovla.data.lerobot import LeRobotDataset
+    from kilovla.data.stats import compute_dataset_stats, stats_to_json
+    from kilovla.data.writer import _atomic_write_text
+
+    ds = LeRobotDataset(args.path)
+    stats = compute_dataset_stats(ds)
+    table = Table(title=f"normalisation stats of {args.path}")
+    for col in ("feature", "count", "mean", "std", "q01", "q99"):
+        table.add_column(col)
+    for key, st in stats.items():
+        fmt = lambda v: " ".join(f"{x:.3g}" for x in v.ravel()[:4]) + (" ..." if v.size > 4 else "")  # noqa: E731
+        table.add_row(key, str(int(st["count"][0])), fmt(st["mean"]), fmt(st["std"]), fmt(st["q01"]), fmt(st["q99"]))
+    _console().print(table)
+    if not args.dry_run:
+        from pathlib import Path
+
+        _atomic_write_text(Path(args.path) / "meta" / "stats.json", json.dumps(stats_to_json(stats), indent=4))
+        print(f"wrote {args.path}/meta/stats.json")
+    return 0
+
+
+def cmd_data_convert(args) -> int:
+    from kilovla.data.writer import convert_v21_to_v30
+
+    out = convert_v21_to_v30(args.src, args.dst, overwrite=args.overwrite)
+    print(f"converted {args.src} (v2.1) -> {out} (v3.0)")
+    return 0
+
+
+def cmd_data_synth(args) -> int:
+    from rich.progress import Progress
+
+    from kilovla.data.synthetic import make_synthetic_dataset
+
+    with Progress(transient=True) as progress:
+        task = progress.add_task("writing episodes", total=args.episodes)
+        out = make_synthetic_dataset(args.dst, episodes=args.episodes, frames=(args.min_frames, args.max_frames),
+                                     fps=args.fps, cameras=tuple(args.cameras.split(",")),
+                                     resolution=(args.resolution, args.resolution), codec=args.codec,
+                                     seed=args.seed, overwrite=args.overwrite,
+                                     progress=lambda i, n: progress.update(task, completed=i))
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_data_bench(args) -> int:
+    from kilovla.bench import data as data_bench
+
+    path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size)
+    print(f"wrote {path}")
+    return 0
+
+
+# -- kilovla bench ... -----------------------------------------------------------------------------
+SUITES = ("data",)
+
+
+def cmd_bench(args) -> int:
+    from kilovla.bench import data as data_bench
+
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    for suite in suites:
+        if suite == "data":
+            path = data_bench.run(quick=args.quick, out_dir=args.out, world_size=args.world_size)
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from kilovla.demo import run_demo
+
+    run_demo(out_dir=args.out, quick=args.quick)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kilovla", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="inspect, check, convert and benchmark LeRobot datasets")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    p = dsub.add_parser("info", help="episodes, frames, fps, features, tasks, cameras, codec, size")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_data_info)
+    p = dsub.add_parser("validate", help="check a dataset; exit 0 if valid, 2 with one line per problem")
+    p.add_argument("path")
+    p.add_argument("--deep", action="store_true", help="also decode the first and last frame of every episode")
+    p.set_defaults(func=cmd_data_validate)
+    p = dsub.add_parser("stats", help="recompute normalisation stats (exact) into meta/stats.json")
+    p.add_argument("path")
+    p.add_argument("--dry-run", action="store_true", help="print, do not write")
+    p.set_defaults(func=cmd_data_stats)
+    p = dsub.add_parser("convert", help="convert a LeRobot v2.1 dataset to v3.0")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_data_convert)
+    p = dsub.add_parser("synth", help="write a synthetic v3.0 dataset (for trying things out)")
+    p.add_argument("dst")
+    p.add_argument("--episodes", type=int, default=10)
+    p.add_argument("--min-frames", type=int, default=40)
+    p.add_argument("--max-frames", type=int, default=80)
+    p.add_argument("--fps", type=int, default=10)
+    p.add_argument("--cameras", default="front,wrist")
+    p.add_argument("--resolution", type=int, default=96)
+    p.add_argument("--codec", default="libsvtav1", choices=["libsvtav1", "libx264"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_data_synth)
+    p = dsub.add_parser("bench", help="the data benchmark suite on your dataset")
+    p.add_argument("path")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--world-size", type=int, default=1024, help="simulated ranks for the imbalance rows")
+    p.set_defaults(func=cmd_data_bench)
+
+    p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
+    p.add_argument("suite", choices=[*SUITES, "all"])
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--world-size", type=int, default=1024, help="simulated ranks for the imbalance rows")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="the main job on an embedded default")
+    p.add_argument("--quick", action="store_true", help="minute-scale smoke run")
+    p.add_argument("--out", default="demo-output")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KilovlaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""`kilovla data validate`: every check a dataset must pass before training reads it.
+
+Structure (meta/info.json, tasks, episodes tiling the frames), frame data against info.json (every
+column present with its dtype and shape, `index` 0..N-1, `episode_index` matching meta/episodes,
+`frame_index` restarting per episode, `timestamp` stepping by 1/fps, valid `task_index`), videos
+(present, readable, codec and size as declared, fps equal to the table's, long enough for every
+episode; with `deep=True` the first and last frame of every episode decoded) and stats.json.
+
+Returns a list of problems, each naming the file and what is wrong; empty means valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kilovla.data.lerobot import DatasetMeta
+from kilovla.data.stats import STAT_NAMES
+from kilovla.data.video import VideoDecoderPool, probe_video
+from kilovla.errors import DatasetError
+
+TIMESTAMP_TOLERANCE_S = 1e-4
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+def validate_dataset(root: str, deep: bool = False) -> list[Problem]:
+    try:
+        meta = DatasetMeta(root)
+        columns = meta.load_columns()
+    except DatasetError as e:
+        return [Problem(e.path, e.problem)]
+    problems: list[Problem] = []
+    problems += _check_frames(meta, columns)
+    problems += _check_videos(meta, columns, deep)
+    problems += _check_stats(meta)
+    return problems
+
+
+def _check_frames(meta: DatasetMeta, columns: dict[str, np.ndarray]) -> list[Problem]:
+    eps = meta.episodes
+    problems = []
+    starts = np.repeat(eps.row_from, eps.length)
+    expected_frame = np.arange(meta.total_frames) - starts
+    first_bad_episode = {}
+    if "frame_index" in columns and not np.array_equal(columns["frame_index"], expected_frame):
+        row = int(np.argmax(columns["frame_index"] != expected_frame))
+        first_bad_episode["frame_index"] = row
+        problems.append(Problem(meta.files.path(eps.data_file[_episode_of(eps, row)]),
+                                f"frame_index at row {row} is {columns['frame_index'][row]}, expected "
+                                f"{expected_frame[row]} (must restart at 0 in every episode)"))
+    ts = columns["timestamp"].astype(np.float64)
+    drift = np.abs(ts - expected_frame / meta.fps)
+    if drift.max() > TIMESTAMP_TOLERANCE_S:
+        row = int(np.argmax(drift > TIMESTAMP_TOLERANCE_S))
+        ep = _episode_of(eps, row)
+        steps = np.diff(ts[eps.row_from[ep]:eps.row_to[ep]])
+        step = f"{np.median(steps):.6g} s" if len(steps) else "n/a"
+        problems.append(Problem(meta.files.path(eps.data_file[ep]),
+                                f"timestamp at row {row} (episode {ep}) is {ts[row]:.6g}, expected "
+                                f"{expected_frame[row] / meta.fps:.6g}: the table steps by {step} but "
+                                f"info.json fps={meta.fps} means {1 / meta.fps:.6g} s"))
+    if "task_index" in columns:
+        bad = (columns["task_index"] < 0) | (columns["task_index"] >= len(meta.tasks))
+        if bad.any():
+            row = int(np.argmax(bad))
+            problems.append(Problem(meta.files.path(eps.data_file[_episode_of(eps, row)]),
+                                    f"task_index {columns['task_index'][row]} at row {row} is not in "
+                                    f"meta/tasks (0..{len(meta.tasks) - 1})"))
+    return problems
+
+
+def _episode_of(eps, row: int) -> int:
+    return int(np.searchsorted(eps.row_to, row, side="right"))
+
+
+def _check_videos(meta: DatasetMeta, columns, deep: bool) -> list[Problem]:
+    problems = []
+    eps = meta.episodes
+    pool = VideoDecoderPool("pyav", max_open=4, threads=1) if deep else None
+    for key in meta.video_keys:
+        feature = meta.features[key]
+        declared = feature.info or {}
+        files = dict.fromkeys(eps.video_file[key])
+        probes = {}
+        for rel in files:
+            path = meta.files.path(rel)
+            if not meta.files.exists(rel):
+                problems.append(Problem(path, f"video file of {key} is missing"))
+                continue
+            try:
+                probes[rel] = probe_video(path)
+            except DatasetError as e:
+                problems.append(Problem(e.path, e.problem))
+                continue
+            p = probes[rel]
+            h, w = feature.shape[0], feature.shape[1]
+            if (p["height"], p["width"]) != (h, w):
+                problems.append(Problem(path, f"frames are {p['height']}x{p['width']}, info.json says {h}x{w} for {key}"))
+            codec = declared.get("video.codec")
+            if codec and p["codec"] != codec:
+                problems.append(Problem(path, f"codec is {p['codec']}, info.json says {codec}"))
+            if p["fps"] and abs(p["fps"] - meta.fps) > 1e-3:
+                problems.append(Problem(path, f"video fps is {p['fps']:g} but the table's fps is {meta.fps} "
+                                        f"(meta/info.json): frames would not line up with timestamps"))
+        for e in range(len(eps)):
+            rel = eps.video_file[key][e]
+            p = probes.get(rel)
+            if p is None:
+                continue
+            end = eps.video_to_s[key][e]
+            if p["duration_s"] is not None and end > p["duration_s"] + 1.0 / meta.fps + TIMESTAMP_TOLERANCE_S:
+                problems.append(Problem(meta.files.path(rel), f"episode {e} of {key} ends at {end:.3f} s but the "
+                                        f"video is {p['duration_s']:.3f} s long"))
+            if deep:
+                first = eps.video_from_s[key][e] + float(columns["timestamp"][eps.row_from[e]])
+                last = eps.video_from_s[key][e] + float(columns["timestamp"][eps.row_to[e] - 1])
+                try:
+                    pool.read(meta.files.path(rel), np.array([first, last]))
+                except DatasetError as err:
+                    problems.append(Problem(err.path, f"episode {e} of {key}: {err.problem}"))
+    if pool is not None:
+        pool.close()
+    return problems
+
+
+def _check_stats(meta: DatasetMeta) -> list[Problem]:
+    rel = "meta/stats.json"
+    path = meta.files.path(rel)
+    if not meta.files.exists(rel):
+        return [Problem(path, "missing: normalisation stats are needed for training "
+                        "(`kilovla data stats PATH` recomputes them)")]
+    try:
+        stats = meta.files.read_json(rel)
+    except DatasetError as e:
+        return [Problem(e.path, e.problem)]
+    problems = []
+    for name, feat in meta.features.items():
+        if feat.dtype not in ("float32", "float64", "video"):
+            continue
+        if name not in stats:
+            problems.append(Problem(path, f"no stats for feature {name!r}"))
+            continue
+        missing = [s for s in STAT_NAMES if s not in stats[name]]
+        if missing:
+            problems.append(Problem(path, f"stats of {name!r} lack {missing}"))
+    return problems

@@ -1,0 +1,67 @@
+"""The `kilovla` command: exit codes, one-line errors, JSON outputs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kilovla.cli import main
+
+
+def test_data_info_json(tiny_root, capsys):
+    assert main(["data", "info", str(tiny_root), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["episodes"] == 4 and info["fps"] == 10
+    assert info["cameras"] == ["observation.images.front", "observation.images.wrist"]
+    assert info["video_codec"] == ["av1"] and info["size_bytes"] > 0
+
+
+def test_validate_passes_a_good_dataset(tiny_root, capsys):
+    assert main(["data", "validate", str(tiny_root), "--deep"]) == 0
+
+
+def test_validate_passes_lerobots_own_fixture(lerobot_fixture):
+    assert main(["data", "validate", str(lerobot_fixture), "--deep"]) == 0
+
+
+def test_bad_input_exits_2_with_one_line_naming_the_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "info", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {tmp_path}/meta/info.json: missing"
+    assert "Traceback" not in proc.stderr
+
+
+def test_stats_rewrites_stats_json(tiny_copy, capsys):
+    before = json.loads((tiny_copy / "meta/stats.json").read_text())
+    assert main(["data", "stats", str(tiny_copy)]) == 0
+    after = json.loads((tiny_copy / "meta/stats.json").read_text())
+    assert after["action"]["mean"] == pytest.approx(before["action"]["mean"], rel=1e-6)
+    assert after["action"]["count"] == before["action"]["count"]
+
+
+def test_convert_then_validate(v21_root, tmp_path):
+    assert main(["data", "convert", str(v21_root), str(tmp_path / "v3")]) == 0
+    assert main(["data", "validate", str(tmp_path / "v3"), "--deep"]) == 0
+
+
+def test_bench_data_quick_writes_the_named_rows(tmp_path):
+    assert main(["bench", "data", "--quick", "--out", str(tmp_path), "--world-size", "64"]) == 0
+    result = json.loads((tmp_path / "data.json").read_text())
+    assert result["suite"] == "data" and result["quick"] is True
+    assert set(result["machine"]) >= {"cpu", "cores", "gpu", "torch"}
+    rows = {r["name"]: r for r in result["rows"]}
+    for name in ("loader_samples_per_s", "first_batch_s", "padding_fraction", "rank_imbalance_tokens",
+                 "rank_imbalance_attention"):
+        assert rows[name]["baseline"] is not None and rows[name]["ours"] is not None, name
+    assert rows["padding_fraction"]["ours"] < rows["padding_fraction"]["baseline"]
+    assert rows["rank_imbalance_attention"]["ours"] < rows["rank_imbalance_attention"]["baseline"]
+
+
+def test_demo_quick_writes_a_report(tmp_path):
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["data"]["samples"] > 0
+    assert report["data"]["padding_fraction"] < report["data"]["fixed_padding_fraction"]
+    assert (tmp_path / "report.md").exists()

@@ -1,0 +1,50 @@
+"""`kilovla data validate` finds each kind of problem and names the file."""
+
+import json
+
+import numpy as np
+
+from conftest import rewrite_parquet, set_column
+from kilovla.data.validate import validate_dataset
+
+DATA = "data/chunk-000/file-000.parquet"
+
+
+def _messages(root, deep=False):
+    return [str(p) for p in validate_dataset(str(root), deep=deep)]
+
+
+def test_a_good_dataset_has_no_problems(tiny_root):
+    assert _messages(tiny_root, deep=True) == []
+
+
+def test_timestamps_not_stepping_by_one_over_fps(tiny_copy):
+    rewrite_parquet(tiny_copy / DATA, lambda t: set_column(
+        t, "timestamp", (np.asarray(t.column("frame_index")) / 15.0).astype(np.float32)))
+    [msg] = _messages(tiny_copy)
+    assert DATA in msg and "info.json fps=10" in msg
+
+
+def test_video_fps_differing_from_the_table(tiny_copy):
+    info = json.loads((tiny_copy / "meta/info.json").read_text())
+    info["fps"] = 20
+    (tiny_copy / "meta/info.json").write_text(json.dumps(info))
+    rewrite_parquet(tiny_copy / DATA, lambda t: set_column(
+        t, "timestamp", (np.asarray(t.column("frame_index")) / 20.0).astype(np.float32)))
+    msgs = _messages(tiny_copy)
+    assert any("video fps is 10 but the table's fps is 20" in m and m.split(":")[0].endswith(".mp4") for m in msgs)
+
+
+def test_missing_video(tiny_copy):
+    (tiny_copy / "videos/observation.images.front/chunk-000/file-000.mp4").unlink()
+    assert any("observation.images.front/chunk-000/file-000.mp4: video file" in m for m in _messages(tiny_copy))
+
+
+def test_task_index_out_of_range(tiny_copy):
+    rewrite_parquet(tiny_copy / DATA, lambda t: set_column(t, "task_index", np.full(len(t), 9)))
+    assert any("task_index 9 at row 0 is not in meta/tasks" in m for m in _messages(tiny_copy))
+
+
+def test_missing_stats(tiny_copy):
+    (tiny_copy / "meta/stats.json").unlink()
+    assert any("stats.json: missing" in m for m in _messages(tiny_copy))

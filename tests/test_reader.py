@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kilovla.data.lerobot import DatasetMeta, LeRobotDataset
+from kilovla.data.lerobot import LeRobotDataset
 from kilovla.data.synthetic import render_frame
 from kilovla.errors import KilovlaError
 
@@ -66,16 +66,18 @@ def test_file_url_roots_read_like_paths(tiny_root):
     np.testing.assert_array_equal(by_url[3]["action"].numpy(), LeRobotDataset(tiny_root)[3]["action"].numpy())
 
 
-def test_fsspec_memory_roots_read_metadata(tiny_root):
+def test_fsspec_memory_roots_read_like_paths(tiny_root):
     import fsspec
 
     fs = fsspec.filesystem("memory")
     for path in tiny_root.rglob("*"):
         if path.is_file():
             fs.pipe(f"/lake/tiny/{path.relative_to(tiny_root)}", path.read_bytes())
-    meta = DatasetMeta("memory://lake/tiny")
-    assert meta.total_frames == DatasetMeta(tiny_root).total_frames
-    assert len(meta.load_columns()["index"]) == meta.total_frames
+    remote = LeRobotDataset("memory://lake/tiny", video_backend="pyav")
+    local = LeRobotDataset(tiny_root)
+    assert remote.meta.total_frames == local.meta.total_frames
+    for key in ("action", "observation.images.front"):
+        np.testing.assert_array_equal(remote.get_batch(np.arange(8))[key], local.get_batch(np.arange(8))[key])
 
 
 def test_delta_timestamps_must_be_multiples_of_the_frame_period(tiny_root):

@@ -131,6 +131,12 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _bench_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    p.add_argument("--out", default="bench-results", help="folder for <suite>.json")
+    p.add_argument("--world-size", type=int, default=1024, help="simulated ranks for the imbalance rows")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kilovla", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -169,16 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data_synth)
     p = dsub.add_parser("bench", help="the data benchmark suite on your dataset")
     p.add_argument("path")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default="bench-results")
-    p.add_argument("--world-size", type=int, default=1024, help="simulated ranks for the imbalance rows")
+    _bench_flags(p)
     p.set_defaults(func=cmd_data_bench)
 
     p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
     p.add_argument("suite", choices=[*SUITES, "all"])
-    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    p.add_argument("--out", default="bench-results")
-    p.add_argument("--world-size", type=int, default=1024, help="simulated ranks for the imbalance rows")
+    _bench_flags(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="the main job on an embedded default")

@@ -48,7 +48,7 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False) -> dict:
     request = {"action": [i / 10 for i in range(DEMO_LAYOUT.action_horizon)],
                "observation.images.front": [-0.1, 0.0]}
     lake = DataLake([LakeSource(root=str(root), delta_timestamps=request)], DEMO_LAYOUT)
-    config = PlanConfig(seed=0, global_batch_size=64 if quick else 128, token_budget=2048)
+    config = PlanConfig(seed=0, global_batch_size=128 if quick else 512, token_budget=4096)
     plan = GlobalBatchPlan.from_lake(lake, config)
     steps = min(plan.steps_in_epoch(0), 4 if quick else 16)
     t0 = time.perf_counter()

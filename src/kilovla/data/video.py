@@ -57,6 +57,16 @@ def _no_frame(path: str, t: float, got: float | None, tolerance_s: float) -> Dat
     )
 
 
+def _open_url(url: str):
+    """A file object for an fsspec URL (s3://, gs://, memory://...), which PyAV reads like a file."""
+    import fsspec
+
+    try:
+        return fsspec.open(url, "rb").open()
+    except FileNotFoundError:
+        raise DatasetError(url, "video file is missing") from None
+
+
 class PyAVReader:
     """One open mp4, read forward; seeks only backwards or far ahead."""
 
@@ -65,7 +75,7 @@ class PyAVReader:
 
         self.path = path
         try:
-            self._container = av.open(path)
+            self._container = av.open(_open_url(path) if "://" in path else path)
             self._stream = self._container.streams.video[0]
         except (av.error.FFmpegError, IndexError, OSError) as e:
             raise DatasetError(path, f"cannot open video: {e}") from None
@@ -218,7 +228,7 @@ class VideoDecoderPool:
         self._check_fork()
         timestamps = np.asarray(timestamps, dtype=np.float64)
         unique, inverse = np.unique(timestamps, return_inverse=True)
-        if not os.path.exists(path):
+        if "://" not in path and not os.path.exists(path):
             raise DatasetError(path, "video file is missing")
         reader, lock = self._reader(path)
         with lock:

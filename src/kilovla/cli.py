@@ -110,18 +110,99 @@ def cmd_data_bench(args) -> int:
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data",)
+SUITES = ("data", "envs")
 
 
 def cmd_bench(args) -> int:
     from kilovla.bench import data as data_bench
+    from kilovla.bench import envs as envs_bench
 
     suites = SUITES if args.suite == "all" else (args.suite,)
     for suite in suites:
         if suite == "data":
             path = data_bench.run(quick=args.quick, out_dir=args.out, world_size=args.world_size)
+        else:
+            path = envs_bench.run(quick=args.quick, out_dir=args.out)
         print(f"wrote {path}")
     return 0
+
+
+# -- kilovla collect / eval ------------------------------------------------------------------------
+def _tasks(env: str, spec: str) -> list[str]:
+    names = [t.strip() for t in spec.split(",") if t.strip()]
+    if env == "metaworld":
+        from kilovla.envs import metaworld
+
+        if len(names) == 1 and names[0].lower() in ("mt10", "mt50", "default"):
+            return metaworld.task_set(names[0])
+        return names
+    if env == "libero":
+        from kilovla.envs import libero
+
+        return libero.expand_tasks(names)
+    from kilovla.envs import ENV_NAMES
+
+    raise KilovlaError(f"unknown env {env!r}; available: {', '.join(ENV_NAMES)}")
+
+
+def _task_progress(total_tasks: int, label: str):
+    """A rich progress bar with one row per task; returns (context manager, callback)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    rows: dict[str, int] = {}
+
+    def update(task: str, done: int, total: int) -> None:
+        if task not in rows:
+            rows[task] = progress.add_task(f"{label} {task}", total=total)
+        progress.update(rows[task], completed=done)
+
+    return progress, update
+
+
+def cmd_collect(args) -> int:
+    from kilovla.envs.collect import collect
+
+    tasks = _tasks(args.env, args.tasks)
+    progress, update = _task_progress(len(tasks), "collect")
+    with progress:
+        report = collect(args.out, env=args.env, tasks=tasks, episodes_per_task=args.episodes_per_task,
+                         cameras=tuple(args.cameras.split(",")), resolution=args.resolution, noise_std=args.noise,
+                         seed=args.seed, max_steps=args.max_steps, batch_size=args.batch_size,
+                         num_workers=args.workers, overwrite=args.overwrite, progress=update)
+    for task in tasks:
+        print(f"{task}: kept {report.kept[task]}, dropped {report.dropped[task]} failed episodes")
+    print(f"wrote {report.root} ({report.frames} frames)")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from rich.table import Table
+
+    from kilovla.eval.closed_loop import evaluate, load_policy
+
+    tasks = _tasks(args.env, args.tasks)
+    policy = load_policy(args.policy, env=args.env, seed=args.seed)
+    cameras = tuple(args.cameras.split(",")) if args.cameras else (("scene", "wrist") if args.env == "metaworld"
+                                                                   else ("agentview", "wrist"))
+    progress, update = _task_progress(len(tasks), "eval")
+    with progress:
+        report = evaluate(policy, env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
+                          batch_size=args.batch_size, n_action_steps=args.n_action_steps, num_workers=args.workers,
+                          cameras=cameras, resolution=args.resolution, max_steps=args.max_steps,
+                          videos=args.videos, out_dir=args.out, progress=update)
+    table = Table(title=f"{report['policy']} on {report['env']} ({report['env_backend']})")
+    for col in ("task", "success", "episodes", "mean steps"):
+        table.add_column(col)
+    for task, r in report["per_task"].items():
+        ok = r["success_rate"] is not None
+        table.add_row(task, f"{r['success_rate']:.1%}" if ok else f"error: {r['error'].splitlines()[0]}",
+                      str(r["episodes"]), f"{r['mean_steps']:.1f}" if ok else "-")
+    overall = report["overall_success_rate"]
+    table.add_row("overall", "-" if overall is None else f"{overall:.1%}", "", "")
+    _console().print(table)
+    print(f"wrote {args.out}/report.json, {args.out}/report.md")
+    return 0 if all(r["success_rate"] is not None for r in report["per_task"].values()) else 1
 
 
 def cmd_demo(args) -> int:
@@ -182,6 +263,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("suite", choices=[*SUITES, "all"])
     _bench_flags(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("collect", help="scripted demonstrations -> a LeRobot v3.0 dataset")
+    p.add_argument("--env", default="metaworld")
+    p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default")
+    p.add_argument("--episodes-per-task", type=int, default=10)
+    p.add_argument("--out", required=True)
+    p.add_argument("--cameras", default="scene,wrist")
+    p.add_argument("--resolution", type=int, default=96)
+    p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise added to expert actions")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=4, help="envs stepped together per task")
+    p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=cmd_collect)
+
+    p = sub.add_parser("eval", help="closed-loop evaluation: success rate per task, videos, report")
+    p.add_argument("--policy", default="scripted", help="scripted, random or a checkpoint path")
+    p.add_argument("--env", default="metaworld")
+    p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default; "
+                   "LIBERO: suite names or suite/index")
+    p.add_argument("--episodes", type=int, default=10, help="episodes per task")
+    p.add_argument("--out", default="eval-output")
+    p.add_argument("--videos", type=int, default=2, help="record the first K episodes per task")
+    p.add_argument("--batch-size", type=int, default=8, help="envs per task, one policy batch")
+    p.add_argument("--n-action-steps", type=int, default=None, help="actions executed per predicted chunk")
+    p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
+    p.add_argument("--cameras", default=None)
+    p.add_argument("--resolution", type=int, default=96)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("demo", help="the main job on an embedded default")
     p.add_argument("--quick", action="store_true", help="minute-scale smoke run")

@@ -1,0 +1,97 @@
+"""`kilovla collect`: scripted demonstrations -> a LeRobot v3.0 dataset.
+
+Runs the simulator's scripted experts (optionally with action noise), keeps the successful episodes
+and writes them through the data layer's `DatasetWriter`: one video per camera, `observation.state`,
+`observation.environment_state`, `action`, `next.success`, `task`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kilovla.data.writer import DatasetWriter
+from kilovla.envs.base import check_tasks, env_spec
+from kilovla.envs.rollout import run_episodes
+from kilovla.envs.vector import EnvConfig, EnvPool
+from kilovla.errors import KilovlaError
+
+
+@dataclass
+class CollectReport:
+    root: str
+    kept: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+    frames: int = 0
+
+
+def expert_policy(env: str, noise_std: float, seed: int):
+    if env == "metaworld":
+        from kilovla.envs.metaworld import MetaWorldExpertPolicy
+
+        return MetaWorldExpertPolicy(noise_std=noise_std, seed=seed)
+    raise KilovlaError(f"no scripted experts for env {env!r}; collect supports: metaworld")
+
+
+def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episodes_per_task: int,
+            cameras: tuple[str, ...] = ("scene", "wrist"), resolution: int = 96, noise_std: float = 0.0,
+            seed: int = 0, max_steps: int | None = None, batch_size: int = 4, num_workers: int = 0,
+            codec: str = "libsvtav1", overwrite: bool = False, progress=None) -> CollectReport:
+    """Write `episodes_per_task` successful episodes per task (attempts continue until reached,
+    up to 3x the target). `progress(task, kept, target)` is called as episodes finish."""
+    from kilovla.envs import metaworld
+
+    check_tasks(env, tasks, metaworld.task_names() if env == "metaworld" else tasks)
+    spec = env_spec(env, tasks[0], cameras=cameras, **({"max_steps": max_steps} if max_steps else {}))
+    features = spec.features(resolution)
+    features["observation.environment_state"] = {"dtype": "float32", "shape": [39]}
+    features["next.success"] = {"dtype": "bool", "shape": [1]}
+    policy = expert_policy(env, noise_std, seed)
+    report = CollectReport(root=str(out))
+    writer = DatasetWriter(out, fps=spec.fps, features=features, robot_type=f"{env}-sawyer", video_codec=codec,
+                           overwrite=overwrite)
+    kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {})}
+    try:
+        for t, task in enumerate(tasks):
+            configs = [EnvConfig(env, {"task": task, **kwargs})] * min(batch_size, episodes_per_task)
+            buffers: dict[int, list] = {}
+            kept = dropped = 0
+
+            def on_step(ep, obs, action, reward, info):
+                frame = {k: v for k, v in obs.items() if k.startswith("observation.")}
+                frame.update(action=np.asarray(action, np.float32), task=obs["task"],
+                             **{"next.success": np.array([bool(info.get("is_success"))])})
+                buffers.setdefault(ep.index, []).append(frame)
+
+            def on_end(ep, last_obs):
+                nonlocal kept, dropped
+                frames = buffers.pop(ep.index)
+                if ep.success and kept < episodes_per_task:
+                    for frame in frames:
+                        writer.add_frame(frame)
+                    writer.save_episode()
+                    kept += 1
+                    report.frames += len(frames)
+                else:
+                    dropped += not ep.success
+                if progress is not None:
+                    progress(task, kept, episodes_per_task)
+
+            with EnvPool(configs, num_workers=num_workers) as pool:
+                attempts = 0
+                while kept < episodes_per_task and attempts < 3 * episodes_per_task:
+                    n = episodes_per_task - kept
+                    seeds = [seed * 100_003 + t * 10_007 + attempts + i for i in range(n)]
+                    attempts += n
+                    run_episodes(pool, policy, seeds, on_step=on_step, on_end=on_end)
+            report.kept[task], report.dropped[task] = kept, dropped
+            if kept < episodes_per_task:
+                raise KilovlaError(f"{task}: only {kept} of {episodes_per_task} expert episodes succeeded in "
+                                   f"{attempts} attempts (noise_std={noise_std}); lower the noise")
+        writer.finalize()
+    except BaseException:
+        writer.abort()
+        raise
+    return report

@@ -1,0 +1,227 @@
+"""Meta-World (MuJoCo, 50 tasks) with LeRobot feature names and two cameras.
+
+Each task is a Sawyer arm with a 4-D action (xyz delta of the hand, gripper effort) and a 39-D state
+(hand, gripper, objects, previous frame, goal). We expose:
+
+- ``observation.state``: hand position + gripper opening (4,), the proprioception a VLA sees;
+- ``observation.environment_state``: the full 39-D vector (objects and goal), for the scripted
+  experts and for state-based policies;
+- ``observation.images.scene`` (the "corner" camera, turned upright) and
+  ``observation.images.wrist`` (the "gripperPOV" camera), uint8 HWC at the chosen resolution;
+- ``task``: the instruction, e.g. "push the puck to the goal".
+
+`reset(seed=s)` draws the object and goal positions from `s`, so the same seed gives the same
+episode. Rendering goes through one `mujoco.Renderer` per env with shadows and reflections off,
+4-6x faster in software GL at the same resolution (see ../shared/research/simlab.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import gymnasium as gym
+import numpy as np
+
+from kilovla.envs.base import EnvSpec, check_tasks
+from kilovla.errors import KilovlaError
+
+CAMERAS = {"scene": "corner", "wrist": "gripperPOV", "side": "corner2", "behind": "behindGripper", "top": "topview"}
+# The corner cameras of Meta-World's scene look at the table upside down.
+ROTATED_180 = {"corner", "corner2", "corner3", "corner4"}
+DEFAULT_CAMERAS = ("scene", "wrist")
+MAX_STEPS = 200  # Meta-World allows 500; its scripted experts finish the default tasks in < 150
+FPS = 80  # 1 / (frame_skip 5 * timestep 0.0025 s)
+STATE_DIM = 4
+ACTION_DIM = 4
+
+# The default demo/eval set: graded difficulty, each solved >= 90 % by its scripted expert.
+DEFAULT_TASKS = ("reach-v3", "drawer-close-v3", "button-press-topdown-v3", "push-v3", "drawer-open-v3")
+
+INSTRUCTIONS = {
+    "reach-v3": "reach the red goal",
+    "push-v3": "push the puck to the goal",
+    "pick-place-v3": "pick up the puck and place it at the goal",
+    "door-open-v3": "open the door",
+    "door-close-v3": "close the door",
+    "drawer-open-v3": "open the drawer",
+    "drawer-close-v3": "close the drawer",
+    "button-press-topdown-v3": "press the button from the top",
+    "button-press-v3": "press the button",
+    "peg-insert-side-v3": "insert the peg into the hole from the side",
+    "window-open-v3": "slide the window open",
+    "window-close-v3": "slide the window closed",
+    "plate-slide-v3": "slide the plate into the goal",
+    "faucet-open-v3": "turn the faucet on",
+    "faucet-close-v3": "turn the faucet off",
+    "coffee-button-v3": "press the button of the coffee machine",
+    "handle-press-v3": "press the handle down",
+    "lever-pull-v3": "pull the lever up",
+    "sweep-into-v3": "sweep the puck into the hole",
+    "basketball-v3": "put the ball into the basket",
+}
+
+
+def task_names() -> list[str]:
+    from metaworld.env_dict import ALL_V3_ENVIRONMENTS
+
+    return list(ALL_V3_ENVIRONMENTS)
+
+
+def instruction(task: str) -> str:
+    """The natural-language instruction of a task ('stick-pull-v3' -> 'stick pull' when unnamed)."""
+    return INSTRUCTIONS.get(task, re.sub(r"-v\d+$", "", task).replace("-", " "))
+
+
+def task_set(name: str) -> list[str]:
+    """'MT10', 'MT50' or 'default' -> task names."""
+    from metaworld.env_dict import ALL_V3_ENVIRONMENTS, MT10_V3
+
+    sets = {"mt10": list(MT10_V3), "mt50": list(ALL_V3_ENVIRONMENTS), "default": list(DEFAULT_TASKS)}
+    if name.lower() not in sets:
+        raise KilovlaError(f"unknown Meta-World task set {name!r}; use MT10, MT50 or default")
+    return sets[name.lower()]
+
+
+@functools.cache
+def _expert_classes() -> dict[str, type]:
+    import metaworld.policies as policies
+
+    by_key = {}
+    for attr in dir(policies):
+        if attr.startswith("Sawyer") and attr.endswith("Policy"):
+            by_key[attr.removeprefix("Sawyer").removesuffix("Policy").lower()] = getattr(policies, attr)
+    out = {}
+    for task in task_names():
+        key = task.replace("-", "").replace("insert", "insertion")
+        cls = by_key.get(key) or by_key.get(task.replace("-", ""))
+        if cls is not None:
+            out[task] = cls
+    return out
+
+
+def scripted_expert(task: str):
+    """Meta-World's hand-written policy for `task`: `get_action(env_state_39) -> action (4,)`."""
+    experts = _expert_classes()
+    if task not in experts:
+        raise KilovlaError(f"Meta-World has no scripted expert for {task!r}")
+    return experts[task]()
+
+
+def spec(task: str, cameras=DEFAULT_CAMERAS, max_steps: int = MAX_STEPS, **_) -> EnvSpec:
+    return EnvSpec("metaworld", ACTION_DIM, STATE_DIM, tuple(cameras), max_steps, FPS)
+
+
+class MetaWorldEnv(gym.Env):
+    """One Meta-World task (see the module docstring)."""
+
+    metadata = {"render_modes": ["rgb_array"]}
+
+    def __init__(self, task: str = "push-v3", cameras=DEFAULT_CAMERAS, resolution: int = 96,
+                 max_steps: int = MAX_STEPS, terminate_on_success: bool = True, render: bool = True):
+        from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
+
+        check_tasks("metaworld", [task], task_names())
+        unknown = [c for c in cameras if c not in CAMERAS and c not in CAMERAS.values()]
+        if unknown:
+            raise KilovlaError(f"unknown Meta-World cameras {unknown}; use {sorted(CAMERAS)}")
+        if not 16 <= resolution <= 1024:
+            raise KilovlaError(f"resolution must be within 16..1024 pixels, got {resolution}")
+        self.task, self.instruction = task, instruction(task)
+        self.cameras = tuple(cameras)
+        self.resolution, self.max_steps = resolution, max_steps
+        self.terminate_on_success = terminate_on_success
+        self._render_images = render
+        self._env = ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE[f"{task}-goal-observable"](seed=0)
+        self._env.max_path_length = max(max_steps, 1) + 1
+        self._renderer = None
+        self._steps = 0
+        images = {f"observation.images.{c}": gym.spaces.Box(0, 255, (resolution, resolution, 3), np.uint8)
+                  for c in self.cameras} if render else {}
+        self.observation_space = gym.spaces.Dict({
+            **images,
+            "observation.state": gym.spaces.Box(-np.inf, np.inf, (STATE_DIM,), np.float32),
+            "observation.environment_state": gym.spaces.Box(-np.inf, np.inf, (39,), np.float32),
+        })
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32)
+        self.spec_ = spec(task, cameras, max_steps)
+
+    def _render(self) -> dict[str, np.ndarray]:
+        import mujoco
+
+        if not self._render_images:
+            return {}
+        if self._renderer is None:
+            self._renderer = mujoco.Renderer(self._env.model, self.resolution, self.resolution)
+            self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
+            self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+        out = {}
+        for cam in self.cameras:
+            name = CAMERAS.get(cam, cam)
+            self._renderer.update_scene(self._env.data, camera=name)
+            img = self._renderer.render()
+            out[f"observation.images.{cam}"] = img[::-1, ::-1].copy() if name in ROTATED_180 else img.copy()
+        return out
+
+    def _obs(self, state39: np.ndarray) -> dict:
+        return {**self._render(), "observation.state": state39[:STATE_DIM].astype(np.float32),
+                "observation.environment_state": state39.astype(np.float32), "task": self.instruction}
+
+    def reset(self, *, seed: int | None = None, options=None):
+        super().reset(seed=seed)
+        env = self._env
+        env._freeze_rand_vec = False
+        env.seeded_rand_vec = True
+        env.seed(int(self.np_random.integers(2**31)) if seed is None else seed)
+        state, _ = env.reset()
+        self._steps = 0
+        return self._obs(state), {"is_success": False, "task": self.task}
+
+    def step(self, action):
+        action = np.clip(np.asarray(action, dtype=np.float32), -1.0, 1.0)
+        state, reward, _, _, info = self._env.step(action)
+        self._steps += 1
+        success = bool(info.get("success", 0.0))
+        terminated = success and self.terminate_on_success
+        truncated = self._steps >= self.max_steps and not terminated
+        return self._obs(state), float(reward), terminated, truncated, {"is_success": success, "task": self.task}
+
+    def render(self):
+        return next(iter(self._render().values()))
+
+    def close(self):
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
+        self._env.close()
+
+
+def make(**kwargs) -> MetaWorldEnv:
+    return MetaWorldEnv(**kwargs)
+
+
+class MetaWorldExpertPolicy:
+    """Meta-World's scripted experts as a batched `Policy`, with optional Gaussian action noise."""
+
+    name = "scripted"
+    action_dim, state_dim = ACTION_DIM, STATE_DIM
+
+    def __init__(self, noise_std: float = 0.0, seed: int = 0):
+        self.noise_std, self.seed = noise_std, seed
+        self._experts: dict[str, object] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self._rng = np.random.default_rng(self.seed)
+
+    def select_action(self, batch: dict) -> np.ndarray:
+        states = np.asarray(batch["observation.environment_state"], dtype=np.float64)
+        actions = []
+        for task, state in zip(batch["env_task"], states):
+            if task not in self._experts:
+                self._experts[task] = scripted_expert(task)
+            actions.append(self._experts[task].get_action(state))
+        actions = np.asarray(actions, dtype=np.float32)
+        if self.noise_std > 0:
+            actions = actions + self._rng.normal(0, self.noise_std, actions.shape).astype(np.float32)
+        return np.clip(actions, -1, 1)[:, None, :]

@@ -1,0 +1,189 @@
+"""Closed-loop evaluation: a policy acts in the simulator; we count successes per task.
+
+`evaluate(policy, tasks=..., episodes=N)` plays N episodes per task with fixed seeds (the same
+seeds for every policy, so success rates compare), batching the policy over vectorised envs and
+executing `n_action_steps` of each predicted action chunk. It returns the report and, with
+`out_dir`, writes `report.json`, `report.md` and mp4 videos of the first `videos` episodes per task.
+The trainer calls the same function for in-training evaluation.
+
+A crashed env process does not end the evaluation: its task is reported with the error and the
+seed that was running, and the other tasks still run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from kilovla.envs.base import check_tasks, env_spec
+from kilovla.envs.rollout import run_episodes
+from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
+from kilovla.errors import KilovlaError
+
+EVAL_SEED_STRIDE = 1_000_003  # episode seeds: seed * stride + task index * 1000 + episode
+
+
+def check_compatible(policy, spec) -> None:
+    """Refuse a policy whose declared dims or cameras differ from the env's, before any rollout."""
+    problems = []
+    for attr in ("action_dim", "state_dim"):
+        want = getattr(policy, attr, None)
+        if want is not None and want != getattr(spec, attr):
+            problems.append(f"{attr} {want} (policy) vs {getattr(spec, attr)} ({spec.name})")
+    cams = getattr(policy, "cameras", None)
+    if cams is not None and not set(cams) <= set(spec.cameras):
+        problems.append(f"cameras {sorted(cams)} (policy) vs {sorted(spec.cameras)} ({spec.name})")
+    if problems:
+        raise KilovlaError(f"policy {getattr(policy, 'name', policy)} does not fit env {spec.name}: " + "; ".join(problems))
+
+
+def episode_seeds(seed: int, task_index: int, episodes: int) -> list[int]:
+    return [seed * EVAL_SEED_STRIDE + task_index * 1000 + i for i in range(episodes)]
+
+
+def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int, seed: int = 0,
+             batch_size: int = 8, n_action_steps: int | None = None, num_workers: int = 0,
+             cameras: tuple[str, ...] = ("scene", "wrist"), resolution: int = 96, max_steps: int | None = None,
+             videos: int = 0, out_dir: str | Path | None = None,
+             progress: Callable[[str, int, int], None] | None = None) -> dict:
+    from kilovla.envs import metaworld
+
+    if env == "metaworld":
+        check_tasks(env, tasks, metaworld.task_names())
+    spec = env_spec(env, tasks[0], cameras=cameras, **({"max_steps": max_steps} if max_steps else {}))
+    check_compatible(policy, spec)
+    if episodes < 1:
+        raise KilovlaError(f"episodes must be >= 1, got {episodes}")
+    out = Path(out_dir) if out_dir is not None else None
+    kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {})}
+    per_task: dict[str, dict] = {}
+    policy.reset()
+    for t, task in enumerate(tasks):
+        seeds = episode_seeds(seed, t, episodes)
+        recorder = _VideoRecorder(out / "videos" / task if out and videos else None, videos, spec.fps)
+
+        def on_step(ep, obs, action, reward, info):
+            recorder.add(ep.index, obs)
+
+        def on_end(ep, last_obs):
+            recorder.add(ep.index, last_obs)
+            recorder.finish(ep.index, ep.success)
+            if progress is not None:
+                progress(task, ep.index + 1, episodes)
+
+        configs = [EnvConfig(env, {"task": task, **kwargs})] * min(batch_size, episodes)
+        try:
+            with EnvPool(configs, num_workers=num_workers) as pool:
+                done = run_episodes(pool, policy, seeds, n_action_steps=n_action_steps, on_step=on_step, on_end=on_end)
+        except EnvCrashed as e:
+            per_task[task] = {"success_rate": None, "episodes": 0, "mean_steps": None,
+                              "error": str(e), "seeds_running": e.seeds}
+            continue
+        per_task[task] = {
+            "success_rate": float(np.mean([e.success for e in done])),
+            "episodes": len(done),
+            "mean_steps": float(np.mean([e.steps for e in done])),
+            "seeds": seeds,
+        }
+    rates = [r["success_rate"] for r in per_task.values() if r["success_rate"] is not None]
+    report = {
+        "overall_success_rate": float(np.mean(rates)) if rates else None,
+        "per_task": per_task,
+        "env": env,
+        "env_backend": _backend(env),
+        "policy": getattr(policy, "name", type(policy).__name__),
+        "seed": seed,
+        "episodes_per_task": episodes,
+        "n_action_steps": n_action_steps,
+        "resolution": resolution,
+        "cameras": list(cameras),
+    }
+    if out is not None:
+        write_report(out, report)
+    return report
+
+
+def _backend(env: str) -> str:
+    if env == "metaworld":
+        import importlib.metadata
+
+        return (f"metaworld {importlib.metadata.version('metaworld')}, "
+                f"mujoco {importlib.metadata.version('mujoco')}, MUJOCO_GL={os.environ.get('MUJOCO_GL')}")
+    from kilovla.envs import libero
+
+    return libero.backend_name()
+
+
+class _VideoRecorder:
+    """Keeps the frames of the first `limit` episodes (all cameras side by side) and writes mp4s."""
+
+    def __init__(self, folder: Path | None, limit: int, fps: int):
+        self.folder, self.limit, self.fps = folder, limit, fps
+        self.frames: dict[int, list[np.ndarray]] = {}
+
+    def add(self, index: int, obs: dict) -> None:
+        if self.folder is None or index >= self.limit:
+            return
+        images = [v for k, v in sorted(obs.items()) if k.startswith("observation.images.")]
+        if images:
+            self.frames.setdefault(index, []).append(np.concatenate(images, axis=1))
+
+    def finish(self, index: int, success: bool) -> None:
+        frames = self.frames.pop(index, None)
+        if not frames:
+            return
+        from kilovla.data.video import VideoEncoder
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        final = self.folder / f"episode_{index:03d}_{'success' if success else 'failure'}.mp4"
+        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:6]}.mp4")
+        h, w, _ = frames[0].shape
+        enc = VideoEncoder(tmp, w - w % 2, h - h % 2, min(self.fps, 30), codec="libx264", gop=30)
+        for f in frames:
+            enc.add(f[: h - h % 2, : w - w % 2])
+        enc.close()
+        os.replace(tmp, final)
+
+
+def write_report(out: Path, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Closed-loop evaluation: {report['policy']} on {report['env']}", "",
+             f"{report['env_backend']}; seed {report['seed']}; {report['episodes_per_task']} episodes per task.", "",
+             "| task | success rate | episodes | mean steps |", "|---|---|---|---|"]
+    for task, r in report["per_task"].items():
+        if r["success_rate"] is None:
+            lines.append(f"| {task} | error: {r['error'].splitlines()[0]} | 0 | - |")
+        else:
+            lines.append(f"| {task} | {r['success_rate']:.1%} | {r['episodes']} | {r['mean_steps']:.1f} |")
+    overall = report["overall_success_rate"]
+    lines += ["", f"**Overall success rate: {'-' if overall is None else f'{overall:.1%}'}**", ""]
+    for name, text in (("report.json", json.dumps(report, indent=2)), ("report.md", "\n".join(lines))):
+        tmp = out / f".{name}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+
+
+def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim: int | None = None):
+    """'scripted', 'random' or a checkpoint path -> a Policy."""
+    if spec == "scripted":
+        from kilovla.envs.collect import expert_policy
+
+        return expert_policy(env, 0.0, seed)
+    if spec == "random":
+        from kilovla.policy import RandomPolicy
+
+        return RandomPolicy(action_dim or env_spec(env, "").action_dim, seed=seed)
+    path = Path(spec)
+    if not path.exists():
+        raise KilovlaError(f"--policy {spec!r}: not 'scripted', 'random' or an existing checkpoint path")
+    try:
+        from kilovla.models.policy import load_checkpoint_policy  # the model layer provides learned policies
+    except ImportError:
+        raise KilovlaError(f"{path}: loading learned checkpoints needs kilovla's model layer, which this "
+                           "install does not have yet") from None
+    return load_checkpoint_policy(path)

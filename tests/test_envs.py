@@ -1,0 +1,163 @@
+"""Simulators: Meta-World observations, seeding, experts, latency, the env pool."""
+
+import numpy as np
+import pytest
+
+from kilovla.envs import make_env
+from kilovla.envs.latency import LatencyModel, LatencyWrapper
+from kilovla.envs.metaworld import MetaWorldExpertPolicy, instruction, task_set
+from kilovla.envs.rollout import run_episodes
+from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
+from kilovla.errors import KilovlaError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def push():
+    env = make_env("metaworld", task="push-v3", resolution=32)
+    yield env
+    env.close()
+
+
+def test_observations_use_lerobot_keys(push):
+    obs, info = push.reset(seed=0)
+    assert obs["observation.images.scene"].shape == (32, 32, 3)
+    assert obs["observation.images.wrist"].dtype == np.uint8
+    assert obs["observation.state"].shape == (4,) and obs["observation.state"].dtype == np.float32
+    assert obs["observation.environment_state"].shape == (39,)
+    assert obs["task"] == "push the puck to the goal"
+    assert info["is_success"] is False
+
+
+def test_the_same_seed_gives_the_same_episode(push):
+    a, _ = push.reset(seed=5)
+    b, _ = push.reset(seed=5)
+    c, _ = push.reset(seed=6)
+    np.testing.assert_array_equal(a["observation.environment_state"], b["observation.environment_state"])
+    np.testing.assert_array_equal(a["observation.images.scene"], b["observation.images.scene"])
+    assert not np.array_equal(a["observation.environment_state"], c["observation.environment_state"])
+
+
+def test_unknown_tasks_list_the_valid_ones():
+    with pytest.raises(KilovlaError, match=r"unknown metaworld task\(s\) \['push-v9'\]; valid tasks: .*reach-v3"):
+        make_env("metaworld", task="push-v9")
+
+
+def test_unknown_envs_are_refused():
+    with pytest.raises(KilovlaError, match="unknown env 'habitat'; available: metaworld, libero"):
+        make_env("habitat")
+
+
+def test_task_sets_and_instructions():
+    assert len(task_set("MT10")) == 10 and len(task_set("mt50")) == 50
+    assert instruction("stick-pull-v3") == "stick pull"
+
+
+def test_scripted_expert_solves_reach(push):
+    env = make_env("metaworld", task="reach-v3", render=False)
+    with EnvPool([EnvConfig("metaworld", {"task": "reach-v3", "render": False})] * 2) as pool:
+        episodes = run_episodes(pool, MetaWorldExpertPolicy(), [0, 1, 2])
+    env.close()
+    assert [e.success for e in episodes] == [True, True, True]
+    assert all(e.steps < 200 for e in episodes)
+
+
+@pytest.mark.parametrize("dist,check", [
+    ("constant", lambda d: np.allclose(d, 0.01)),
+    ("lognormal", lambda d: abs(np.mean(d) - 0.01) < 0.001 and np.std(d) > 0.002),
+    ("straggler", lambda d: 0.15 < np.mean(np.isclose(d, 0.1)) < 0.25 and np.all(np.isclose(d, 0.01) | np.isclose(d, 0.1))),
+])
+def test_latency_distributions(push, dist, check):
+    slept = []
+    env = LatencyWrapper(push, LatencyModel(dist, mean_s=0.01, sigma=0.5, p=0.2, k=10, seed=1), sleep=slept.append)
+    model = LatencyModel(dist, mean_s=0.01, sigma=0.5, p=0.2, k=10, seed=1)
+    draws = np.array([model.sample() for _ in range(4000)])
+    assert check(draws)
+    env.reset(seed=0)
+    for _ in range(3):
+        env.step(np.zeros(4))
+    assert len(slept) == 3 and env.total_delay_s == pytest.approx(sum(slept))
+
+
+def test_latency_is_seeded():
+    a = [LatencyModel("lognormal", mean_s=1, seed=3).sample() for _ in range(1)]
+    m1, m2 = LatencyModel("lognormal", mean_s=1, seed=3), LatencyModel("lognormal", mean_s=1, seed=3)
+    assert [m1.sample() for _ in range(5)] == [m2.sample() for _ in range(5)] and a
+
+
+def test_worker_processes_reproduce_in_process_rollouts():
+    config = EnvConfig("metaworld", {"task": "push-v3", "resolution": 16})
+    actions = np.random.default_rng(0).uniform(-1, 1, (10, 3, 4)).astype(np.float32)
+
+    def roll(workers):
+        with EnvPool([config] * 3, num_workers=workers) as pool:
+            pool.reset([7, 8, 9])
+            return [[r[0]["observation.environment_state"] for r in pool.step(list(a))] for a in actions]
+
+    np.testing.assert_array_equal(np.array(roll(0)), np.array(roll(2)))
+
+
+def test_a_killed_worker_is_reported_with_its_envs():
+    import os
+    import signal
+
+    with EnvPool([EnvConfig("metaworld", {"task": "reach-v3", "render": False})] * 2, num_workers=2) as pool:
+        pool.reset([0, 1])
+        os.kill(pool._procs[1].pid, signal.SIGKILL)
+        pool._procs[1].join(10)
+        with pytest.raises(EnvCrashed, match=r"envs \[1\]"):
+            pool.step([np.zeros(4)] * 2)
+
+
+def test_bad_env_configs_fail_before_any_step():
+    with pytest.raises(KilovlaError, match="cannot build envs"):
+        EnvPool([EnvConfig("metaworld", {"task": "reach-v3", "cameras": ("nope",)})], num_workers=1)
+
+
+def test_action_chunks_are_executed_n_steps_at_a_time():
+    calls = []
+
+    class Constant:
+        name = "constant"
+
+        def reset(self):
+            pass
+
+        def select_action(self, batch):
+            calls.append(len(batch["task"]))
+            return np.zeros((len(batch["task"]), 10, 4), np.float32)
+
+    config = EnvConfig("metaworld", {"task": "reach-v3", "render": False, "max_steps": 12})
+    with EnvPool([config] * 2) as pool:
+        episodes = run_episodes(pool, Constant(), [0, 1], n_action_steps=4)
+    assert [e.steps for e in episodes] == [12, 12]
+    assert calls == [2, 2, 2]  # steps 0, 4, 8: both envs in one batch each time
+
+
+@pytest.mark.slow
+def test_libero_suite_task_resets_and_steps():
+    pytest.importorskip("libero.libero")
+    env = make_env("libero", task="libero_goal/0", resolution=32)
+    try:
+        obs, info = env.reset(seed=3)
+        assert info["init_state"] == 3
+        assert obs["observation.images.agentview"].shape == (32, 32, 3)
+        assert obs["observation.state"].shape == (8,)
+        obs, _, terminated, truncated, info = env.step(np.zeros(7))
+        assert not terminated and not truncated and "is_success" in info
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+def test_bundled_libero_matches_the_official_release():
+    import os
+
+    pytest.importorskip("libero.libero")
+    official = os.environ.get("KILOVLA_LIBERO_OFFICIAL")
+    if not official:
+        pytest.skip("set KILOVLA_LIBERO_OFFICIAL to an unpacked official libero source (pip download libero)")
+    from kilovla.envs.libero import compare_with_official
+
+    assert compare_with_official(official) == []

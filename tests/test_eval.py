@@ -1,0 +1,97 @@
+"""Closed-loop evaluation and demonstration collection."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kilovla.cli import main
+from kilovla.data import LeRobotDataset
+from kilovla.envs.collect import collect
+from kilovla.eval.closed_loop import evaluate, load_policy
+from kilovla.errors import KilovlaError
+from kilovla.policy import RandomPolicy
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+FAST = {"resolution": 32, "max_steps": 60}
+
+
+def test_scripted_policy_succeeds_and_reports(tmp_path):
+    report = evaluate(load_policy("scripted"), tasks=["reach-v3"], episodes=2, batch_size=2, videos=1,
+                      out_dir=tmp_path, **FAST)
+    assert report["overall_success_rate"] == 1.0
+    r = report["per_task"]["reach-v3"]
+    assert r["episodes"] == 2 and 0 < r["mean_steps"] < 60
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert {"overall_success_rate", "per_task", "env", "policy", "seed"} <= set(saved)
+    assert "| reach-v3 | 100.0% | 2 |" in (tmp_path / "report.md").read_text()
+    [video] = (tmp_path / "videos" / "reach-v3").glob("*.mp4")
+    assert video.name == "episode_000_success.mp4" and video.stat().st_size > 0
+
+
+def test_random_policy_stays_near_zero():
+    report = evaluate(RandomPolicy(4, seed=0), tasks=["push-v3"], episodes=3, batch_size=3, **FAST)
+    assert report["overall_success_rate"] == 0.0
+
+
+def test_evaluation_seeds_are_fixed():
+    a = evaluate(RandomPolicy(4, seed=0), tasks=["reach-v3"], episodes=2, **FAST)
+    b = evaluate(RandomPolicy(4, seed=0), tasks=["reach-v3"], episodes=2, **FAST)
+    assert a["per_task"] == b["per_task"]
+
+
+def test_a_policy_that_does_not_fit_the_env_is_refused():
+    policy = RandomPolicy(7)
+    policy.action_dim, policy.cameras = 7, ("agentview",)
+    with pytest.raises(KilovlaError, match=r"action_dim 7 \(policy\) vs 4 \(metaworld\); cameras"):
+        evaluate(policy, tasks=["reach-v3"], episodes=1, **FAST)
+
+
+def test_a_crashed_env_process_fails_its_task_only(tmp_path):
+    import os
+    import signal
+
+    import psutil
+
+    def kill_worker(task, done, total):
+        if task == "reach-v3" and done == 1:
+            me = psutil.Process()
+            helpers = {p.pid for p in me.children()}  # the forkserver and resource tracker
+            for worker in me.children(recursive=True):
+                if worker.pid not in helpers:  # env workers are forked by the forkserver
+                    os.kill(worker.pid, signal.SIGKILL)
+
+    report = evaluate(load_policy("scripted"), tasks=["reach-v3", "drawer-close-v3"], episodes=3, batch_size=1,
+                      num_workers=1, progress=kill_worker, out_dir=tmp_path, resolution=32, max_steps=100)
+    crashed = report["per_task"]["reach-v3"]
+    assert crashed["success_rate"] is None and "crashed" in crashed["error"] and crashed["seeds_running"]
+    assert report["per_task"]["drawer-close-v3"]["success_rate"] == 1.0
+    assert "error" in (tmp_path / "report.md").read_text()
+
+
+def test_collect_writes_a_valid_dataset_of_successful_episodes(tmp_path):
+    from kilovla.data.validate import validate_dataset
+
+    report = collect(tmp_path / "demos", tasks=["reach-v3", "drawer-close-v3"], episodes_per_task=2,
+                     resolution=32, batch_size=2)
+    assert report.kept == {"reach-v3": 2, "drawer-close-v3": 2}
+    assert validate_dataset(str(tmp_path / "demos")) == []
+    ds = LeRobotDataset(tmp_path / "demos")
+    assert ds.num_episodes == 4 and ds.meta.fps == 80
+    assert ds.meta.tasks == ["reach the red goal", "close the drawer"]
+    last = ds.get_batch(np.array([ds.meta.episodes.row_to[0] - 1]))
+    assert last["next.success"][0]  # episodes end on success
+    assert last["observation.images.scene"].shape == (1, 32, 32, 3)
+
+
+def test_cli_rejects_unknown_tasks_and_envs(capsys):
+    assert main(["eval", "--tasks", "push-v9", "--episodes", "1"]) == 2
+    assert "unknown metaworld task(s) ['push-v9']; valid tasks:" in capsys.readouterr().err
+    assert main(["eval", "--env", "gazebo", "--episodes", "1"]) == 2
+    assert main(["eval", "--policy", "/nonexistent/ckpt", "--episodes", "1", "--tasks", "reach-v3"]) == 2
+
+
+def test_cli_eval_scripted(tmp_path):
+    assert main(["eval", "--tasks", "reach-v3", "--episodes", "2", "--resolution", "32", "--videos", "0",
+                 "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "report.json").read_text())["per_task"]["reach-v3"]["success_rate"] == 1.0

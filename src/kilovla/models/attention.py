@@ -1,0 +1,192 @@
+"""attend(): one attention call, several backends.
+
+Two kinds of call:
+
+- dense: q (B, H, Lq, D), k/v (B, Hkv, Lk, D) and an additive float mask (B, 1, Lq, Lk)
+  (0 where allowed, `BIG_NEG` where not). Backend `sdpa_dense`; the padded reference path.
+- varlen: packed sequences, q (Tq, H, D), k/v (Tk, Hkv, D), and `VarlenSpec(cu_q, cu_k, max_q, max_k)`:
+  query segment i attends to key segment i only, non-causally. Backends:
+
+  | backend        | where     | how                                                     |
+  |----------------|-----------|---------------------------------------------------------|
+  | sdpa_segments  | CPU, CUDA | one SDPA call per segment; the exact varlen reference   |
+  | flex           | CPU, CUDA | flex_attention with a same-segment mask (eager on CPU)  |
+  | flash_attn     | CUDA      | flash_attn_varlen_func (FlashAttention-2)               |
+  | torch_varlen   | CUDA      | torch.nn.attention.varlen.varlen_attn (torch >= 2.9)    |
+
+`resolve_backend(name, device)` checks availability once and falls back to `sdpa_segments` with a
+warning when the requested kernel cannot run here (a CUDA kernel on a CPU machine, a missing package).
+Heads: k/v may have fewer heads than q (GQA/MQA, as Gemma's single KV head); they are repeated.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kilovla.errors import KilovlaError
+
+log = logging.getLogger(__name__)
+
+# openpi's masked logit: large and negative but finite, so a fully masked row stays finite.
+BIG_NEG = -2.3819763e38
+VARLEN_BACKENDS = ("sdpa_segments", "flex", "flash_attn", "torch_varlen")
+BACKENDS = ("sdpa_dense", *VARLEN_BACKENDS)
+
+
+@dataclass(frozen=True)
+class VarlenSpec:
+    cu_q: torch.Tensor  # (n + 1,) int32 prefix sums of query segment lengths
+    cu_k: torch.Tensor  # (n + 1,) int32 prefix sums of key segment lengths
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def from_lengths(cls, q_lengths: torch.Tensor, k_lengths: torch.Tensor) -> VarlenSpec:
+        zero = torch.zeros(1, dtype=torch.int32, device=q_lengths.device)
+        cu_q = torch.cat([zero, q_lengths.cumsum(0).to(torch.int32)])
+        cu_k = torch.cat([zero, k_lengths.cumsum(0).to(torch.int32)])
+        return cls(cu_q, cu_k, int(q_lengths.max()), int(k_lengths.max()))
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)
+
+
+def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (B, H, Lq, D), k/v (B, Hkv, Lk, D), additive mask (B, 1, Lq, Lk) -> (B, H, Lq, D)."""
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, rep, 1), _repeat_kv(v, rep, 1), attn_mask=mask.to(q.dtype),
+                                          scale=scale)
+
+
+def _segments(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
+    rep = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    cu_q, cu_k = spec.cu_q.tolist(), spec.cu_k.tolist()
+    for i in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if cu_q[i + 1] == cu_q[i]:
+            continue
+        qi = q[qs].transpose(0, 1)  # (H, Lq, D)
+        ki = _repeat_kv(k[ks].transpose(0, 1), rep, 0)
+        vi = _repeat_kv(v[ks].transpose(0, 1), rep, 0)
+        out[qs] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
+    return out
+
+
+def _segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
+    return torch.searchsorted(cu[1:].long(), torch.arange(total, device=cu.device), right=True)
+
+
+def _flex(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    seg_q = _segment_ids(spec.cu_q, q.shape[0])
+    seg_k = _segment_ids(spec.cu_k, k.shape[0])
+
+    def same_segment(b, h, qi, ki):
+        return seg_q[qi] == seg_k[ki]
+
+    block = create_block_mask(same_segment, None, None, q.shape[0], k.shape[0], device=q.device)
+    rep = q.shape[1] // k.shape[1]
+    out = flex_attention(q.transpose(0, 1)[None], _repeat_kv(k.transpose(0, 1), rep, 0)[None],
+                         _repeat_kv(v.transpose(0, 1), rep, 0)[None], block_mask=block, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def _flash_attn(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, softmax_scale=scale,
+                                  causal=False)
+
+
+def _torch_varlen(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"scale": scale} if "scale" in params else {}
+    if "is_causal" in params:  # torch 2.9 spelling
+        kwargs["is_causal"] = False
+    rep = q.shape[1] // k.shape[1]
+    if "enable_gqa" in params and rep > 1:
+        kwargs["enable_gqa"] = True
+    else:
+        k, v = _repeat_kv(k, rep, 1), _repeat_kv(v, rep, 1)
+    return varlen_attn(q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, **kwargs)
+
+
+_VARLEN = {"sdpa_segments": _segments, "flex": _flex, "flash_attn": _flash_attn, "torch_varlen": _torch_varlen}
+
+
+@functools.cache
+def _available(backend: str, device_type: str) -> str | None:
+    """None if `backend` can run on this device, else why not."""
+    if backend in ("sdpa_dense", "sdpa_segments"):
+        return None
+    if backend == "flex":
+        try:
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+        except ImportError as e:
+            return f"flex_attention unavailable ({e})"
+        return None
+    if device_type != "cuda":
+        return "needs a CUDA device"
+    if backend == "flash_attn":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            return "the flash-attn package is not installed"
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return "this torch has no torch.nn.attention.varlen"
+    return None
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """The varlen backend to use: `name` if it runs here, else sdpa_segments (with a warning)."""
+    if name not in BACKENDS:
+        raise KilovlaError(f"attention backend must be one of {', '.join(BACKENDS)}, not {name!r}")
+    why = _available(name, torch.device(device).type)
+    if why is None:
+        return name
+    log.warning("attention backend %s %s; falling back to sdpa_segments", name, why)
+    return "sdpa_segments"
+
+
+def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: VarlenSpec, scale: float,
+                  backend: str = "sdpa_segments") -> torch.Tensor:
+    """q (Tq, H, D), k/v (Tk, Hkv, D) -> (Tq, H, D); segment i of q sees segment i of k only."""
+    if backend == "sdpa_dense":
+        backend = "sdpa_segments"
+    return _VARLEN[backend](q, k, v, spec, scale)
+
+
+def prefix_lm_mask(input_mask: torch.Tensor, ar_mask: torch.Tensor) -> torch.Tensor:
+    """openpi's attention rule as a bool (B, N, N) mask: i sees j iff cumsum(ar)[j] <= cumsum(ar)[i]
+    and both are real tokens. ar_mask (B, N) or (N,): 1 starts a new causal block.
+
+    >>> prefix_lm_mask(torch.ones(1, 4, dtype=torch.bool), torch.tensor([0, 0, 1, 0])).int()[0]
+    tensor([[1, 1, 0, 0],
+            [1, 1, 0, 0],
+            [1, 1, 1, 1],
+            [1, 1, 1, 1]], dtype=torch.int32)
+    """
+    ar = ar_mask.expand_as(input_mask).int()
+    cum = ar.cumsum(dim=1)
+    allowed = cum[:, None, :] <= cum[:, :, None]
+    valid = input_mask[:, None, :] & input_mask[:, :, None]
+    return allowed & valid
+
+
+def additive(mask: torch.Tensor) -> torch.Tensor:
+    """bool (B, Lq, Lk) -> float (B, 1, Lq, Lk) with 0 / BIG_NEG."""
+    return torch.where(mask, 0.0, BIG_NEG)[:, None].float()

@@ -1,0 +1,87 @@
+"""PaddedBatch and PackedBatch: the one batch representation that data, models and trainer share.
+
+PaddedBatch is openpi's layout: every sample has every camera slot (a blank camera is present with
+`image_masks` False) and language padded to a common length (`token_mask` False on padding).
+PackedBatch holds only what is real: the images of enabled, present cameras, the real language
+tokens laid end to end, and per-sample counts, so the model never computes on padding.
+
+`PaddedBatch.pack(enabled_cameras)` turns one into the other; the equivalence tests run both
+through the model and compare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kilovla.errors import KilovlaError
+
+
+@dataclass
+class PaddedBatch:
+    images: torch.Tensor  # (B, C, 3, H, W) float in [0, 1]
+    image_masks: torch.Tensor  # (B, C) bool: camera present
+    camera_names: tuple[str, ...]
+    tokens: torch.Tensor  # (B, L) long
+    token_mask: torch.Tensor  # (B, L) bool
+    state: torch.Tensor  # (B, S) float, normalised, zero-padded to the model's max_state_dim
+    actions: torch.Tensor | None = None  # (B, H, A) float, normalised, zero-padded to max_action_dim
+    action_is_pad: torch.Tensor | None = None  # (B, H) bool: past the episode's end (no loss)
+    horizon_mask: torch.Tensor | None = None  # (B, H) bool: chunk positions this sample has
+    action_dim_mask: torch.Tensor | None = None  # (A,) or (B, A) bool: real action dims
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    def to(self, device) -> PaddedBatch:
+        return replace(self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)})
+
+    def select_cameras(self, keep: tuple[str, ...]) -> PaddedBatch:
+        """Drop camera slots not in `keep` (pruning before the ViT, padded layout kept otherwise)."""
+        missing = [c for c in keep if c not in self.camera_names]
+        if missing:
+            raise KilovlaError(f"batch has cameras {list(self.camera_names)}, the model needs {missing}")
+        idx = [self.camera_names.index(c) for c in keep]
+        return replace(self, images=self.images[:, idx], image_masks=self.image_masks[:, idx], camera_names=tuple(keep))
+
+    def trim_language(self) -> PaddedBatch:
+        """Dynamic padding: cut language padding to the longest real prompt in the batch."""
+        longest = int(self.token_mask.sum(1).max())
+        return replace(self, tokens=self.tokens[:, :longest], token_mask=self.token_mask[:, :longest])
+
+    def pack(self, cameras: tuple[str, ...] | None = None) -> PackedBatch:
+        """Keep only present images of `cameras` (default: all) and real tokens."""
+        b = self.select_cameras(cameras) if cameras is not None else self
+        sample_of_image, camera_of_image = b.image_masks.nonzero(as_tuple=True)
+        sample_of_token, _ = b.token_mask.nonzero(as_tuple=True)
+        return PackedBatch(
+            images=b.images[sample_of_image, camera_of_image],
+            image_sample=sample_of_image,
+            tokens=b.tokens[b.token_mask],
+            token_sample=sample_of_token,
+            batch_size=b.batch_size,
+            state=b.state,
+            actions=b.actions,
+            action_is_pad=b.action_is_pad,
+            horizon_mask=b.horizon_mask,
+            action_dim_mask=b.action_dim_mask,
+        )
+
+
+@dataclass
+class PackedBatch:
+    images: torch.Tensor  # (N_img, 3, H, W): present images of enabled cameras, grouped by sample
+    image_sample: torch.Tensor  # (N_img,) sample of each image, non-decreasing
+    tokens: torch.Tensor  # (T_lang,) real language tokens, grouped by sample
+    token_sample: torch.Tensor  # (T_lang,) sample of each token, non-decreasing
+    batch_size: int
+    state: torch.Tensor  # (B, S)
+    actions: torch.Tensor | None = None  # (B, H, A)
+    action_is_pad: torch.Tensor | None = None  # (B, H)
+    horizon_mask: torch.Tensor | None = None  # (B, H) chunk positions each sample has (None: all)
+    action_dim_mask: torch.Tensor | None = None
+
+    def to(self, device) -> PackedBatch:
+        return replace(self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)})

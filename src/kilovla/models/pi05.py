@@ -1,0 +1,426 @@
+"""pi0 and pi0.5: a PaliGemma prefix (SigLIP ViT -> projector -> Gemma) and a Gemma action expert that
+share every attention call ("mixture of transformers"), trained by flow matching.
+
+Token layout per sample (openpi)::
+
+    prefix = [camera 1 tokens | camera 2 tokens | ... | language tokens]      LM weights
+    suffix = pi0:   [state token | action tokens (H)]                          expert weights
+             pi0.5: [action tokens (H)]  (time enters through adaRMS in every expert norm)
+
+Attention: the prefix is bidirectional and never sees the suffix; the suffix sees the prefix and
+itself (pi0's state token sees the prefix and itself only). Positions count only real tokens, so
+padding never moves RoPE.
+
+Two ways to run the same weights, chosen by `config.packing`:
+
+- padded (openpi's reference): (B, N) tensors, padding and blank cameras present but masked, one
+  dense attention per layer with an additive mask;
+- packed: samples laid end to end with no padding at all; per layer one varlen call for prefix ->
+  prefix and one for suffix -> [prefix | suffix] of the same sample (`attention.attend_varlen`).
+
+Camera pruning (`disabled_cameras`) removes a camera before the ViT in either path; dynamic padding
+(`language_padding="longest"`) pads language to the batch's longest prompt instead of 200 tokens.
+All of them give the same outputs on real tokens as the plain padded path (tests/test_pi05.py).
+
+Flow matching, openpi's convention: t ~ Beta(1.5, 1) * 0.999 + 0.001, x_t = t * noise + (1 - t) * a,
+target u = noise - a; sampling integrates dx/dt = v from t = 1 to 0 in `num_inference_steps` Euler
+steps, reusing the prefix's keys and values (KV cache) at every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kilovla.errors import KilovlaError
+from kilovla.models.attention import BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen, prefix_lm_mask, resolve_backend
+from kilovla.models.batch import PackedBatch, PaddedBatch
+from kilovla.models.language import Decoder, DecoderConfig
+from kilovla.models.layers import apply_rope, gated_residual, sincos_time_embedding
+from kilovla.models.vision import ViTConfig, VisionTower
+
+OPENPI_CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pi05Config:
+    vision: ViTConfig = field(default_factory=ViTConfig)
+    lm: DecoderConfig = field(default_factory=DecoderConfig)
+    expert: DecoderConfig = field(default_factory=lambda: DecoderConfig(width=1024, mlp_dim=4096, vocab_size=0))
+    pi05: bool = True  # False: pi0 (state token in the suffix, time mixed into action tokens)
+    chunk_size: int = 50
+    max_action_dim: int = 32
+    max_state_dim: int = 32
+    cameras: tuple[str, ...] = OPENPI_CAMERAS
+    disabled_cameras: tuple[str, ...] = ()  # `cameras.<name>.enabled: false`: pruned before the ViT
+    max_language_tokens: int = 200
+    language_padding: str = "max_length"  # or "longest" (dynamic padding)
+    packing: bool = False
+    attention_backend: str = "sdpa_dense"
+    num_inference_steps: int = 10
+
+    def __post_init__(self):
+        shared = ("heads", "kv_heads", "head_dim", "depth")
+        if any(getattr(self.lm, a) != getattr(self.expert, a) for a in shared):
+            raise KilovlaError(f"the LM and the action expert must share {shared} (they attend together)")
+        if self.language_padding not in ("max_length", "longest"):
+            raise KilovlaError(f"language_padding must be max_length or longest, not {self.language_padding!r}")
+        unknown = [c for c in self.disabled_cameras if c not in self.cameras]
+        if unknown:
+            raise KilovlaError(f"disabled cameras {unknown} are not among the model's cameras {list(self.cameras)}")
+        if self.attention_backend not in BACKENDS:
+            raise KilovlaError(f"attention_backend must be one of {BACKENDS}, not {self.attention_backend!r}")
+
+    @property
+    def enabled_cameras(self) -> tuple[str, ...]:
+        return tuple(c for c in self.cameras if c not in self.disabled_cameras)
+
+    @property
+    def suffix_extra(self) -> int:
+        return 0 if self.pi05 else 1  # pi0's state token
+
+
+class _Projector(nn.Module):
+    def __init__(self, vision_width: int, width: int):
+        super().__init__()
+        self.linear = nn.Linear(vision_width, width)
+
+
+class _PaliGemmaModel(nn.Module):
+    def __init__(self, cfg: Pi05Config):
+        super().__init__()
+        self.vision_tower = VisionTower(cfg.vision)
+        self.multi_modal_projector = _Projector(cfg.vision.width, cfg.lm.width)
+        self.language_model = Decoder(cfg.lm)
+
+
+class _PaliGemma(nn.Module):
+    def __init__(self, cfg: Pi05Config):
+        super().__init__()
+        self.model = _PaliGemmaModel(cfg)
+
+
+class _Expert(nn.Module):
+    def __init__(self, cfg: Pi05Config):
+        super().__init__()
+        self.model = Decoder(cfg.expert, cond_dim=cfg.expert.width if cfg.pi05 else None)
+
+
+class _PaliGemmaWithExpert(nn.Module):
+    def __init__(self, cfg: Pi05Config):
+        super().__init__()
+        self.paligemma = _PaliGemma(cfg)
+        self.gemma_expert = _Expert(cfg)
+
+
+@dataclass
+class _Stream:
+    """One token stream of a forward pass: hidden states, RoPE positions, adaRMS condition."""
+
+    x: torch.Tensor
+    positions: torch.Tensor
+    cond: torch.Tensor | None = None
+
+
+class Pi05Model(nn.Module):
+    """State-dict keys follow openpi's PyTorch port (LeRobot's, without its leading "model.")."""
+
+    def __init__(self, config: Pi05Config):
+        super().__init__()
+        self.config = cfg = config
+        self.paligemma_with_expert = _PaliGemmaWithExpert(cfg)
+        w = cfg.expert.width
+        self.action_in_proj = nn.Linear(cfg.max_action_dim, w)
+        self.action_out_proj = nn.Linear(w, cfg.max_action_dim)
+        if cfg.pi05:
+            self.time_mlp_in = nn.Linear(w, w)
+            self.time_mlp_out = nn.Linear(w, w)
+        else:
+            self.state_proj = nn.Linear(cfg.max_state_dim, w)
+            self.action_time_mlp_in = nn.Linear(2 * w, w)
+            self.action_time_mlp_out = nn.Linear(w, w)
+
+    # -- parts ---------------------------------------------------------------------------------------
+    @property
+    def vlm(self) -> _PaliGemmaModel:
+        return self.paligemma_with_expert.paligemma.model
+
+    @property
+    def expert(self) -> Decoder:
+        return self.paligemma_with_expert.gemma_expert.model
+
+    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(N, 3, H, W) in [0, 1] -> (N, tokens, lm width)."""
+        if images.shape[-1] != self.config.vision.image_size or images.shape[-2] != self.config.vision.image_size:
+            raise KilovlaError(f"images are {tuple(images.shape[-2:])}, the model takes "
+                               f"{self.config.vision.image_size}x{self.config.vision.image_size}")
+        return self.vlm.multi_modal_projector.linear(self.vlm.vision_tower(images))
+
+    def embed_suffix(self, state: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor):
+        """-> suffix tokens (B, extra + H, W_expert) and the adaRMS condition (B, W_expert) or None."""
+        w = self.config.expert.width
+        time_emb = sincos_time_embedding(t, w).to(x_t.dtype)
+        actions = self.action_in_proj(x_t)
+        if self.config.pi05:
+            cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_emb))))
+            return actions, cond
+        mixed = torch.cat([actions, time_emb[:, None].expand_as(actions)], dim=-1)
+        actions = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(mixed)))
+        return torch.cat([self.state_proj(state)[:, None], actions], dim=1), None
+
+    # -- the shared layer loop ----------------------------------------------------------------------
+    def _qkv(self, layer, h: torch.Tensor, positions: torch.Tensor, cfg: DecoderConfig):
+        attn = layer.self_attn
+        lead = h.shape[:-1]
+        q = apply_rope(attn.q_proj(h).view(*lead, cfg.heads, cfg.head_dim), positions)
+        k = apply_rope(attn.k_proj(h).view(*lead, cfg.kv_heads, cfg.head_dim), positions)
+        v = attn.v_proj(h).view(*lead, cfg.kv_heads, cfg.head_dim)
+        return q, k, v
+
+    @staticmethod
+    def _finish(layer, x, attn_out, gate, cond):
+        out = layer.self_attn.o_proj(attn_out.flatten(-2))
+        x = gated_residual(x, out, gate)
+        h, gate2 = layer.post_attention_layernorm(x, cond)
+        return gated_residual(x, layer.mlp(h), gate2)
+
+    def _layers(self, pre: _Stream | None, suf: _Stream | None, attention, collect_kv: bool = False):
+        """Run both streams through every layer; `attention(i, qkv_pre, qkv_suf) -> (out_pre, out_suf)`."""
+        kv_cache = []
+        x_pre = pre.x if pre else None
+        x_suf = suf.x if suf else None
+        for i, (lp, ls) in enumerate(zip(self.vlm.language_model.layers, self.expert.layers)):
+            qkv_p = qkv_s = gate_p = gate_s = None
+            if pre is not None:
+                h, gate_p = lp.input_layernorm(x_pre, None)
+                qkv_p = self._qkv(lp, h, pre.positions, self.config.lm)
+                if collect_kv:
+                    kv_cache.append(qkv_p[1:])
+            if suf is not None:
+                h, gate_s = ls.input_layernorm(x_suf, suf.cond)
+                qkv_s = self._qkv(ls, h, suf.positions, self.config.expert)
+            out_p, out_s = attention(i, qkv_p, qkv_s)
+            if pre is not None:
+                x_pre = self._finish(lp, x_pre, out_p, gate_p, None)
+            if suf is not None:
+                x_suf = self._finish(ls, x_suf, out_s, gate_s, suf.cond)
+        if pre is not None:
+            x_pre = self.vlm.language_model.norm(x_pre, None)[0]
+        if suf is not None:
+            x_suf = self.expert.norm(x_suf, suf.cond)[0]
+        return x_pre, x_suf, kv_cache
+
+    # -- padded path ----------------------------------------------------------------------------------
+    def _padded_prefix(self, batch: PaddedBatch):
+        cfg = self.config
+        batch = batch.select_cameras(cfg.enabled_cameras)
+        if cfg.language_padding == "longest":
+            batch = batch.trim_language()
+        else:
+            extra = cfg.max_language_tokens - batch.tokens.shape[1]
+            if extra < 0:
+                raise KilovlaError(f"batch has {batch.tokens.shape[1]} language tokens, more than "
+                                   f"max_language_tokens={cfg.max_language_tokens}")
+            batch = PaddedBatch(**{**vars(batch), "tokens": F.pad(batch.tokens, (0, extra)),
+                                   "token_mask": F.pad(batch.token_mask, (0, extra))})
+        b, c = batch.images.shape[:2]
+        img = self.embed_images(batch.images.flatten(0, 1))  # (B*C, P, W)
+        p = img.shape[1]
+        img = img.reshape(b, c * p, -1)
+        img_mask = batch.image_masks[:, :, None].expand(b, c, p).reshape(b, c * p)
+        x = torch.cat([img, self.vlm.language_model.embed(batch.tokens)], dim=1)
+        return x, torch.cat([img_mask, batch.token_mask], dim=1)
+
+    def _padded_suffix_masks(self, batch: PaddedBatch, horizon: int):
+        b = batch.batch_size
+        dev = batch.tokens.device
+        hmask = batch.horizon_mask if batch.horizon_mask is not None else torch.ones(b, horizon, dtype=torch.bool, device=dev)
+        extra = self.config.suffix_extra
+        suf_mask = torch.cat([torch.ones(b, extra, dtype=torch.bool, device=dev), hmask], dim=1)
+        ar = torch.zeros(extra + horizon, dtype=torch.bool, device=dev)
+        ar[: extra + 1] = True  # the state block (pi0) and the action block each start a causal block
+        return suf_mask, ar
+
+    def _dense_attention(self, mask: torch.Tensor, n_prefix: int, cached=None):
+        scale = self.config.lm.head_dim ** -0.5
+
+        def attention(i, qkv_p, qkv_s):
+            parts = [x for x in (qkv_p, qkv_s) if x is not None]
+            q = torch.cat([x[0] for x in parts], dim=1).transpose(1, 2)
+            if qkv_p is not None:
+                k = torch.cat([x[1] for x in parts], dim=1)
+                v = torch.cat([x[2] for x in parts], dim=1)
+            else:  # suffix only, prefix keys/values from the cache
+                k = torch.cat([cached[i][0], qkv_s[1]], dim=1)
+                v = torch.cat([cached[i][1], qkv_s[2]], dim=1)
+            rows = slice(0, n_prefix) if qkv_s is None else slice(n_prefix if qkv_p is None else 0, None)
+            cols = slice(0, n_prefix) if qkv_s is None else slice(None)
+            out = attend_dense(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, :, rows, cols], scale).transpose(1, 2)
+            if qkv_p is None:
+                return None, out
+            if qkv_s is None:
+                return out, None
+            return out[:, :n_prefix], out[:, n_prefix:]
+
+        return attention
+
+    def forward_padded(self, batch: PaddedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Velocity prediction (B, H, A) through the padded reference path."""
+        x_pre, pre_mask = self._padded_prefix(batch)
+        suffix, cond = self.embed_suffix(batch.state, x_t, t)
+        suf_mask, suf_ar = self._padded_suffix_masks(batch, x_t.shape[1])
+        input_mask = torch.cat([pre_mask, suf_mask], dim=1)
+        ar = torch.cat([torch.zeros(pre_mask.shape[1], dtype=torch.bool, device=suf_ar.device), suf_ar])
+        mask = additive(prefix_lm_mask(input_mask, ar))
+        positions = input_mask.long().cumsum(1) - 1
+        n = pre_mask.shape[1]
+        pre = _Stream(x_pre, positions[:, :n])
+        suf = _Stream(suffix, positions[:, n:], None if cond is None else cond[:, None])
+        _, out, _ = self._layers(pre, suf, self._dense_attention(mask, n))
+        return self.action_out_proj(out[:, self.config.suffix_extra:])
+
+    # -- packed path ----------------------------------------------------------------------------------
+    def forward_packed(self, batch: PackedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Velocity prediction (B, H, A) with every sample's tokens laid end to end, no padding."""
+        cfg = self.config
+        b, horizon = batch.batch_size, x_t.shape[1]
+        dev = x_t.device
+        # Prefix: per sample, its images' tokens then its language tokens.
+        img = self.embed_images(batch.images) if len(batch.images) else x_t.new_zeros(0, 1, cfg.lm.width)
+        p = img.shape[1]
+        img_sample = batch.image_sample.repeat_interleave(p)
+        src = torch.cat([img.reshape(-1, img.shape[-1]), self.vlm.language_model.embed(batch.tokens)])
+        sample = torch.cat([img_sample, batch.token_sample])
+        kind = torch.cat([torch.zeros_like(img_sample), torch.ones_like(batch.token_sample)])
+        order = torch.argsort(sample * 2 + kind, stable=True)
+        x_pre = src[order]
+        pre_len = torch.bincount(sample, minlength=b)
+        # Suffix: [state] + the chunk positions each sample has.
+        suffix, cond = self.embed_suffix(batch.state, x_t, t)
+        hmask = batch.horizon_mask if batch.horizon_mask is not None else torch.ones(b, horizon, dtype=torch.bool, device=dev)
+        extra = cfg.suffix_extra
+        suf_valid = torch.cat([torch.ones(b, extra, dtype=torch.bool, device=dev), hmask], dim=1)
+        x_suf = suffix[suf_valid]
+        suf_sample, suf_slot = suf_valid.nonzero(as_tuple=True)
+        suf_len = suf_valid.sum(1)
+        pre_pos = torch.arange(len(x_pre), device=dev) - torch.repeat_interleave(pre_len.cumsum(0) - pre_len, pre_len)
+        suf_pos = pre_len[suf_sample] + (torch.arange(len(x_suf), device=dev)
+                                         - torch.repeat_interleave(suf_len.cumsum(0) - suf_len, suf_len))
+        pre = _Stream(x_pre, pre_pos)
+        suf = _Stream(x_suf, suf_pos, None if cond is None else cond[suf_sample])
+        attention = self._varlen_attention(pre_len, suf_len, suf_slot, dev)
+        _, out, _ = self._layers(pre, suf, attention)
+        v = x_t.new_zeros(b, horizon, cfg.max_action_dim)
+        is_action = suf_slot >= extra
+        v[suf_sample[is_action], suf_slot[is_action] - extra] = self.action_out_proj(out[is_action])
+        return v
+
+    def _varlen_attention(self, pre_len: torch.Tensor, suf_len: torch.Tensor, suf_slot: torch.Tensor, dev):
+        """Index plans for the varlen calls of one packed batch (built once, used by every layer)."""
+        backend = resolve_backend(self.config.attention_backend, dev)
+        scale = self.config.lm.head_dim ** -0.5
+        pre_len_np, suf_len_np = pre_len.cpu().numpy(), suf_len.cpu().numpy()
+        pre_start = np.concatenate([[0], np.cumsum(pre_len_np)[:-1]])
+        suf_start = np.concatenate([[0], np.cumsum(suf_len_np)[:-1]])
+        n_pre = int(pre_len_np.sum())
+        extra = self.config.suffix_extra
+
+        def kv_index(suffix_keys: np.ndarray) -> torch.Tensor:
+            """Rows of cat(prefix, suffix) holding each sample's prefix then its first suffix_keys[i] suffix tokens."""
+            parts = []
+            for ps, pl, ss, sk in zip(pre_start, pre_len_np, suf_start, suffix_keys):
+                parts += [np.arange(ps, ps + pl), n_pre + ss + np.arange(sk)]
+            return torch.as_tensor(np.concatenate(parts), device=dev)
+
+        spec_pre = VarlenSpec.from_lengths(pre_len, pre_len)
+        groups = []  # (suffix rows queried, kv rows, spec)
+        if extra:  # pi0: state tokens see the prefix and themselves; actions see everything
+            state_rows = torch.as_tensor(suf_start, device=dev)
+            ones = torch.ones_like(suf_len)
+            groups.append((state_rows, kv_index(np.ones_like(suf_len_np)), VarlenSpec.from_lengths(ones, pre_len + 1)))
+            action_rows = (suf_slot >= extra).nonzero(as_tuple=True)[0]
+            groups.append((action_rows, kv_index(suf_len_np), VarlenSpec.from_lengths(suf_len - 1, pre_len + suf_len)))
+        else:
+            all_rows = torch.arange(int(suf_len_np.sum()), device=dev)
+            groups.append((all_rows, kv_index(suf_len_np), VarlenSpec.from_lengths(suf_len, pre_len + suf_len)))
+
+        def attention(i, qkv_p, qkv_s):
+            qp, kp, vp = qkv_p
+            qs, ks, vs = qkv_s
+            out_p = attend_varlen(qp, kp, vp, spec_pre, scale, backend)
+            k_all, v_all = torch.cat([kp, ks]), torch.cat([vp, vs])
+            out_s = torch.empty_like(qs)
+            for rows, kv, spec in groups:
+                out_s[rows] = attend_varlen(qs[rows], k_all[kv], v_all[kv], spec, scale, backend)
+            return out_p, out_s
+
+        return attention
+
+    # -- training ------------------------------------------------------------------------------------
+    def sample_time(self, n: int, device) -> torch.Tensor:
+        beta = torch.distributions.Beta(torch.tensor(1.5, device=device), torch.tensor(1.0, device=device))
+        return beta.sample((n,)) * 0.999 + 0.001
+
+    def forward(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None,
+                time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Flow-matching loss. A PaddedBatch runs packed when config.packing is set."""
+        if batch.actions is None:
+            raise KilovlaError("training needs actions in the batch")
+        actions = batch.actions
+        b = actions.shape[0]
+        noise = torch.randn_like(actions) if noise is None else noise
+        t = self.sample_time(b, actions.device) if time is None else time
+        x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+        u_t = noise - actions
+        if isinstance(batch, PaddedBatch) and self.config.packing:
+            batch = batch.pack(self.config.enabled_cameras)
+        v_t = self.forward_packed(batch, x_t, t) if isinstance(batch, PackedBatch) else self.forward_padded(batch, x_t, t)
+        weight = torch.ones_like(u_t)
+        if batch.horizon_mask is not None:
+            weight = weight * batch.horizon_mask[..., None]
+        if batch.action_is_pad is not None:
+            weight = weight * (~batch.action_is_pad)[..., None]
+        if batch.action_dim_mask is not None:
+            dims = batch.action_dim_mask
+            weight = weight * (dims[None, None, :] if dims.ndim == 1 else dims[:, None, :])
+        loss = ((v_t - u_t) ** 2 * weight).sum() / weight.sum().clamp(min=1)
+        return {"loss": loss, "v_t": v_t}
+
+    # -- inference -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample_actions(self, batch: PaddedBatch, noise: torch.Tensor | None = None, use_cache: bool = True) -> torch.Tensor:
+        """Euler-integrate the flow from noise (t = 1) to actions (t = 0): (B, chunk, max_action_dim)."""
+        cfg = self.config
+        b = batch.batch_size
+        horizon = cfg.chunk_size
+        x = torch.randn(b, horizon, cfg.max_action_dim, device=batch.state.device) if noise is None else noise
+        if not use_cache:
+            return self._sample_uncached(batch, x)
+        x_pre, pre_mask = self._padded_prefix(batch)
+        suf_mask, suf_ar = self._padded_suffix_masks(batch, horizon)
+        input_mask = torch.cat([pre_mask, suf_mask], dim=1)
+        ar = torch.cat([torch.zeros(pre_mask.shape[1], dtype=torch.bool, device=x.device), suf_ar])
+        mask = additive(prefix_lm_mask(input_mask, ar))
+        positions = input_mask.long().cumsum(1) - 1
+        n = pre_mask.shape[1]
+        _, _, cache = self._layers(_Stream(x_pre, positions[:, :n]), None, self._dense_attention(mask, n),
+                                   collect_kv=True)
+        dt = -1.0 / cfg.num_inference_steps
+        for step in range(cfg.num_inference_steps):
+            t = torch.full((b,), 1.0 + step * dt, device=x.device)
+            suffix, cond = self.embed_suffix(batch.state, x, t)
+            suf = _Stream(suffix, positions[:, n:], None if cond is None else cond[:, None])
+            _, out, _ = self._layers(None, suf, self._dense_attention(mask, n, cached=cache))
+            x = x + dt * self.action_out_proj(out[:, cfg.suffix_extra:])
+        return x
+
+    def _sample_uncached(self, batch: PaddedBatch, x: torch.Tensor) -> torch.Tensor:
+        dt = -1.0 / self.config.num_inference_steps
+        for step in range(self.config.num_inference_steps):
+            t = torch.full((batch.batch_size,), 1.0 + step * dt, device=x.device)
+            x = x + dt * self.forward_padded(batch, x, t)
+        return x

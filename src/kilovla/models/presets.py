@@ -1,0 +1,51 @@
+"""Named model configurations.
+
+- ``pi05-tiny`` / ``pi0-tiny``: seconds per step on a CPU, for tests and the demo.
+- ``pi05-3b`` / ``pi0-3b``: PaliGemma-3B (SigLIP So400m/14 at 224 px + Gemma-2B) with the Gemma-300M
+  action expert, the shapes and state-dict keys of the published openpi / LeRobot checkpoints. Build
+  them on the meta device to inspect without allocating: ``build_model("pi05-3b", device="meta")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kilovla.errors import KilovlaError
+from kilovla.models.language import DecoderConfig
+from kilovla.models.pi05 import Pi05Config, Pi05Model
+from kilovla.models.tokenize import BYTE_VOCAB_SIZE
+from kilovla.models.vision import ViTConfig
+
+_TINY = dict(
+    vision=ViTConfig(image_size=32, patch_size=8, width=32, depth=2, heads=2, mlp_dim=64),
+    lm=DecoderConfig(width=48, depth=2, heads=2, kv_heads=1, head_dim=16, mlp_dim=96, vocab_size=BYTE_VOCAB_SIZE),
+    expert=DecoderConfig(width=32, depth=2, heads=2, kv_heads=1, head_dim=16, mlp_dim=64, vocab_size=0),
+    chunk_size=8, max_action_dim=8, max_state_dim=8, max_language_tokens=48,
+)
+_3B = dict(
+    vision=ViTConfig(image_size=224, patch_size=14, width=1152, depth=27, heads=16, mlp_dim=4304),
+    lm=DecoderConfig(width=2048, depth=18, heads=8, kv_heads=1, head_dim=256, mlp_dim=16384, vocab_size=257152),
+    expert=DecoderConfig(width=1024, depth=18, heads=8, kv_heads=1, head_dim=256, mlp_dim=4096, vocab_size=0),
+    chunk_size=50, max_action_dim=32, max_state_dim=32, max_language_tokens=200,
+)
+PRESETS = {
+    "pi05-tiny": Pi05Config(pi05=True, **_TINY),
+    "pi0-tiny": Pi05Config(pi05=False, **_TINY),
+    "pi05-3b": Pi05Config(pi05=True, **_3B),
+    "pi0-3b": Pi05Config(pi05=False, **{**_3B, "max_language_tokens": 48}),
+}
+
+
+def preset(name: str, **overrides) -> Pi05Config:
+    if name not in PRESETS:
+        raise KilovlaError(f"unknown model preset {name!r}; available: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def build_model(name: str, device: str | torch.device = "cpu", seed: int = 0, **overrides) -> Pi05Model:
+    config = preset(name, **overrides)
+    with torch.device(device):
+        torch.manual_seed(seed)
+        return Pi05Model(config)

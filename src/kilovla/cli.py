@@ -110,20 +110,22 @@ def cmd_data_bench(args) -> int:
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data", "envs")
+SUITES = ("data", "envs", "packing", "pruning")
 
 
 def cmd_bench(args) -> int:
     from kilovla.bench import data as data_bench
     from kilovla.bench import envs as envs_bench
+    from kilovla.bench import models as models_bench
 
-    suites = SUITES if args.suite == "all" else (args.suite,)
-    for suite in suites:
-        if suite == "data":
-            path = data_bench.run(quick=args.quick, out_dir=args.out, world_size=args.world_size)
-        else:
-            path = envs_bench.run(quick=args.quick, out_dir=args.out)
-        print(f"wrote {path}")
+    runners = {
+        "data": lambda: data_bench.run(quick=args.quick, out_dir=args.out, world_size=args.world_size),
+        "envs": lambda: envs_bench.run(quick=args.quick, out_dir=args.out),
+        "packing": lambda: models_bench.run_packing(quick=args.quick, out_dir=args.out),
+        "pruning": lambda: models_bench.run_pruning(quick=args.quick, out_dir=args.out),
+    }
+    for suite in SUITES if args.suite == "all" else (args.suite,):
+        print(f"wrote {runners[suite]()}")
     return 0
 
 

@@ -1,0 +1,167 @@
+"""`kilovla bench packing` and `kilovla bench pruning`: training-step throughput of pi0.5.
+
+The batch follows pi0.5 on LIBERO as openpi feeds it: 3 camera slots x 256 tokens (224 px, patch
+14) with the third camera blank, language padded to 200 tokens (real prompts 8-48 tokens), action
+chunks of 10-50 steps padded to 50. The model is pi0.5's architecture at a width that trains on
+2 CPU cores (`bench-cpu`); on a CUDA machine the same suite runs in bf16 with the flash-attn
+varlen backend and reports MFU.
+
+- packing: baseline = the padded path (fixed shapes); ours = packing + varlen attention (no padding,
+  no blank camera). limit = padded tokens / real tokens, the most packing can save.
+- pruning: baseline = blank camera masked + 200-token language (openpi); ours = blank camera pruned
+  before the ViT + per-batch (dynamic) language padding, both in the padded path.
+
+Forward + backward + optimizer step, interleaved repeats, median samples/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
+from kilovla.models.batch import PaddedBatch
+from kilovla.models.language import DecoderConfig
+from kilovla.models.pi05 import Pi05Config, Pi05Model
+from kilovla.models.tokenize import BYTE_VOCAB_SIZE, ByteTokenizer, tokenize_batch
+from kilovla.models.vision import ViTConfig
+
+BENCH_CPU = Pi05Config(
+    vision=ViTConfig(image_size=224, patch_size=14, width=64, depth=2, heads=2, mlp_dim=128),
+    lm=DecoderConfig(width=128, depth=3, heads=2, kv_heads=1, head_dim=32, mlp_dim=256, vocab_size=BYTE_VOCAB_SIZE),
+    expert=DecoderConfig(width=64, depth=3, heads=2, kv_heads=1, head_dim=32, mlp_dim=128, vocab_size=0),
+    chunk_size=50, max_action_dim=8, max_state_dim=8, max_language_tokens=200,
+)
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+WORDS = "pick up the black bowl on the cookie box and place it on the plate near the stove drawer".split()
+
+
+def libero_batch(cfg: Pi05Config, batch_size: int, seed: int) -> PaddedBatch:
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(batch_size):
+        target = int(rng.integers(8, 49))  # byte tokens incl. BOS
+        words = " ".join(rng.choice(WORDS, 12))
+        prompts.append(words[: target - 1])
+    tokens, mask = tokenize_batch(ByteTokenizer(), prompts, cfg.max_language_tokens)
+    pad = cfg.max_language_tokens - tokens.shape[1]
+    tokens, mask = torch.nn.functional.pad(tokens, (0, pad)), torch.nn.functional.pad(mask, (0, pad))
+    horizons = torch.as_tensor(rng.integers(10, cfg.chunk_size + 1, batch_size))
+    g = torch.Generator().manual_seed(seed)
+    image_masks = torch.ones(batch_size, 3, dtype=torch.bool)
+    image_masks[:, 2] = False  # LIBERO has no right wrist camera: openpi feeds a blank one, masked
+    s = cfg.vision.image_size
+    return PaddedBatch(
+        images=torch.rand(batch_size, 3, 3, s, s, generator=g), image_masks=image_masks, camera_names=cfg.cameras,
+        tokens=tokens, token_mask=mask, state=torch.randn(batch_size, cfg.max_state_dim, generator=g),
+        actions=torch.randn(batch_size, cfg.chunk_size, cfg.max_action_dim, generator=g),
+        horizon_mask=torch.arange(cfg.chunk_size)[None] < horizons[:, None])
+
+
+def token_counts(cfg: Pi05Config, batch: PaddedBatch) -> tuple[int, int]:
+    """(tokens the padded path processes, real tokens) in the LM + expert streams."""
+    p = cfg.vision.tokens
+    padded = batch.batch_size * (len(cfg.cameras) * p + cfg.max_language_tokens + cfg.chunk_size)
+    real = int(batch.image_masks.sum()) * p + int(batch.token_mask.sum()) + int(batch.horizon_mask.sum())
+    return padded, real
+
+
+def _model_flops(model: Pi05Model, batch: PaddedBatch) -> float:
+    """Forward + backward FLOPs of the real tokens: 6 * params * tokens per stream (attention left out)."""
+    cfg = model.config
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    vit = count(model.vlm.vision_tower)
+    lm = count(model.vlm.language_model) - model.vlm.language_model.embed_tokens.weight.numel()
+    p = cfg.vision.tokens
+    images = int(batch.image_masks.sum())
+    prefix = images * p + int(batch.token_mask.sum())
+    return 6.0 * (vit * images * p + lm * prefix + count(model.expert) * int(batch.horizon_mask.sum()))
+
+
+def _step_time(model, opt, batch, switches: dict) -> float:
+    model.config = dataclasses.replace(model.config, **switches)
+    t0 = time.perf_counter()
+    loss = model(batch)["loss"]
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    if batch.images.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _compare(model, opt, batches, base: dict, ours: dict, repeats: int, autocast) -> tuple[float, float]:
+    base_t, ours_t = [], []
+    with autocast:
+        _step_time(model, opt, batches[0], base)  # warm-up: allocator, kernels
+        _step_time(model, opt, batches[0], ours)
+        for r in range(repeats):
+            for b in batches:
+                base_t.append(_step_time(model, opt, b, base))
+                ours_t.append(_step_time(model, opt, b, ours))
+    n = batches[0].batch_size
+    return n / float(np.median(base_t)), n / float(np.median(ours_t))
+
+
+def _setup(quick: bool, device: str):
+    torch.manual_seed(0)
+    cuda = device == "cuda"
+    cfg = dataclasses.replace(BENCH_CPU, attention_backend="flash_attn" if cuda else "sdpa_segments")
+    model = Pi05Model(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch_size = 4 if quick else 8
+    batches = [libero_batch(cfg, batch_size, seed).to(device) for seed in range(2 if quick else 3)]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    return model, opt, batches, autocast
+
+
+def _mfu(model, batch, samples_per_s: float) -> float | None:
+    if not batch.images.is_cuda:
+        return None
+    name = torch.cuda.get_device_name(0)
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return None if peak is None else _model_flops(model, batch) / batch.batch_size * samples_per_s / peak
+
+
+def run_packing(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, device: str | None = None, console=None) -> Path:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, opt, batches, autocast = _setup(quick, device)
+    padded, real = map(sum, zip(*(token_counts(model.config, b) for b in batches)))
+    repeats = 1 if quick else 3
+    base, ours = _compare(model, opt, batches, {"packing": False}, {"packing": True}, repeats, autocast)
+    rows = [Row.compare("train_samples_per_s", "samples/s", base, ours, higher_is_better=True,
+                        limit=round(padded / real, 3),
+                        note=f"pi0.5 LIBERO layout (3x256 img tokens, 1 blank; lang<=200; horizon 10-50), "
+                             f"{device}; fixed padding vs packing + varlen; limit = padded/real tokens")]
+    mfu = _mfu(model, batches[0], ours)
+    if mfu is not None:
+        rows.append(Row.compare("mfu", "fraction", _mfu(model, batches[0], base), mfu, higher_is_better=True,
+                                note="model FLOPs of real tokens / peak bf16"))
+    extra = {"padded_tokens": padded, "real_tokens": real, "ideal_ratio": padded / real,
+             "fraction_of_ideal": (ours / base) / (padded / real), "device": device,
+             "attention_backend": model.config.attention_backend}
+    return write_suite("packing", rows, quick=quick, out_dir=out_dir, extra=extra, console=console)
+
+
+def run_pruning(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, device: str | None = None, console=None) -> Path:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, opt, batches, autocast = _setup(quick, device)
+    repeats = 1 if quick else 3
+    blank = (model.config.cameras[-1],)
+    plain = {"packing": False, "disabled_cameras": (), "language_padding": "max_length"}
+    variants = {
+        "train_samples_per_s": {"disabled_cameras": blank, "language_padding": "longest"},
+        "train_samples_per_s_pruning_only": {"disabled_cameras": blank},
+        "train_samples_per_s_dynamic_padding_only": {"language_padding": "longest"},
+    }
+    rows = []
+    for name, switches in variants.items():
+        base, ours = _compare(model, opt, batches, plain, {**plain, **switches}, repeats, autocast)
+        rows.append(Row.compare(name, "samples/s", base, ours, higher_is_better=True,
+                                note=f"pi0.5 LIBERO layout, {device}; blank camera masked + 200-token language "
+                                     f"vs {', '.join(f'{k}={v}' for k, v in switches.items())}"))
+    return write_suite("pruning", rows, quick=quick, out_dir=out_dir, extra={"device": device}, console=console)

@@ -59,6 +59,7 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
     check_compatible(policy, spec)
     if episodes < 1:
         raise KilovlaError(f"episodes must be >= 1, got {episodes}")
+    n_action_steps = n_action_steps or getattr(policy, "n_action_steps", None)
     out = Path(out_dir) if out_dir is not None else None
     kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {})}
     per_task: dict[str, dict] = {}

@@ -6,7 +6,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.models.checkpoints import CheckpointError, load_checkpoint, save_safetensors
-from kilovla.models.policy import Pi05Policy, PolicyMeta, load_checkpoint_policy
+from kilovla.models.policy import VLAPolicy, PolicyMeta, load_checkpoint_policy
 from kilovla.models.presets import build_model
 
 EMBED = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
@@ -86,7 +86,7 @@ def _metaworld_policy(action_dim=4):
     meta = PolicyMeta(preset="pi05-tiny", overrides={"disabled_cameras": ["right_wrist_0_rgb"]},
                       camera_map={"observation.images.scene": "base_0_rgb", "observation.images.wrist": "left_wrist_0_rgb"},
                       state_dim=4, action_dim=action_dim, stats=stats, n_action_steps=4)
-    return Pi05Policy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta)
+    return VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta)
 
 
 def test_policy_round_trips_and_acts(tmp_path):

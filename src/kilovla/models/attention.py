@@ -5,7 +5,8 @@ Two kinds of call:
 - dense: q (B, H, Lq, D), k/v (B, Hkv, Lk, D) and an additive float mask (B, 1, Lq, Lk)
   (0 where allowed, `BIG_NEG` where not). Backend `sdpa_dense`; the padded reference path.
 - varlen: packed sequences, q (Tq, H, D), k/v (Tk, Hkv, D), and `VarlenSpec(cu_q, cu_k, max_q, max_k)`:
-  query segment i attends to key segment i only, non-causally. Backends:
+  query segment i attends to key segment i only; `causal=True` adds the causal mask within a
+  segment (query and key segments then have equal lengths). Backends:
 
   | backend        | where     | how                                                     |
   |----------------|-----------|---------------------------------------------------------|
@@ -45,24 +46,26 @@ class VarlenSpec:
     cu_k: torch.Tensor  # (n + 1,) int32 prefix sums of key segment lengths
     max_q: int
     max_k: int
+    causal: bool = False
 
     @classmethod
-    def from_lengths(cls, q_lengths: torch.Tensor, k_lengths: torch.Tensor) -> VarlenSpec:
+    def from_lengths(cls, q_lengths: torch.Tensor, k_lengths: torch.Tensor, causal: bool = False) -> VarlenSpec:
         zero = torch.zeros(1, dtype=torch.int32, device=q_lengths.device)
         cu_q = torch.cat([zero, q_lengths.cumsum(0).to(torch.int32)])
         cu_k = torch.cat([zero, k_lengths.cumsum(0).to(torch.int32)])
-        return cls(cu_q, cu_k, int(q_lengths.max()), int(k_lengths.max()))
+        return cls(cu_q, cu_k, int(q_lengths.max()), int(k_lengths.max()), causal)
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)
 
 
-def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (B, H, Lq, D), k/v (B, Hkv, Lk, D), additive mask (B, 1, Lq, Lk) -> (B, H, Lq, D)."""
+def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
+    """q (B, H, Lq, D), k/v (B, Hkv, Lk, D), additive mask (B, 1, Lq, Lk) or None -> (B, H, Lq, D)."""
     rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, _repeat_kv(k, rep, 1), _repeat_kv(v, rep, 1), attn_mask=mask.to(q.dtype),
-                                          scale=scale)
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, rep, 1), _repeat_kv(v, rep, 1),
+                                          attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
 
 
 def _segments(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
@@ -76,7 +79,7 @@ def _segments(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
         qi = q[qs].transpose(0, 1)  # (H, Lq, D)
         ki = _repeat_kv(k[ks].transpose(0, 1), rep, 0)
         vi = _repeat_kv(v[ks].transpose(0, 1), rep, 0)
-        out[qs] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
+        out[qs] = F.scaled_dot_product_attention(qi, ki, vi, scale=scale, is_causal=spec.causal).transpose(0, 1)
     return out
 
 
@@ -89,9 +92,13 @@ def _flex(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
 
     seg_q = _segment_ids(spec.cu_q, q.shape[0])
     seg_k = _segment_ids(spec.cu_k, k.shape[0])
+    pos_q = torch.arange(q.shape[0], device=q.device) - spec.cu_q.long()[seg_q]
+    pos_k = torch.arange(k.shape[0], device=k.device) - spec.cu_k.long()[seg_k]
+    causal = spec.causal
 
     def same_segment(b, h, qi, ki):
-        return seg_q[qi] == seg_k[ki]
+        same = seg_q[qi] == seg_k[ki]
+        return same & (pos_q[qi] >= pos_k[ki]) if causal else same
 
     block = create_block_mask(same_segment, None, None, q.shape[0], k.shape[0], device=q.device)
     rep = q.shape[1] // k.shape[1]
@@ -104,7 +111,7 @@ def _flash_attn(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, softmax_scale=scale,
-                                  causal=False)
+                                  causal=spec.causal)
 
 
 def _torch_varlen(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
@@ -113,7 +120,9 @@ def _torch_varlen(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
     params = inspect.signature(varlen_attn).parameters
     kwargs = {"scale": scale} if "scale" in params else {}
     if "is_causal" in params:  # torch 2.9 spelling
-        kwargs["is_causal"] = False
+        kwargs["is_causal"] = spec.causal
+    elif "window_size" in params:  # later: (-1, 0) is causal
+        kwargs["window_size"] = (-1, 0) if spec.causal else (-1, -1)
     rep = q.shape[1] // k.shape[1]
     if "enable_gqa" in params and rep > 1:
         kwargs["enable_gqa"] = True
@@ -164,7 +173,8 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
 
 def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: VarlenSpec, scale: float,
                   backend: str = "sdpa_segments") -> torch.Tensor:
-    """q (Tq, H, D), k/v (Tk, Hkv, D) -> (Tq, H, D); segment i of q sees segment i of k only."""
+    """q (Tq, H, D), k/v (Tk, Hkv, D) -> (Tq, H, D); segment i of q sees segment i of k only
+    (and, with spec.causal, only keys at or before its own position)."""
     if backend == "sdpa_dense":
         backend = "sdpa_segments"
     return _VARLEN[backend](q, k, v, spec, scale)

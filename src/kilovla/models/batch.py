@@ -30,6 +30,7 @@ class PaddedBatch:
     action_is_pad: torch.Tensor | None = None  # (B, H) bool: past the episode's end (no loss)
     horizon_mask: torch.Tensor | None = None  # (B, H) bool: chunk positions this sample has
     action_dim_mask: torch.Tensor | None = None  # (A,) or (B, A) bool: real action dims
+    embodiment_id: torch.Tensor | None = None  # (B,) long: GR00T's per-embodiment encoders (None: 0)
 
     @property
     def batch_size(self) -> int:
@@ -67,6 +68,7 @@ class PaddedBatch:
             action_is_pad=b.action_is_pad,
             horizon_mask=b.horizon_mask,
             action_dim_mask=b.action_dim_mask,
+            embodiment_id=b.embodiment_id,
         )
 
 
@@ -82,6 +84,21 @@ class PackedBatch:
     action_is_pad: torch.Tensor | None = None  # (B, H)
     horizon_mask: torch.Tensor | None = None  # (B, H) chunk positions each sample has (None: all)
     action_dim_mask: torch.Tensor | None = None
+    embodiment_id: torch.Tensor | None = None
 
     def to(self, device) -> PackedBatch:
         return replace(self, **{k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)})
+
+
+def loss_weight(batch, target: torch.Tensor) -> torch.Tensor:
+    """1 where an action element counts in the loss: a chunk position the sample has, not past the
+    episode's end (`action_is_pad`), a real action dimension."""
+    weight = torch.ones_like(target)
+    if batch.horizon_mask is not None:
+        weight = weight * batch.horizon_mask[..., None]
+    if batch.action_is_pad is not None:
+        weight = weight * (~batch.action_is_pad)[..., None]
+    if batch.action_dim_mask is not None:
+        dims = batch.action_dim_mask
+        weight = weight * (dims[None, None, :] if dims.ndim == 1 else dims[:, None, :])
+    return weight

@@ -8,6 +8,8 @@ kilovla's own keys are openpi's PyTorch port's (`paligemma_with_expert.paligemma
   call the time MLP ``action_time_mlp_*`` and carry pi0's unused ``state_proj``.
 - both may store ``paligemma.lm_head.weight`` (tied to the token embedding; used to fill
   ``embed_tokens`` when that is absent) and the action expert's unused ``lm_head``: accepted, dropped.
+- ``groot``: NVIDIA's GR00T N1.5 names (``backbone.eagle_model.*``, ``action_head.*``) are kilovla's;
+  the truncated LLM's unused ``lm_head`` is dropped.
 
 Loading is strict: missing keys, unexpected keys and shape mismatches are reported together in one
 `CheckpointError` that names the file, instead of a traceback from `load_state_dict`.
@@ -24,10 +26,10 @@ from torch import nn
 
 from kilovla.errors import KilovlaError
 
-LAYOUTS = ("kilovla", "openpi", "lerobot")
+LAYOUTS = ("kilovla", "openpi", "lerobot", "groot")
 _TIED_LM_HEAD = "paligemma_with_expert.paligemma.lm_head.weight"
 _EMBED = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
-_UNUSED = ("paligemma_with_expert.gemma_expert.lm_head.weight",)
+_UNUSED = ("paligemma_with_expert.gemma_expert.lm_head.weight", "backbone.eagle_model.language_model.lm_head.weight")
 
 
 class CheckpointError(KilovlaError):
@@ -38,6 +40,8 @@ def detect_layout(keys) -> str:
     keys = list(keys)
     if keys and all(k.startswith("model.") for k in keys):
         return "lerobot"
+    if any(k.startswith("backbone.eagle_model.") for k in keys):
+        return "groot"
     return "openpi"
 
 

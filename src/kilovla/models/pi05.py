@@ -38,7 +38,7 @@ from torch import nn
 
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen, prefix_lm_mask, resolve_backend
-from kilovla.models.batch import PackedBatch, PaddedBatch
+from kilovla.models.batch import PackedBatch, PaddedBatch, loss_weight
 from kilovla.models.language import Decoder, DecoderConfig
 from kilovla.models.layers import apply_rope, gated_residual, sincos_time_embedding
 from kilovla.models.vision import ViTConfig, VisionTower
@@ -379,14 +379,7 @@ class Pi05Model(nn.Module):
         if isinstance(batch, PaddedBatch) and self.config.packing:
             batch = batch.pack(self.config.enabled_cameras)
         v_t = self.forward_packed(batch, x_t, t) if isinstance(batch, PackedBatch) else self.forward_padded(batch, x_t, t)
-        weight = torch.ones_like(u_t)
-        if batch.horizon_mask is not None:
-            weight = weight * batch.horizon_mask[..., None]
-        if batch.action_is_pad is not None:
-            weight = weight * (~batch.action_is_pad)[..., None]
-        if batch.action_dim_mask is not None:
-            dims = batch.action_dim_mask
-            weight = weight * (dims[None, None, :] if dims.ndim == 1 else dims[:, None, :])
+        weight = loss_weight(batch, u_t)
         loss = ((v_t - u_t) ** 2 * weight).sum() / weight.sum().clamp(min=1)
         return {"loss": loss, "v_t": v_t}
 

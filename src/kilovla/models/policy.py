@@ -1,4 +1,4 @@
-"""A learned pi0/pi0.5 model as a `Policy`: observations in, unnormalised action chunks out.
+"""A learned VLA (pi0, pi0.5, GR00T N1.5) as a `Policy`: observations in, unnormalised action chunks out.
 
 A policy checkpoint is a folder::
 
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from kilovla.errors import KilovlaError
 from kilovla.models.batch import PaddedBatch
 from kilovla.models.checkpoints import load_checkpoint, save_safetensors
+from kilovla.models.groot import GrootModel
 from kilovla.models.pi05 import Pi05Model
 from kilovla.models.tokenize import ByteTokenizer, build_prompt, tokenize_batch
 
@@ -43,6 +44,7 @@ class PolicyMeta:
     normalization: str = "quantile"  # or "mean_std"
     state_in_prompt: bool = False
     n_action_steps: int | None = None
+    embodiment_id: int = 0  # GR00T: which per-embodiment encoders to use
 
 
 def _normalizer(stats: dict, mode: str):
@@ -56,14 +58,14 @@ def _normalizer(stats: dict, mode: str):
     raise KilovlaError(f"normalization must be quantile or mean_std, not {mode!r}")
 
 
-class Pi05Policy:
-    def __init__(self, model: Pi05Model, meta: PolicyMeta, device: str | torch.device = "cpu"):
+class VLAPolicy:
+    def __init__(self, model: Pi05Model | GrootModel, meta: PolicyMeta, device: str | torch.device = "cpu"):
         self.model, self.meta, self.device = model.to(device).eval(), meta, torch.device(device)
         cfg = model.config
         bad = [slot for slot in meta.camera_map.values() if slot not in cfg.cameras]
         if bad:
             raise KilovlaError(f"camera_map targets {bad} are not model cameras {list(cfg.cameras)}")
-        self.name = f"{'pi05' if cfg.pi05 else 'pi0'}:{meta.preset}"
+        self.name = meta.preset
         self.action_dim, self.state_dim = meta.action_dim, meta.state_dim
         self.cameras = tuple(k.removeprefix("observation.images.") for k in meta.camera_map)
         self.n_action_steps = meta.n_action_steps
@@ -94,7 +96,8 @@ class Pi05Policy:
         padded_state = torch.zeros(b, cfg.max_state_dim)
         padded_state[:, : state.shape[1]] = torch.as_tensor(norm_state)
         return PaddedBatch(images=images, image_masks=present, camera_names=cfg.cameras, tokens=tokens,
-                           token_mask=mask, state=padded_state).to(self.device)
+                           token_mask=mask, state=padded_state,
+                           embodiment_id=torch.full((b,), self.meta.embodiment_id, dtype=torch.long)).to(self.device)
 
     def select_action(self, obs: dict) -> np.ndarray:
         actions = self.model.sample_actions(self.preprocess(obs)).float().cpu().numpy()
@@ -110,7 +113,7 @@ class Pi05Policy:
         return folder
 
 
-def load_checkpoint_policy(folder: str | Path, device: str = "cpu") -> Pi05Policy:
+def load_checkpoint_policy(folder: str | Path, device: str = "cpu") -> VLAPolicy:
     from kilovla.models.presets import build_model
 
     folder = Path(folder)
@@ -124,4 +127,4 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu") -> Pi05Polic
     overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in meta.overrides.items()}
     model = build_model(meta.preset, device="meta", **overrides)
     load_checkpoint(model, folder / "model.safetensors")
-    return Pi05Policy(model, meta, device)
+    return VLAPolicy(model, meta, device)

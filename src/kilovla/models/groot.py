@@ -1,0 +1,478 @@
+"""GR00T N1.5: an Eagle VLM (SigLIP -> mlp1 -> Qwen3 truncated to its first layers) and a flow-matching
+DiT action head, with the module names of NVIDIA's checkpoint (`backbone.eagle_model.*`, `action_head.*`).
+
+Per sample::
+
+    VL tokens   = [camera tokens (256 each) | language tokens]   causal Qwen3, first `llm.depth` layers
+    action head = vlln -> VL self-attention stack -> DiT over [state (1) | future tokens (32) | actions (16)]
+                  DiT blocks alternate cross-attention to the VL tokens (even) and self-attention (odd),
+                  AdaLayerNorm on the discretised flow time; per-embodiment state/action encoders/decoder
+
+Flow matching in GR00T's convention (opposite to openpi): t = (0.999 - Beta(1.5, 1)) / 0.999,
+x_t = (1 - t) * noise + t * actions, target velocity = actions - noise, the DiT sees
+floor(t * 1000); sampling integrates from t = 0 (noise) to 1 in `num_inference_steps` Euler steps.
+
+Padded and packed paths as in pi0.5 (`config.packing`): the packed one runs the causal LM and the
+VL self-attention as varlen calls over real tokens, and the DiT's cross-attention as a varlen call
+from each sample's 49 action-head tokens to that sample's VL tokens. The padded path masks padding
+everywhere; NVIDIA's DiT leaves the VL padding unmasked in cross-attention, so on padded batches
+our reference differs from theirs exactly where theirs attends to padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kilovla.errors import KilovlaError
+from kilovla.models.attention import (BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen,
+                                      resolve_backend)
+from kilovla.models.batch import PackedBatch, PaddedBatch, loss_weight
+from kilovla.models.language import DecoderConfig
+from kilovla.models.layers import GatedMLP, apply_rope
+from kilovla.models.vision import ViTConfig, VisionTower
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiTConfig:
+    depth: int = 16
+    heads: int = 32
+    head_dim: int = 48
+    output_dim: int = 1024
+    timestep_buckets: int = 1000
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class GrootConfig:
+    vision: ViTConfig = field(default_factory=ViTConfig)
+    llm: DecoderConfig = field(default_factory=lambda: DecoderConfig(
+        width=2048, depth=12, heads=16, kv_heads=8, head_dim=128, mlp_dim=6144, vocab_size=151936))
+    rope_theta: float = 1_000_000.0
+    vl_self_attention_depth: int = 4
+    vl_self_attention_heads: int = 32
+    vl_self_attention_head_dim: int = 64
+    dit: DiTConfig = field(default_factory=DiTConfig)
+    hidden_size: int = 1024
+    future_tokens: int = 32
+    action_horizon: int = 16
+    max_action_dim: int = 32
+    max_state_dim: int = 64
+    num_embodiments: int = 32
+    max_seq_len: int = 1024
+    cameras: tuple[str, ...] = ("ego_view",)
+    disabled_cameras: tuple[str, ...] = ()
+    max_language_tokens: int = 200
+    language_padding: str = "max_length"
+    packing: bool = False
+    attention_backend: str = "sdpa_dense"
+    num_inference_steps: int = 4
+
+    def __post_init__(self):
+        if self.vl_self_attention_heads * self.vl_self_attention_head_dim != self.llm.width:
+            raise KilovlaError("the VL self-attention width must equal the LLM width")
+        if self.attention_backend not in BACKENDS:
+            raise KilovlaError(f"attention_backend must be one of {BACKENDS}, not {self.attention_backend!r}")
+        unknown = [c for c in self.disabled_cameras if c not in self.cameras]
+        if unknown:
+            raise KilovlaError(f"disabled cameras {unknown} are not among the model's cameras {list(self.cameras)}")
+
+    @property
+    def enabled_cameras(self) -> tuple[str, ...]:
+        return tuple(c for c in self.cameras if c not in self.disabled_cameras)
+
+    @property
+    def action_head_tokens(self) -> int:
+        return 1 + self.future_tokens + self.action_horizon
+
+
+# -- Eagle backbone ------------------------------------------------------------------------------------
+class _QwenNorm(nn.Module):
+    """Qwen3's RMSNorm: x / rms(x) * weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+class _QwenAttention(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.q_proj = nn.Linear(c.width, c.heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.width, c.kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.width, c.kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.heads * c.head_dim, c.width, bias=False)
+        self.q_norm, self.k_norm = _QwenNorm(c.head_dim), _QwenNorm(c.head_dim)
+
+
+class _SiLUMLP(GatedMLP):
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _QwenLayer(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = _QwenNorm(c.width), _QwenNorm(c.width)
+        self.self_attn = _QwenAttention(c)
+        self.mlp = _SiLUMLP(c.width, c.mlp_dim)
+
+
+class _QwenModel(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.width)
+        self.layers = nn.ModuleList(_QwenLayer(c) for _ in range(c.depth))
+        self.norm = _QwenNorm(c.width)
+
+
+class _QwenForCausalLM(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.model = _QwenModel(c)
+
+
+class _EagleModel(nn.Module):
+    def __init__(self, cfg: GrootConfig):
+        super().__init__()
+        self.vision_model = VisionTower(cfg.vision)
+        self.mlp1 = nn.Sequential(nn.Linear(cfg.vision.width, cfg.llm.width))
+        self.language_model = _QwenForCausalLM(cfg.llm)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: GrootConfig):
+        super().__init__()
+        self.eagle_model = _EagleModel(cfg)
+
+
+# -- action head -------------------------------------------------------------------------------------
+class _Attention(nn.Module):
+    """diffusers' Attention names: to_q, to_k, to_v, to_out.0 (all with bias)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, kv_dim: int | None = None):
+        super().__init__()
+        inner = heads * head_dim
+        self.heads, self.head_dim = heads, head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(kv_dim or dim, inner)
+        self.to_v = nn.Linear(kv_dim or dim, inner)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+
+
+class _FeedForward(nn.Module):
+    """diffusers' FeedForward with GELU(tanh): net.0.proj, net.2."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        proj = nn.Module()
+        proj.proj = nn.Linear(dim, 4 * dim)
+        self.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(4 * dim, dim)])
+
+    def forward(self, x):
+        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+
+
+class _AdaLayerNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-5, elementwise_affine=False)
+
+    def forward(self, x, temb):
+        scale, shift = self.linear(F.silu(temb)).chunk(2, dim=-1)
+        return self.norm(x) * (1 + scale[:, None]) + shift[:, None]
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int, kv_dim: int | None, ada: bool):
+        super().__init__()
+        self.ada = ada
+        self.norm1 = _AdaLayerNorm(dim) if ada else nn.LayerNorm(dim, eps=1e-5)
+        self.attn1 = _Attention(dim, heads, head_dim, kv_dim)
+        self.norm3 = nn.LayerNorm(dim, eps=1e-5, elementwise_affine=not ada)
+        self.ff = _FeedForward(dim)
+
+
+class _VLSelfAttention(nn.Module):
+    def __init__(self, cfg: GrootConfig):
+        super().__init__()
+        self.transformer_blocks = nn.ModuleList(
+            _Block(cfg.llm.width, cfg.vl_self_attention_heads, cfg.vl_self_attention_head_dim, None, ada=False)
+            for _ in range(cfg.vl_self_attention_depth))
+
+
+class _TimestepEncoder(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        embedder = nn.Module()
+        embedder.linear_1, embedder.linear_2 = nn.Linear(256, dim), nn.Linear(dim, dim)
+        self.timestep_embedder = embedder
+
+    def forward(self, t_discrete: torch.Tensor) -> torch.Tensor:
+        # diffusers Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=1)
+        half = 128
+        exponent = -math.log(10000.0) * torch.arange(half, device=t_discrete.device, dtype=torch.float32) / (half - 1)
+        angles = t_discrete.float()[:, None] * exponent.exp()[None]
+        emb = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        e = self.timestep_embedder
+        return e.linear_2(F.silu(e.linear_1(emb)))
+
+
+class _DiT(nn.Module):
+    def __init__(self, cfg: GrootConfig):
+        super().__init__()
+        d = cfg.dit
+        self.timestep_encoder = _TimestepEncoder(d.width)
+        self.transformer_blocks = nn.ModuleList(
+            _Block(d.width, d.heads, d.head_dim, cfg.llm.width if i % 2 == 0 else None, ada=True)
+            for i in range(d.depth))
+        self.norm_out = nn.LayerNorm(d.width, eps=1e-6, elementwise_affine=False)
+        self.proj_out_1 = nn.Linear(d.width, 2 * d.width)
+        self.proj_out_2 = nn.Linear(d.width, d.output_dim)
+
+
+class _CategoryLinear(nn.Module):
+    def __init__(self, categories: int, n_in: int, n_out: int):
+        super().__init__()
+        self.W = nn.Parameter(0.02 * torch.randn(categories, n_in, n_out))
+        self.b = nn.Parameter(torch.zeros(categories, n_out))
+
+    def forward(self, x, cat):
+        return torch.bmm(x, self.W[cat]) + self.b[cat][:, None]
+
+
+class _CategoryMLP(nn.Module):
+    def __init__(self, categories, n_in, hidden, n_out):
+        super().__init__()
+        self.layer1, self.layer2 = _CategoryLinear(categories, n_in, hidden), _CategoryLinear(categories, hidden, n_out)
+
+    def forward(self, x, cat):
+        return self.layer2(F.relu(self.layer1(x, cat)), cat)
+
+
+class _ActionEncoder(nn.Module):
+    def __init__(self, categories, action_dim, width):
+        super().__init__()
+        self.width = width
+        self.W1 = _CategoryLinear(categories, action_dim, width)
+        self.W2 = _CategoryLinear(categories, 2 * width, width)
+        self.W3 = _CategoryLinear(categories, width, width)
+
+    def forward(self, actions, t_discrete, cat):
+        half = self.width // 2
+        exponent = -torch.arange(half, device=actions.device, dtype=torch.float32) * (math.log(10000.0) / half)
+        freqs = t_discrete.float()[:, None, None].expand(-1, actions.shape[1], 1) * exponent.exp()
+        tau = torch.cat([freqs.sin(), freqs.cos()], dim=-1).to(actions.dtype)
+        x = self.W2(torch.cat([self.W1(actions, cat), tau], dim=-1), cat)
+        return self.W3(x * torch.sigmoid(x), cat)
+
+
+class _ActionHead(nn.Module):
+    def __init__(self, cfg: GrootConfig):
+        super().__init__()
+        d = cfg.dit
+        self.model = _DiT(cfg)
+        self.state_encoder = _CategoryMLP(cfg.num_embodiments, cfg.max_state_dim, cfg.hidden_size, d.width)
+        self.action_encoder = _ActionEncoder(cfg.num_embodiments, cfg.max_action_dim, d.width)
+        self.action_decoder = _CategoryMLP(cfg.num_embodiments, d.output_dim, cfg.hidden_size, cfg.max_action_dim)
+        self.future_tokens = nn.Embedding(cfg.future_tokens, d.width)
+        self.vlln = nn.LayerNorm(cfg.llm.width)
+        self.vl_self_attention = _VLSelfAttention(cfg)
+        self.position_embedding = nn.Embedding(cfg.max_seq_len, d.width)
+
+
+@dataclass
+class _VL:
+    """Backbone output: per-token features plus how to attend to them (padded mask or varlen lengths)."""
+
+    x: torch.Tensor  # (B, L, W) padded or (T, W) packed
+    mask: torch.Tensor | None = None  # (B, L) padded
+    lengths: torch.Tensor | None = None  # (B,) packed
+
+
+class GrootModel(nn.Module):
+    def __init__(self, config: GrootConfig):
+        super().__init__()
+        self.config = config
+        self.backbone = _Backbone(config)
+        self.action_head = _ActionHead(config)
+
+    @property
+    def eagle(self) -> _EagleModel:
+        return self.backbone.eagle_model
+
+    # -- attention helpers -------------------------------------------------------------------------
+    def _backend(self, device) -> str:
+        return resolve_backend(self.config.attention_backend, device)
+
+    @staticmethod
+    def _heads(x, n, d):
+        return x.view(*x.shape[:-1], n, d)
+
+    def _attend(self, attn: _Attention, x, kv, spec: VarlenSpec | None, mask: torch.Tensor | None, backend: str):
+        """diffusers-style attention on padded (B, L, D) with an additive mask, or packed (T, D) varlen."""
+        h, d = attn.heads, attn.head_dim
+        q, k, v = self._heads(attn.to_q(x), h, d), self._heads(attn.to_k(kv), h, d), self._heads(attn.to_v(kv), h, d)
+        if spec is None:
+            out = attend_dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, d**-0.5).transpose(1, 2)
+        else:
+            out = attend_varlen(q, k, v, spec, d**-0.5, backend)
+        return attn.to_out[0](out.flatten(-2))
+
+    # -- backbone ----------------------------------------------------------------------------------
+    def _llm(self, x, positions, spec: VarlenSpec | None, mask: torch.Tensor | None, backend: str):
+        c = self.config.llm
+        for layer in self.eagle.language_model.model.layers:
+            h = layer.input_layernorm(x)
+            a = layer.self_attn
+            q = apply_rope(a.q_norm(self._heads(a.q_proj(h), c.heads, c.head_dim)), positions, self.config.rope_theta)
+            k = apply_rope(a.k_norm(self._heads(a.k_proj(h), c.kv_heads, c.head_dim)), positions, self.config.rope_theta)
+            v = self._heads(a.v_proj(h), c.kv_heads, c.head_dim)
+            if spec is None:
+                out = attend_dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, c.head_dim**-0.5)
+                out = out.transpose(1, 2)
+            else:
+                out = attend_varlen(q, k, v, spec, c.head_dim**-0.5, backend)
+            x = x + a.o_proj(out.flatten(-2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.eagle.language_model.model.norm(x)
+
+    def _embed_images(self, images):
+        if images.shape[-1] != self.config.vision.image_size:
+            raise KilovlaError(f"images are {tuple(images.shape[-2:])}, the model takes "
+                               f"{self.config.vision.image_size}x{self.config.vision.image_size}")
+        return self.eagle.mlp1(self.eagle.vision_model(images))
+
+    def _vl_padded(self, batch: PaddedBatch, backend: str) -> _VL:
+        cfg = self.config
+        batch = batch.select_cameras(cfg.enabled_cameras)
+        if cfg.language_padding == "longest":
+            batch = batch.trim_language()
+        b, c = batch.images.shape[:2]
+        img = self._embed_images(batch.images.flatten(0, 1))
+        p = img.shape[1]
+        x = torch.cat([img.reshape(b, c * p, -1), self.eagle.language_model.model.embed_tokens(batch.tokens)], dim=1)
+        valid = torch.cat([batch.image_masks[:, :, None].expand(b, c, p).reshape(b, c * p), batch.token_mask], dim=1)
+        positions = valid.long().cumsum(1) - 1
+        n = valid.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        mask = additive(causal[None] & valid[:, None, :] & valid[:, :, None])
+        x = self._llm(x, positions, None, mask, backend)
+        x = self.action_head.vlln(x)
+        keys = additive((valid[:, None, :] & valid[:, :, None]))
+        for block in self.action_head.vl_self_attention.transformer_blocks:
+            x = x + self._attend(block.attn1, block.norm1(x), block.norm1(x), None, keys, backend)
+            x = x + block.ff(block.norm3(x))
+        return _VL(x, mask=valid)
+
+    def _vl_packed(self, batch: PackedBatch, backend: str) -> _VL:
+        b = batch.batch_size
+        img = self._embed_images(batch.images) if len(batch.images) else batch.state.new_zeros(0, 1, self.config.llm.width)
+        p = img.shape[1]
+        img_sample = batch.image_sample.repeat_interleave(p)
+        src = torch.cat([img.reshape(-1, img.shape[-1]), self.eagle.language_model.model.embed_tokens(batch.tokens)])
+        sample = torch.cat([img_sample, batch.token_sample])
+        kind = torch.cat([torch.zeros_like(img_sample), torch.ones_like(batch.token_sample)])
+        x = src[torch.argsort(sample * 2 + kind, stable=True)]
+        lengths = torch.bincount(sample, minlength=b)
+        positions = torch.arange(len(x), device=x.device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+        x = self._llm(x, positions, VarlenSpec.from_lengths(lengths, lengths, causal=True), None, backend)
+        x = self.action_head.vlln(x)
+        spec = VarlenSpec.from_lengths(lengths, lengths)
+        for block in self.action_head.vl_self_attention.transformer_blocks:
+            h = block.norm1(x)
+            x = x + self._attend(block.attn1, h, h, spec, None, backend)
+            x = x + block.ff(block.norm3(x))
+        return _VL(x, lengths=lengths)
+
+    def encode(self, batch: PaddedBatch | PackedBatch) -> _VL:
+        backend = self._backend(batch.state.device)
+        if isinstance(batch, PaddedBatch) and self.config.packing:
+            batch = batch.pack(self.config.enabled_cameras)
+        return self._vl_packed(batch, backend) if isinstance(batch, PackedBatch) else self._vl_padded(batch, backend)
+
+    # -- action head -------------------------------------------------------------------------------
+    def velocity(self, vl: _VL, state, x_t, t, embodiment) -> torch.Tensor:
+        """DiT prediction of d x / d t for noisy actions x_t at flow time t (GR00T's convention)."""
+        cfg, head = self.config, self.action_head
+        b, horizon = x_t.shape[:2]
+        t_disc = (t * cfg.dit.timestep_buckets).long()
+        state_emb = head.state_encoder(state[:, None], embodiment)
+        actions = head.action_encoder(x_t, t_disc, embodiment) + head.position_embedding.weight[:horizon][None]
+        future = head.future_tokens.weight[None].expand(b, -1, -1)
+        x = torch.cat([state_emb, future, actions], dim=1)  # (B, 49, D)
+        temb = head.model.timestep_encoder(t_disc)
+        backend = self._backend(x.device)
+        n = x.shape[1]
+        if vl.lengths is None:
+            cross_mask = additive(vl.mask[:, None, :].expand(b, n, -1))
+            cross_spec = None
+        else:
+            cross_mask = None
+            cross_spec = VarlenSpec.from_lengths(torch.full_like(vl.lengths, n), vl.lengths)
+        for i, block in enumerate(head.model.transformer_blocks):
+            h = block.norm1(x, temb)
+            if i % 2 == 0:  # cross-attention to the VL tokens
+                if cross_spec is None:
+                    out = self._attend(block.attn1, h, vl.x, None, cross_mask, backend)
+                else:
+                    out = self._attend(block.attn1, h.reshape(b * n, -1), vl.x, cross_spec, None, backend).view(b, n, -1)
+            else:  # self-attention among the 49 action-head tokens of a sample (never padded)
+                out = self._attend(block.attn1, h, h, None, None, backend)
+            x = x + out
+            x = x + block.ff(block.norm3(x))
+        shift, scale = head.model.proj_out_1(F.silu(temb)).chunk(2, dim=-1)
+        x = head.model.norm_out(x) * (1 + scale[:, None]) + shift[:, None]
+        out = head.action_decoder(head.model.proj_out_2(x), embodiment)
+        return out[:, -horizon:]
+
+    def sample_time(self, n: int, device) -> torch.Tensor:
+        beta = torch.distributions.Beta(torch.tensor(1.5, device=device), torch.tensor(1.0, device=device))
+        return (0.999 - beta.sample((n,))) / 0.999
+
+    def _embodiment(self, batch) -> torch.Tensor:
+        if batch.embodiment_id is not None:
+            return batch.embodiment_id
+        return torch.zeros(batch.state.shape[0], dtype=torch.long, device=batch.state.device)
+
+    def forward(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None,
+                time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if batch.actions is None:
+            raise KilovlaError("training needs actions in the batch")
+        actions = batch.actions
+        if actions.shape[1] != self.config.action_horizon:
+            raise KilovlaError(f"GR00T predicts {self.config.action_horizon}-step chunks; the batch has {actions.shape[1]}")
+        noise = torch.randn_like(actions) if noise is None else noise
+        t = self.sample_time(actions.shape[0], actions.device) if time is None else time
+        x_t = (1 - t[:, None, None]) * noise + t[:, None, None] * actions
+        target = actions - noise
+        v = self.velocity(self.encode(batch), batch.state, x_t, t, self._embodiment(batch))
+        weight = loss_weight(batch, target)
+        loss = ((v - target) ** 2 * weight).sum() / weight.sum().clamp(min=1)
+        return {"loss": loss, "v_t": v}
+
+    @torch.no_grad()
+    def sample_actions(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.config
+        b = batch.state.shape[0]
+        x = torch.randn(b, cfg.action_horizon, cfg.max_action_dim, device=batch.state.device) if noise is None else noise
+        vl = self.encode(batch)  # once: the VL features do not depend on the flow time
+        emb = self._embodiment(batch)
+        dt = 1.0 / cfg.num_inference_steps
+        for step in range(cfg.num_inference_steps):
+            t = torch.full((b,), step * dt, device=x.device)
+            x = x + dt * self.velocity(vl, batch.state, x, t, emb)
+        return x

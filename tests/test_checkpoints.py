@@ -6,7 +6,8 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.models.checkpoints import CheckpointError, load_checkpoint, save_safetensors
-from kilovla.models.policy import VLAPolicy, PolicyMeta, load_checkpoint_policy
+from kilovla.models.policy import VLAPolicy, load_checkpoint_policy
+from kilovla.models.processor import PolicyMeta
 from kilovla.models.presets import build_model
 
 EMBED = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"

@@ -207,6 +207,20 @@ def cmd_eval(args) -> int:
     return 0 if all(r["success_rate"] is not None for r in report["per_task"].values()) else 1
 
 
+def cmd_train(args) -> int:
+    from kilovla.config import load_config
+    from kilovla.train.trainer import TrainConfig, train
+
+    unknown = [a for a in args.overrides if not (a.startswith("--") and "=" in a)]
+    if unknown:
+        raise KilovlaError(f"unexpected arguments {unknown}; overrides look like --section.key=value")
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    summary = train(cfg, resume=args.resume)
+    if summary:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kilovla.demo import run_demo
 
@@ -266,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_flags(p)
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("train", help="train a VLA policy (single process, or under torchrun)")
+    p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4")
+    p.add_argument("--resume", default=None, help="a checkpoint folder, or 'auto' for the run's latest")
+    p.set_defaults(func=cmd_train, overrides=[])
+
     p = sub.add_parser("collect", help="scripted demonstrations -> a LeRobot v3.0 dataset")
     p.add_argument("--env", default="metaworld")
     p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default")
@@ -306,7 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "func", None) is not cmd_train:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = extra
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

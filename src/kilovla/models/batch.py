@@ -102,3 +102,14 @@ def loss_weight(batch, target: torch.Tensor) -> torch.Tensor:
         dims = batch.action_dim_mask
         weight = weight * (dims[None, None, :] if dims.ndim == 1 else dims[:, None, :])
     return weight
+
+
+def flow_loss(prediction: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Masked MSE: `loss` over every counted element of the batch, `per_sample` (B,) within each sample.
+
+    The trainer sums `per_sample` over a global batch, which makes gradients independent of how the
+    samples are split into rows and ranks.
+    """
+    err = (prediction - target) ** 2 * weight
+    return {"loss": err.sum() / weight.sum().clamp(min=1),
+            "per_sample": err.sum((1, 2)) / weight.sum((1, 2)).clamp(min=1), "v_t": prediction}

@@ -31,7 +31,7 @@ from torch import nn
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import (BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen,
                                       resolve_backend)
-from kilovla.models.batch import PackedBatch, PaddedBatch, loss_weight
+from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight
 from kilovla.models.language import DecoderConfig
 from kilovla.models.layers import GatedMLP, apply_rope
 from kilovla.models.vision import ViTConfig, VisionTower
@@ -460,9 +460,7 @@ class GrootModel(nn.Module):
         x_t = (1 - t[:, None, None]) * noise + t[:, None, None] * actions
         target = actions - noise
         v = self.velocity(self.encode(batch), batch.state, x_t, t, self._embodiment(batch))
-        weight = loss_weight(batch, target)
-        loss = ((v - target) ** 2 * weight).sum() / weight.sum().clamp(min=1)
-        return {"loss": loss, "v_t": v}
+        return flow_loss(v, target, loss_weight(batch, target))
 
     @torch.no_grad()
     def sample_actions(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None) -> torch.Tensor:

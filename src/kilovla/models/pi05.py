@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen, prefix_lm_mask, resolve_backend
-from kilovla.models.batch import PackedBatch, PaddedBatch, loss_weight
+from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight
 from kilovla.models.language import Decoder, DecoderConfig
 from kilovla.models.layers import apply_rope, gated_residual, sincos_time_embedding
 from kilovla.models.vision import ViTConfig, VisionTower
@@ -132,6 +133,7 @@ class Pi05Model(nn.Module):
     def __init__(self, config: Pi05Config):
         super().__init__()
         self.config = cfg = config
+        self.gradient_checkpointing = False
         self.paligemma_with_expert = _PaliGemmaWithExpert(cfg)
         w = cfg.expert.width
         self.action_in_proj = nn.Linear(cfg.max_action_dim, w)
@@ -173,10 +175,10 @@ class Pi05Model(nn.Module):
         return torch.cat([self.state_proj(state)[:, None], actions], dim=1), None
 
     # -- the shared layer loop ----------------------------------------------------------------------
-    def _qkv(self, layer, h: torch.Tensor, positions: torch.Tensor, cfg: DecoderConfig):
+    def _qkv(self, layer, h: torch.Tensor, positions: torch.Tensor, cfg: DecoderConfig, with_query: bool = True):
         attn = layer.self_attn
         lead = h.shape[:-1]
-        q = apply_rope(attn.q_proj(h).view(*lead, cfg.heads, cfg.head_dim), positions)
+        q = apply_rope(attn.q_proj(h).view(*lead, cfg.heads, cfg.head_dim), positions) if with_query else None
         k = apply_rope(attn.k_proj(h).view(*lead, cfg.kv_heads, cfg.head_dim), positions)
         v = attn.v_proj(h).view(*lead, cfg.kv_heads, cfg.head_dim)
         return q, k, v
@@ -188,31 +190,48 @@ class Pi05Model(nn.Module):
         h, gate2 = layer.post_attention_layernorm(x, cond)
         return gated_residual(x, layer.mlp(h), gate2)
 
+    def _layer(self, i: int, x_pre, x_suf, pre: _Stream | None, suf: _Stream | None, attention):
+        """One mixture-of-transformers layer; returns the new streams and the prefix's (k, v).
+
+        Nothing reads the prefix stream after the last layer (only its keys and values matter), so
+        the last layer computes no prefix queries, attention output or MLP.
+        """
+        lp, ls = self.vlm.language_model.layers[i], self.expert.layers[i]
+        last = i == self.config.lm.depth - 1
+        qkv_p = qkv_s = gate_p = gate_s = None
+        if pre is not None:
+            h, gate_p = lp.input_layernorm(x_pre, None)
+            qkv_p = self._qkv(lp, h, pre.positions, self.config.lm, with_query=not last)
+        if suf is not None:
+            h, gate_s = ls.input_layernorm(x_suf, suf.cond)
+            qkv_s = self._qkv(ls, h, suf.positions, self.config.expert)
+        out_p, out_s = attention(i, qkv_p, qkv_s)
+        if pre is not None and not last:
+            x_pre = self._finish(lp, x_pre, out_p, gate_p, None)
+        if suf is not None:
+            x_suf = self._finish(ls, x_suf, out_s, gate_s, suf.cond)
+        return x_pre, x_suf, None if qkv_p is None else qkv_p[1:]
+
     def _layers(self, pre: _Stream | None, suf: _Stream | None, attention, collect_kv: bool = False):
-        """Run both streams through every layer; `attention(i, qkv_pre, qkv_suf) -> (out_pre, out_suf)`."""
+        """Run both streams through every layer; `attention(i, qkv_pre, qkv_suf) -> (out_pre, out_suf)`.
+
+        With `gradient_checkpointing` set, each layer's activations are recomputed in backward.
+        """
         kv_cache = []
         x_pre = pre.x if pre else None
         x_suf = suf.x if suf else None
-        for i, (lp, ls) in enumerate(zip(self.vlm.language_model.layers, self.expert.layers)):
-            qkv_p = qkv_s = gate_p = gate_s = None
-            if pre is not None:
-                h, gate_p = lp.input_layernorm(x_pre, None)
-                qkv_p = self._qkv(lp, h, pre.positions, self.config.lm)
-                if collect_kv:
-                    kv_cache.append(qkv_p[1:])
-            if suf is not None:
-                h, gate_s = ls.input_layernorm(x_suf, suf.cond)
-                qkv_s = self._qkv(ls, h, suf.positions, self.config.expert)
-            out_p, out_s = attention(i, qkv_p, qkv_s)
-            if pre is not None:
-                x_pre = self._finish(lp, x_pre, out_p, gate_p, None)
-            if suf is not None:
-                x_suf = self._finish(ls, x_suf, out_s, gate_s, suf.cond)
-        if pre is not None:
-            x_pre = self.vlm.language_model.norm(x_pre, None)[0]
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
+        for i in range(self.config.lm.depth):
+            if recompute:
+                x_pre, x_suf, kv = torch.utils.checkpoint.checkpoint(self._layer, i, x_pre, x_suf, pre, suf, attention,
+                                                                     use_reentrant=False)
+            else:
+                x_pre, x_suf, kv = self._layer(i, x_pre, x_suf, pre, suf, attention)
+            if collect_kv:
+                kv_cache.append(kv)
         if suf is not None:
             x_suf = self.expert.norm(x_suf, suf.cond)[0]
-        return x_pre, x_suf, kv_cache
+        return x_suf, kv_cache
 
     # -- padded path ----------------------------------------------------------------------------------
     def _padded_prefix(self, batch: PaddedBatch):
@@ -249,18 +268,22 @@ class Pi05Model(nn.Module):
         scale = self.config.lm.head_dim ** -0.5
 
         def attention(i, qkv_p, qkv_s):
-            parts = [x for x in (qkv_p, qkv_s) if x is not None]
-            q = torch.cat([x[0] for x in parts], dim=1).transpose(1, 2)
+            q_pre = qkv_p[0] if qkv_p is not None else None
+            queries = [q for q in (q_pre, qkv_s[0] if qkv_s is not None else None) if q is not None]
+            if not queries:
+                return None, None
+            q = torch.cat(queries, dim=1).transpose(1, 2)
             if qkv_p is not None:
+                parts = [x for x in (qkv_p, qkv_s) if x is not None]
                 k = torch.cat([x[1] for x in parts], dim=1)
                 v = torch.cat([x[2] for x in parts], dim=1)
             else:  # suffix only, prefix keys/values from the cache
                 k = torch.cat([cached[i][0], qkv_s[1]], dim=1)
                 v = torch.cat([cached[i][1], qkv_s[2]], dim=1)
-            rows = slice(0, n_prefix) if qkv_s is None else slice(n_prefix if qkv_p is None else 0, None)
-            cols = slice(0, n_prefix) if qkv_s is None else slice(None)
+            rows = slice(0 if q_pre is not None else n_prefix, None if qkv_s is not None else n_prefix)
+            cols = slice(None) if qkv_s is not None else slice(0, n_prefix)
             out = attend_dense(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, :, rows, cols], scale).transpose(1, 2)
-            if qkv_p is None:
+            if q_pre is None:
                 return None, out
             if qkv_s is None:
                 return out, None
@@ -280,7 +303,7 @@ class Pi05Model(nn.Module):
         n = pre_mask.shape[1]
         pre = _Stream(x_pre, positions[:, :n])
         suf = _Stream(suffix, positions[:, n:], None if cond is None else cond[:, None])
-        _, out, _ = self._layers(pre, suf, self._dense_attention(mask, n))
+        out, _ = self._layers(pre, suf, self._dense_attention(mask, n))
         return self.action_out_proj(out[:, self.config.suffix_extra:])
 
     # -- packed path ----------------------------------------------------------------------------------
@@ -313,7 +336,7 @@ class Pi05Model(nn.Module):
         pre = _Stream(x_pre, pre_pos)
         suf = _Stream(x_suf, suf_pos, None if cond is None else cond[suf_sample])
         attention = self._varlen_attention(pre_len, suf_len, suf_slot, dev)
-        _, out, _ = self._layers(pre, suf, attention)
+        out, _ = self._layers(pre, suf, attention)
         v = x_t.new_zeros(b, horizon, cfg.max_action_dim)
         is_action = suf_slot >= extra
         v[suf_sample[is_action], suf_slot[is_action] - extra] = self.action_out_proj(out[is_action])
@@ -351,7 +374,7 @@ class Pi05Model(nn.Module):
         def attention(i, qkv_p, qkv_s):
             qp, kp, vp = qkv_p
             qs, ks, vs = qkv_s
-            out_p = attend_varlen(qp, kp, vp, spec_pre, scale, backend)
+            out_p = None if qp is None else attend_varlen(qp, kp, vp, spec_pre, scale, backend)
             k_all, v_all = torch.cat([kp, ks]), torch.cat([vp, vs])
             out_s = torch.empty_like(qs)
             for rows, kv, spec in groups:
@@ -379,9 +402,7 @@ class Pi05Model(nn.Module):
         if isinstance(batch, PaddedBatch) and self.config.packing:
             batch = batch.pack(self.config.enabled_cameras)
         v_t = self.forward_packed(batch, x_t, t) if isinstance(batch, PackedBatch) else self.forward_padded(batch, x_t, t)
-        weight = loss_weight(batch, u_t)
-        loss = ((v_t - u_t) ** 2 * weight).sum() / weight.sum().clamp(min=1)
-        return {"loss": loss, "v_t": v_t}
+        return flow_loss(v_t, u_t, loss_weight(batch, u_t))
 
     # -- inference -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -400,14 +421,14 @@ class Pi05Model(nn.Module):
         mask = additive(prefix_lm_mask(input_mask, ar))
         positions = input_mask.long().cumsum(1) - 1
         n = pre_mask.shape[1]
-        _, _, cache = self._layers(_Stream(x_pre, positions[:, :n]), None, self._dense_attention(mask, n),
+        _, cache = self._layers(_Stream(x_pre, positions[:, :n]), None, self._dense_attention(mask, n),
                                    collect_kv=True)
         dt = -1.0 / cfg.num_inference_steps
         for step in range(cfg.num_inference_steps):
             t = torch.full((b,), 1.0 + step * dt, device=x.device)
             suffix, cond = self.embed_suffix(batch.state, x, t)
             suf = _Stream(suffix, positions[:, n:], None if cond is None else cond[:, None])
-            _, out, _ = self._layers(None, suf, self._dense_attention(mask, n, cached=cache))
+            out, _ = self._layers(None, suf, self._dense_attention(mask, n, cached=cache))
             x = x + dt * self.action_out_proj(out[:, cfg.suffix_extra:])
         return x
 

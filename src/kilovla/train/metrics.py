@@ -1,0 +1,76 @@
+"""Metrics: one JSON line per step (and per evaluation), TensorBoard when installed, a PNG at the end."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        self._tb = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:
+                log.info("tensorboard is not installed; metrics go to %s only", self.path)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = record.get("step", 0)
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_learning_curve(metrics_path: Path, out_png: Path) -> Path | None:
+    """Loss per step (and closed-loop success where evaluated) as a PNG."""
+    records = read_metrics(metrics_path)
+    train = [r for r in records if r.get("kind", "train") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("success_rate") is not None]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("flow-matching loss")
+    ax.set_yscale("log")
+    if evals:
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in evals], [r["success_rate"] for r in evals], "o-", color="tab:green",
+                 label="closed-loop success")
+        ax2.set_ylabel("success rate")
+        ax2.set_ylim(0, 1)
+    ax.set_title("kilovla training")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,427 @@
+"""`kilovla train`: supervised VLA training on the data layer's packed plan, one process or many.
+
+    kilovla train --config run.yaml --optim.lr=1e-4
+    torchrun --nnodes N --nproc-per-node G -m kilovla train --config run.yaml
+
+One optimizer step per global batch. Each rank gets its packed rows of the step from the plan
+(the same global batch whatever the world size) and accumulates gradients over them (`no_sync`
+until the last row). The loss of a row is the sum of its samples' losses scaled by
+world_size / global_batch_size, so the averaged gradient is the mean over the global batch however
+samples fall into rows and ranks; flow-matching noise and time are drawn per sample from
+(seed, step, sample id), so they do not depend on the split either. That is what makes runs
+resumable on another world size and a 2-process run equal to a 1-process one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from kilovla import config as config_mod
+from kilovla.data import DataLake, GlobalBatchPlan, LakeSource, PlanConfig, TokenLayout, build_loader
+from kilovla.data.lerobot import DatasetMeta
+from kilovla.data.plan import padding_fraction
+from kilovla.errors import KilovlaError
+from kilovla.models.groot import GrootConfig, GrootModel
+from kilovla.models.presets import build_model, preset
+from kilovla.models.processor import PolicyMeta, Processor
+from kilovla.train import checkpoint as ckpt
+from kilovla.train import distributed
+from kilovla.train.metrics import MetricsLogger, plot_learning_curve
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DatasetConfig:
+    roots: list[str] = field(default_factory=list)
+    weights: list[float] | None = None
+    video_backend: str = "auto"
+
+
+@dataclass
+class PolicyConfig:
+    preset: str = "pi05-tiny"
+    overrides: dict = field(default_factory=dict)  # model config fields, e.g. {"packing": true}
+    camera_map: dict = field(default_factory=dict)  # empty: dataset cameras in order -> enabled model slots
+    state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
+    normalization: str = "quantile"
+    state_in_prompt: bool = False
+    n_action_steps: int | None = None
+    embodiment_id: int = 0
+
+
+@dataclass
+class BatchConfig:
+    global_batch_size: int = 32  # samples per optimizer step, whatever the world size
+    global_batch_tokens: int | None = None  # or tokens per optimizer step
+    token_budget: int = 4096  # most tokens in one packed row (one forward pass)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    clip_grad_norm: float = 1.0
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "ddp"  # or fsdp
+    bucket_cap_mb: int = 25
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = True
+    find_unused_parameters: bool = False
+
+
+@dataclass
+class LoaderConfig:
+    engine: str = "inprocess"  # inprocess, torch, ray
+    num_workers: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500
+    keep: int = 3
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # steps between closed-loop evaluations; 0: never
+    env: str = "metaworld"
+    tasks: list[str] = field(default_factory=list)
+    episodes: int = 5
+    batch_size: int = 5
+    resolution: int = 64
+    max_steps: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    steps: int = 1000
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ema_decay: float | None = None
+    freeze_vision: bool = False
+    freeze_vlm: bool = False
+    expert_only: bool = False
+    gradient_checkpointing: bool = False
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16
+    log_sample_ids: bool = False
+    progress: bool = True
+
+
+# -- setup ---------------------------------------------------------------------------------------------
+def _chunk(model_cfg) -> int:
+    return getattr(model_cfg, "chunk_size", None) or model_cfg.action_horizon
+
+
+def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta]) -> PolicyMeta:
+    """How the policy reads this dataset: camera map, state keys, dims, stats; checked for fit."""
+    first = metas[0]
+    problems = []
+    for m in metas[1:]:
+        if m.video_keys != first.video_keys or m.features["action"].shape != first.features["action"].shape:
+            problems.append(f"{m.root} has cameras/actions unlike {first.root}")
+    enabled = model_cfg.enabled_cameras
+    camera_map = dict(cfg.policy.camera_map) or dict(zip(first.video_keys, enabled))
+    if not cfg.policy.camera_map and len(first.video_keys) > len(enabled):
+        problems.append(f"the dataset has {len(first.video_keys)} cameras {first.video_keys}, the model "
+                        f"{cfg.policy.preset} takes {len(enabled)} ({list(enabled)}); set policy.camera_map")
+    for key in camera_map:
+        if key not in first.video_keys:
+            problems.append(f"policy.camera_map names {key!r}, not a camera of {first.root}")
+    if "action" not in first.features:
+        problems.append(f"{first.root} has no 'action' feature")
+    missing_state = [k for k in cfg.policy.state_keys if k not in first.features]
+    if missing_state:
+        problems.append(f"state keys {missing_state} are not features of {first.root}")
+    if problems:
+        raise KilovlaError("the dataset does not fit the policy: " + "; ".join(problems))
+    stats_rel = "meta/stats.json"
+    stats = first.files.read_json(stats_rel)
+    needed = [*cfg.policy.state_keys, "action"]
+    mode_keys = ("q01", "q99") if cfg.policy.normalization == "quantile" else ("mean", "std")
+    lacking = [k for k in needed if k not in stats or any(s not in stats[k] for s in mode_keys)]
+    if lacking:
+        raise KilovlaError(f"{first.files.path(stats_rel)}: no {'/'.join(mode_keys)} stats for {lacking} "
+                           "(`kilovla data stats PATH` recomputes them)")
+    state_dim = int(sum(np.prod(first.features[k].shape) for k in cfg.policy.state_keys))
+    action_dim = int(np.prod(first.features["action"].shape))
+    return PolicyMeta(preset=cfg.policy.preset, overrides=cfg.policy.overrides, camera_map=camera_map,
+                      state_keys=list(cfg.policy.state_keys), state_dim=state_dim, action_dim=action_dim,
+                      stats={k: stats[k] for k in needed}, normalization=cfg.policy.normalization,
+                      state_in_prompt=cfg.policy.state_in_prompt, n_action_steps=cfg.policy.n_action_steps,
+                      embodiment_id=cfg.policy.embodiment_id)
+
+
+def _freeze(model, cfg: TrainConfig) -> None:
+    groot = isinstance(model, GrootModel)
+    if cfg.freeze_vision:
+        parts = [model.eagle.vision_model, model.eagle.mlp1] if groot else [model.vlm.vision_tower, model.vlm.multi_modal_projector]
+        for p in parts:
+            p.requires_grad_(False)
+    if cfg.freeze_vlm or cfg.expert_only:
+        (model.backbone if groot else model.paligemma_with_expert.paligemma).requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        if groot:
+            log.warning("gradient checkpointing is implemented for pi0/pi0.5; GR00T trains without it")
+        else:
+            model.gradient_checkpointing = True
+
+
+def _lr_lambda(cfg: OptimConfig, steps: int):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def _sample_noise(model_cfg, seed: int, step: int, sample_ids: np.ndarray, family_time) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noise and flow time per sample from (seed, step, sample id): independent of rows and ranks."""
+    horizon, dim = _chunk(model_cfg), model_cfg.max_action_dim
+    noise, beta = [], []
+    for sid in sample_ids.tolist():
+        rng = np.random.default_rng([seed, step, sid])
+        noise.append(rng.standard_normal((horizon, dim)))
+        beta.append(rng.beta(1.5, 1.0))
+    return (torch.as_tensor(np.stack(noise), dtype=torch.float32),
+            family_time(torch.as_tensor(beta, dtype=torch.float32)))
+
+
+def _memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return psutil.Process().memory_info().rss / 2**20
+
+
+# -- the loop ------------------------------------------------------------------------------------------
+def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
+    t_start = time.perf_counter()
+    world = distributed.init()
+    run_dir = Path(cfg.run_dir)
+    if not cfg.dataset.roots:
+        raise KilovlaError("no dataset: set dataset.roots (a list of LeRobot dataset folders)")
+    torch.manual_seed(cfg.seed)
+    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.policy.overrides.items()}
+    model_cfg = preset(cfg.policy.preset, **overrides)
+    metas = [DatasetMeta(r) for r in cfg.dataset.roots]
+    meta = policy_meta(cfg, model_cfg, metas)
+    processor = Processor(model_cfg, meta)
+    chunk = _chunk(model_cfg)
+    weights = cfg.dataset.weights or [1.0] * len(metas)
+    sources = [LakeSource(root=str(r), weight=w, delta_timestamps={"action": [i / m.fps for i in range(chunk)]})
+               for r, w, m in zip(cfg.dataset.roots, weights, metas)]
+    suffix = model_cfg.action_head_tokens if isinstance(model_cfg, GrootConfig) else chunk
+    layout = TokenLayout(tokens_per_camera=model_cfg.vision.tokens, cameras=tuple(meta.camera_map),
+                         max_language_tokens=model_cfg.max_language_tokens,
+                         state_tokens=4 * meta.state_dim if meta.state_in_prompt else 0,
+                         action_horizon=suffix + (0 if getattr(model_cfg, "pi05", True) else 1))
+    lake = DataLake(sources, layout, count_tokens=processor.token_count, video_backend=cfg.dataset.video_backend)
+    plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=cfg.seed, global_batch_size=cfg.batch.global_batch_size,
+                                                      global_batch_tokens=cfg.batch.global_batch_tokens,
+                                                      token_budget=cfg.batch.token_budget))
+    model = build_model(cfg.policy.preset, device=world.device, seed=cfg.seed, **overrides)
+    _freeze(model, cfg)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.optim, cfg.steps))
+    ema = ({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+           if cfg.ema_decay else None)
+    start_step = 0
+    folder = ckpt.resolve(resume, run_dir) if resume else None
+    if folder is not None:
+        saved = json.loads((folder / "policy.json").read_text())
+        if saved.get("preset") != cfg.policy.preset:
+            raise KilovlaError(f"{folder}: a checkpoint of {saved.get('preset')!r}, not of {cfg.policy.preset!r}")
+        state = ckpt.load(folder, model, ema, optimizer, scheduler)
+        plan.load_state_dict(state["plan"])
+        start_step = plan.step
+    plan.step = start_step
+    ddp_model = distributed.parallelize(model, cfg.parallel.strategy, world,
+                                        bucket_cap_mb=cfg.parallel.bucket_cap_mb,
+                                        gradient_as_bucket_view=cfg.parallel.gradient_as_bucket_view,
+                                        static_graph=cfg.parallel.static_graph,
+                                        find_unused_parameters=cfg.parallel.find_unused_parameters)
+    if world.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
+    logger = MetricsLogger(run_dir, enabled=world.is_main)
+    steps_left = cfg.steps - start_step
+    if steps_left <= 0:
+        return {"steps": start_step, "note": "nothing to do: the checkpoint is at the last step"}
+    loader_kwargs = {"num_workers": cfg.loader.num_workers} if cfg.loader.engine == "torch" else {}
+    loader = build_loader(cfg.loader.engine, lake, plan, rank=world.rank, world_size=world.size, steps=steps_left,
+                          **loader_kwargs)
+    cuda = world.device.type == "cuda"
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
+    autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=bf16)
+    family_time = lambda beta: (0.999 - beta) / 0.999 if isinstance(model, GrootModel) else beta * 0.999 + 0.001  # noqa: E731
+    fault_after = int(os.environ.get("KILOVLA_FAULT_AFTER_STEP", "-1"))  # crash-resume tests kill the run here
+    history: list[dict] = []
+    progress = _Progress(cfg.steps, start_step, enabled=cfg.progress and world.is_main)
+    model.train()
+    step_loss = step_tokens = step_capacity = data_wait = 0.0
+    step_ids: list[int] = []
+    t_step = time.perf_counter()
+    rows = iter(loader)
+    with progress:
+        while True:
+            t_wait = time.perf_counter()
+            try:
+                row = next(rows)
+            except StopIteration:
+                break
+            data_wait += time.perf_counter() - t_wait
+            step = row["step"]
+            global_n = len(plan.global_batch(step))
+            batch = processor.training_batch(row).to(world.device)
+            noise, t = _sample_noise(model_cfg, cfg.seed, step, row["sample_index"], family_time)
+            last = row["row"] == row["rows_in_step"] - 1
+            sync = contextlib.nullcontext() if last or world.size == 1 else ddp_model.no_sync()
+            with sync, autocast:
+                out = ddp_model(batch, noise=noise.to(world.device), time=t.to(world.device))
+                loss = out["per_sample"].sum() * (world.size / global_n)
+                loss.backward()
+            step_loss += float(out["per_sample"].detach().sum())
+            step_tokens += float(row["lengths"].sum())
+            step_capacity += cfg.batch.token_budget
+            step_ids += row["sample_index"].tolist()
+            if not last:
+                continue
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.clip_grad_norm))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        if n in ema:
+                            ema[n].mul_(cfg.ema_decay).add_(p.detach(), alpha=1 - cfg.ema_decay)
+            elapsed = time.perf_counter() - t_step
+            total_loss = distributed.all_reduce_sum(step_loss, world) / global_n
+            tokens = distributed.all_reduce_sum(step_tokens, world)
+            capacity = distributed.all_reduce_sum(step_capacity, world)
+            record = {"kind": "train", "step": step + 1, "loss": total_loss, "lr": scheduler.get_last_lr()[0],
+                      "grad_norm": grad_norm, "samples_per_s": global_n / elapsed, "tokens_per_s": tokens / elapsed,
+                      "padding_fraction": 1 - tokens / capacity if capacity else 0.0,
+                      "data_wait_fraction": data_wait / elapsed, "step_time_s": elapsed,
+                      "peak_memory_mb": _memory_mb(world.device), "world_size": world.size}
+            if cfg.log_sample_ids:
+                record["sample_ids"] = sorted(i for ids in distributed.all_gather_objects(step_ids, world) for i in ids)
+            logger.log(record)
+            history.append(record)
+            progress.update(step + 1, record)
+            done = step + 1
+            if done % cfg.checkpoint.every == 0 or done == cfg.steps:
+                _save(run_dir, done, model, ema, optimizer, scheduler, plan, meta, cfg, metas[0], world)
+            if cfg.eval.every and done % cfg.eval.every == 0 and world.is_main:
+                _evaluate(model, meta, cfg, done, logger, world, on_eval)
+            if done == fault_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            step_loss = step_tokens = step_capacity = data_wait = 0.0
+            step_ids = []
+            t_step = time.perf_counter()
+    logger.close()
+    summary = {}
+    if world.is_main and history:
+        plot = plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png")
+        tail = history[len(history) // 5:] or history
+        summary = {"steps": history[-1]["step"], "samples_per_s": statistics.median(r["samples_per_s"] for r in tail),
+                   "tokens_per_s": statistics.median(r["tokens_per_s"] for r in tail),
+                   "padding_fraction": statistics.mean(r["padding_fraction"] for r in history),
+                   "final_loss": history[-1]["loss"], "checkpoint": str(ckpt.latest(run_dir / "checkpoints")),
+                   "plot": str(plot) if plot else None, "wall_s": time.perf_counter() - t_start}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    distributed.shutdown()
+    return summary
+
+
+def _save(run_dir, step, model, ema, optimizer, scheduler, plan, meta, cfg, first_meta, world) -> None:
+    import dataclasses as dc
+
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=opts)  # collectives under FSDP: every rank calls
+    optim_state = get_optimizer_state_dict(model, optimizer, options=opts)
+    if not world.is_main:
+        return
+    ema_state = {**model_state, **{k: v.cpu() for k, v in ema.items()}} if ema is not None else None
+    ckpt.save(Path(run_dir) / "checkpoints" / f"step_{step:06d}", model_state=model_state, ema_state=ema_state,
+              optimizer_state=optim_state, scheduler_state=scheduler.state_dict(),
+              trainer_state={"step": step, "plan": plan.state_dict(), "world_size": world.size},
+              policy_meta=dc.asdict(meta), config_yaml=config_mod.dump_yaml(cfg),
+              stats=first_meta.files.read_json("meta/stats.json"), keep=cfg.checkpoint.keep)
+
+
+def _evaluate(model, meta, cfg, step, logger, world, on_eval) -> None:
+    from kilovla.eval.closed_loop import evaluate
+    from kilovla.models.policy import VLAPolicy
+
+    policy = VLAPolicy(model, meta, world.device)
+    report = evaluate(policy, env=cfg.eval.env, tasks=list(cfg.eval.tasks), episodes=cfg.eval.episodes,
+                      batch_size=cfg.eval.batch_size, resolution=cfg.eval.resolution, max_steps=cfg.eval.max_steps,
+                      seed=cfg.seed)
+    model.train()
+    record = {"kind": "eval", "step": step, "success_rate": report["overall_success_rate"],
+              **{f"success/{t}": r["success_rate"] for t, r in report["per_task"].items()}}
+    logger.log(record)
+    if on_eval is not None:
+        on_eval(record)
+
+
+class _Progress:
+    """A rich progress bar with loss and throughput; silent when disabled."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.enabled = enabled
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                               TimeRemainingColumn())
+            self._task = self._p.add_task("train", total=total, completed=start, info="")
+
+    def __enter__(self):
+        if self.enabled:
+            self._p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._p.__exit__(*exc)
+
+    def update(self, step: int, record: dict) -> None:
+        if self.enabled:
+            self._p.update(self._task, completed=step,
+                           info=f"loss {record['loss']:.4f}  {record['samples_per_s']:.0f} samples/s")

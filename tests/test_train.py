@@ -1,0 +1,152 @@
+"""The trainer: DDP equals one process, crash-resume is exact, elastic resume keeps the batches."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kilovla.cli import main
+from kilovla.config import load_config
+from kilovla.data.synthetic import make_synthetic_dataset
+from kilovla.errors import KilovlaError
+from kilovla.train.trainer import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_synthetic_dataset(tmp_path_factory.mktemp("train") / "ds", episodes=6, frames=(16, 24),
+                                  resolution=(32, 32), seed=4)
+
+
+def _args(dataset, run_dir, steps=4):
+    return [f"--run_dir={run_dir}", f"--steps={steps}", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=8",
+            "--batch.token_budget=512", "--checkpoint.every=2", "--policy.overrides.chunk_size=4", "--progress=false",
+            "--log_sample_ids=true", "--optim.warmup_steps=1"]
+
+
+def _run(args, nproc=1, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "kilovla", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "kilovla", "train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(run_dir, step):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(dataset, tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    proc = _run(_args(dataset, run))
+    assert proc.returncode == 0, proc.stderr
+    return run
+
+
+def test_two_gloo_processes_train_like_one(dataset, reference, tmp_path):
+    proc = _run(_args(dataset, tmp_path / "ddp"), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = _metrics(reference), _metrics(tmp_path / "ddp")
+    assert [r["sample_ids"] for r in one] == [r["sample_ids"] for r in two]
+    assert [r["world_size"] for r in two] == [2] * 4
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    wa, wb = _weights(reference, 4), _weights(tmp_path / "ddp", 4)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5  # fp32 all-reduce order only
+
+
+def test_a_killed_run_resumes_with_identical_losses(dataset, reference, tmp_path):
+    run = tmp_path / "crash"
+    killed = _run(_args(dataset, run), env={"KILOVLA_FAULT_AFTER_STEP": "2"})
+    assert killed.returncode == -9  # SIGKILL right after the step-2 checkpoint
+    assert [r["step"] for r in _metrics(run)] == [1, 2]
+    resumed = _run([*_args(dataset, run), "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["loss"] for r in _metrics(run)] == [r["loss"] for r in _metrics(reference)]
+    wa, wb = _weights(reference, 4), _weights(run, 4)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resuming_on_two_ranks_keeps_the_global_batches(dataset, reference, tmp_path):
+    run = tmp_path / "elastic"
+    assert _run(_args(dataset, run), env={"KILOVLA_FAULT_AFTER_STEP": "2"}).returncode == -9
+    proc = _run([*_args(dataset, run), "--resume", "auto"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _metrics(run)
+    assert [r["world_size"] for r in records] == [1, 1, 2, 2]
+    assert [r["sample_ids"] for r in records] == [r["sample_ids"] for r in _metrics(reference)]
+
+
+def test_unknown_config_keys_suggest_the_closest():
+    with pytest.raises(KilovlaError, match=r"unknown config key 'optim.lrr' \(did you mean 'optim.lr'\?\)"):
+        load_config(TrainConfig, None, ["--optim.lrr=1e-4"])
+    with pytest.raises(KilovlaError, match=r"config key 'steps': 'many' is not a int"):
+        load_config(TrainConfig, None, ["--steps=many"])
+
+
+def test_cli_reports_bad_config_with_exit_2(capsys):
+    assert main(["train", "--optim.lrr=1"]) == 2
+    assert "did you mean 'optim.lr'" in capsys.readouterr().err
+
+
+def test_a_dataset_that_does_not_fit_the_policy_is_refused(dataset, tmp_path):
+    cfg = load_config(TrainConfig, None, [f"--run_dir={tmp_path}", f"--dataset.roots=[{dataset}]",
+                                          "--policy.state_keys=[observation.velocity]"])
+    with pytest.raises(KilovlaError, match=r"state keys \['observation.velocity'\] are not features"):
+        train(cfg)
+    cfg = load_config(TrainConfig, None, [f"--run_dir={tmp_path}", f"--dataset.roots=[{dataset}]",
+                                          "--policy.overrides.disabled_cameras=[left_wrist_0_rgb, right_wrist_0_rgb]"])
+    with pytest.raises(KilovlaError, match=r"the dataset has 2 cameras .* takes 1"):
+        train(cfg)
+
+
+def test_a_checkpoint_of_another_model_is_refused(dataset, reference, tmp_path):
+    cfg = load_config(TrainConfig, None, [*_args(dataset, tmp_path / "other")[0:1], f"--dataset.roots=[{dataset}]",
+                                          "--policy.preset=groot-tiny", "--progress=false"])
+    with pytest.raises(KilovlaError, match="a checkpoint of 'pi05-tiny', not of 'groot-tiny'"):
+        train(cfg, resume=str(reference / "checkpoints" / "step_000004"))
+
+
+def test_a_full_disk_keeps_the_last_good_checkpoint(dataset, tmp_path, monkeypatch):
+    from kilovla.train import checkpoint
+
+    real = checkpoint.save_safetensors
+    calls = {"n": 0}
+
+    def failing(state, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] > 1:  # the second checkpoint hits a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(state, path, metadata)
+
+    monkeypatch.setattr(checkpoint, "save_safetensors", failing)
+    cfg = load_config(TrainConfig, None, _args(dataset, tmp_path / "run"))
+    with pytest.raises(KilovlaError, match=r"No space left on device; the last good checkpoint .*step_000002 is intact"):
+        train(cfg)
+    folders = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert folders == ["latest", "step_000002"]
+
+
+def test_runs_write_metrics_a_plot_and_policy_checkpoints(dataset, reference):
+    records = _metrics(reference)
+    assert {"loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "padding_fraction", "data_wait_fraction",
+            "step_time_s", "peak_memory_mb"} <= set(records[0])
+    assert (reference / "learning_curve.png").stat().st_size > 0
+    assert (reference / "config.yaml").exists()
+    from kilovla.eval.closed_loop import load_policy
+
+    policy = load_policy(str(reference / "checkpoints" / "step_000004"))
+    assert policy.action_dim == 6 and policy.cameras == ("front", "wrist")

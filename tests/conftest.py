@@ -96,3 +96,20 @@ def rewrite_parquet(path: Path, fn) -> None:
 def set_column(table: pa.Table, name: str, values) -> pa.Table:
     i = table.column_names.index(name)
     return table.set_column(i, name, pa.array(values, type=table.schema.field(name).type))
+
+
+def assert_training_reduces_loss(model, batch, steps: int = 30) -> None:
+    """Fixed noise and time, AdamW: the flow-matching loss on one batch must at least halve."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(3)
+    noise, t = torch.randn(batch.actions.shape, generator=g), torch.rand(batch.actions.shape[0], generator=g)
+    losses = []
+    for _ in range(steps):
+        loss = model(batch, noise=noise, time=t)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from conftest import rewrite_parquet, set_column

@@ -59,9 +59,14 @@ def test_bench_data_quick_writes_the_named_rows(tmp_path):
     assert rows["rank_imbalance_attention"]["ours"] < rows["rank_imbalance_attention"]["baseline"]
 
 
-def test_demo_quick_writes_a_report(tmp_path):
+def test_demo_quick_runs_the_closed_loop(tmp_path):
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["data"]["samples"] > 0
-    assert report["data"]["padding_fraction"] < report["data"]["fixed_padding_fraction"]
-    assert (tmp_path / "report.md").exists()
+    assert {"tasks", "policy_success_rate", "expert_success_rate", "train", "wall_s"} <= set(report)
+    assert {"steps", "samples_per_s", "padding_fraction", "final_loss"} <= set(report["train"])
+    assert report["train"]["steps"] == 30 and report["expert_success_rate"] == 1.0
+    assert 0.0 <= report["policy_success_rate"] <= 1.0
+    assert report["dataset"]["episodes"] == 6
+    for name in ("report.md", "learning_curve.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert list((tmp_path / "eval-policy" / "videos").rglob("*.mp4"))

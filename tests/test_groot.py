@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import assert_training_reduces_loss
 
 from kilovla.errors import KilovlaError
 from kilovla.models.batch import PaddedBatch
@@ -94,17 +95,7 @@ def test_training_reduces_the_loss():
     torch.manual_seed(0)
     model = build_model("groot-tiny")
     batch = _batch(model.config)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(3)
-    noise, t = torch.randn(batch.actions.shape, generator=g), torch.rand(3, generator=g)
-    losses = []
-    for _ in range(30):
-        loss = model(batch, noise=noise, time=t)["loss"]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
+    assert_training_reduces_loss(model, batch)
 
 
 def test_a_chunk_of_the_wrong_length_is_refused():

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import assert_training_reduces_loss
 
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import VarlenSpec, additive, attend_dense, attend_varlen, prefix_lm_mask
@@ -172,17 +173,7 @@ def test_training_reduces_the_loss_on_one_batch():
     torch.manual_seed(0)
     model = build_model("pi05-tiny")
     batch = _batch(model.config)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(3)
-    noise, t = torch.randn(batch.actions.shape, generator=g), torch.rand(batch.batch_size, generator=g)
-    losses = []
-    for _ in range(30):
-        loss = model(batch, noise=noise, time=t)["loss"]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
+    assert_training_reduces_loss(model, batch)
 
 
 def test_packed_gradients_equal_padded_gradients():

@@ -56,8 +56,9 @@ def reference(dataset, tmp_path_factory):
     return run
 
 
-def test_two_gloo_processes_train_like_one(dataset, reference, tmp_path):
-    proc = _run(_args(dataset, tmp_path / "ddp"), nproc=2)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_gloo_processes_train_like_one(dataset, reference, tmp_path, strategy):
+    proc = _run([*_args(dataset, tmp_path / "ddp"), f"--parallel.strategy={strategy}"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = _metrics(reference), _metrics(tmp_path / "ddp")
     assert [r["sample_ids"] for r in one] == [r["sample_ids"] for r in two]
@@ -150,3 +151,44 @@ def test_runs_write_metrics_a_plot_and_policy_checkpoints(dataset, reference):
 
     policy = load_policy(str(reference / "checkpoints" / "step_000004"))
     assert policy.action_dim == 6 and policy.cameras == ("front", "wrist")
+
+
+def test_ema_freezing_and_checkpointing_switches(dataset, tmp_path):
+    from safetensors.torch import load_file
+
+    args = _args(dataset, tmp_path / "sw", steps=2)
+    plain = train(load_config(TrainConfig, None, [*args, "--checkpoint.every=2"]))
+    cfg = load_config(TrainConfig, None, [*_args(dataset, tmp_path / "sw2", steps=2), "--ema_decay=0.5",
+                                          "--freeze_vision=true", "--gradient_checkpointing=true"])
+    switched = train(cfg)
+    # gradient checkpointing recomputes, it does not change the math; freezing the vision tower does
+    first = [json.loads(line)["loss"] for line in (tmp_path / "sw2" / "metrics.jsonl").read_text().splitlines()][0]
+    assert first == pytest.approx(json.loads((tmp_path / "sw" / "metrics.jsonl").read_text().splitlines()[0])["loss"])
+    step = Path(switched["checkpoint"])
+    model, ema = load_file(str(step / "model.safetensors")), load_file(str(step / "ema.safetensors"))
+    start = load_file(str(Path(plain["checkpoint"]) / "model.safetensors"))
+    vision = [k for k in model if "vision_tower" in k]
+    trained = "action_in_proj.weight"
+    assert not torch.equal(ema[trained], model[trained])  # EMA lags the weights
+    from kilovla.models.presets import build_model
+
+    fresh = build_model("pi05-tiny", seed=0, chunk_size=4).state_dict()
+    assert all(torch.equal(model[k], fresh[k]) for k in vision)
+    assert not torch.equal(start[trained], fresh[trained])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_in_training_closed_loop_evaluation_is_logged(tmp_path):
+    from kilovla.envs.collect import collect
+
+    collect(tmp_path / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
+    seen = []
+    cfg = load_config(TrainConfig, None, [
+        f"--run_dir={tmp_path / 'run'}", "--steps=2", f"--dataset.roots=[{tmp_path / 'mw'}]",
+        "--batch.global_batch_size=8", "--batch.token_budget=512", "--policy.overrides.chunk_size=4",
+        "--eval.every=2", "--eval.tasks=[reach-v3]", "--eval.episodes=1", "--eval.resolution=32",
+        "--eval.max_steps=8", "--progress=false"])
+    train(cfg, on_eval=seen.append)
+    assert len(seen) == 1 and seen[0]["step"] == 2 and 0.0 <= seen[0]["success_rate"] <= 1.0
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert kinds == ["train", "train", "eval"]

@@ -19,6 +19,10 @@ class EnvSpec:
     cameras: tuple[str, ...]
     max_steps: int
     fps: int
+    extra_state: tuple[tuple[str, int], ...] = ()  # other state-like observations, e.g. object/goal positions
+
+    def state_dims(self) -> dict[str, int]:
+        return {"observation.state": self.state_dim, **dict(self.extra_state)}
 
     def features(self, resolution: int) -> dict:
         """LeRobot `features` for a dataset recorded from this env."""

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 
 import gymnasium as gym
 import numpy as np
 
 from kilovla.envs.base import EnvSpec, check_tasks
 from kilovla.errors import KilovlaError
+
+# Meta-World's experts warn on every call that their gains exceed the action range (which it clips).
+warnings.filterwarnings("ignore", message="Constant\\(s\\) may be too high", category=UserWarning)
 
 CAMERAS = {"scene": "corner", "wrist": "gripperPOV", "side": "corner2", "behind": "behindGripper", "top": "topview"}
 # The corner cameras of Meta-World's scene look at the table upside down.
@@ -109,7 +113,8 @@ def scripted_expert(task: str):
 
 
 def spec(task: str, cameras=DEFAULT_CAMERAS, max_steps: int = MAX_STEPS, **_) -> EnvSpec:
-    return EnvSpec("metaworld", ACTION_DIM, STATE_DIM, tuple(cameras), max_steps, FPS)
+    return EnvSpec("metaworld", ACTION_DIM, STATE_DIM, tuple(cameras), max_steps, FPS,
+                   extra_state=(("observation.environment_state", 39),))
 
 
 class MetaWorldEnv(gym.Env):

@@ -31,10 +31,16 @@ EVAL_SEED_STRIDE = 1_000_003  # episode seeds: seed * stride + task index * 1000
 def check_compatible(policy, spec) -> None:
     """Refuse a policy whose declared dims or cameras differ from the env's, before any rollout."""
     problems = []
-    for attr in ("action_dim", "state_dim"):
-        want = getattr(policy, attr, None)
-        if want is not None and want != getattr(spec, attr):
-            problems.append(f"{attr} {want} (policy) vs {getattr(spec, attr)} ({spec.name})")
+    want = getattr(policy, "action_dim", None)
+    if want is not None and want != spec.action_dim:
+        problems.append(f"action_dim {want} (policy) vs {spec.action_dim} ({spec.name})")
+    dims = spec.state_dims()
+    keys = getattr(policy, "state_keys", ["observation.state"])
+    missing = [k for k in keys if k not in dims]
+    if missing:
+        problems.append(f"state inputs {missing} (policy) that {spec.name} does not provide")
+    elif getattr(policy, "state_dim", None) is not None and policy.state_dim != sum(dims[k] for k in keys):
+        problems.append(f"state_dim {policy.state_dim} (policy) vs {sum(dims[k] for k in keys)} ({spec.name})")
     cams = getattr(policy, "cameras", None)
     if cams is not None and not set(cams) <= set(spec.cameras):
         problems.append(f"cameras {sorted(cams)} (policy) vs {sorted(spec.cameras)} ({spec.name})")

@@ -113,3 +113,22 @@ def flow_loss(prediction: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     err = (prediction - target) ** 2 * weight
     return {"loss": err.sum() / weight.sum().clamp(min=1),
             "per_sample": err.sum((1, 2)) / weight.sum((1, 2)).clamp(min=1), "v_t": prediction}
+
+
+def pack_prefix(image_tokens: torch.Tensor, image_sample: torch.Tensor, text_tokens: torch.Tensor,
+                token_sample: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lay each sample's image tokens, then its text tokens, end to end.
+
+    image_tokens (N_img, P, W) with image_sample (N_img,); text_tokens (T, W) with token_sample (T,);
+    both grouped by sample. Returns tokens (sum of lengths, W), lengths (B,) and positions that
+    restart at 0 for every sample.
+    """
+    p = image_tokens.shape[1]
+    img_sample = image_sample.repeat_interleave(p)
+    src = torch.cat([image_tokens.reshape(-1, image_tokens.shape[-1]), text_tokens])
+    sample = torch.cat([img_sample, token_sample])
+    kind = torch.cat([torch.zeros_like(img_sample), torch.ones_like(token_sample)])
+    tokens = src[torch.argsort(sample * 2 + kind, stable=True)]
+    lengths = torch.bincount(sample, minlength=batch_size)
+    positions = torch.arange(len(tokens), device=tokens.device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    return tokens, lengths, positions

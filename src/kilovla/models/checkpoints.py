@@ -65,9 +65,8 @@ def to_kilovla_keys(state: dict[str, torch.Tensor], layout: str, pi05: bool = Tr
     return out
 
 
-def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Strict load; every missing / unexpected / misshapen key reported at once."""
-    own = model.state_dict()
+def check_fits(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: str) -> None:
+    """Every missing / unexpected / misshapen key of `state` against `own`, in one CheckpointError."""
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
@@ -79,6 +78,11 @@ def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) ->
                 shown = ", ".join(items[:8]) + (f" ... ({len(items)} in all)" if len(items) > 8 else "")
                 parts.append(f"{title}: {shown}")
         raise CheckpointError(f"{source}: does not fit the model; " + "; ".join(parts))
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Strict load; every missing / unexpected / misshapen key reported at once."""
+    check_fits(model.state_dict(), state, source)
     model.load_state_dict(state, strict=True, assign=any(p.is_meta for p in model.parameters()))
 
 

@@ -31,7 +31,7 @@ from torch import nn
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import (BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen,
                                       resolve_backend)
-from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight
+from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix
 from kilovla.models.language import DecoderConfig
 from kilovla.models.layers import GatedMLP, apply_rope
 from kilovla.models.vision import ViTConfig, VisionTower
@@ -381,14 +381,9 @@ class GrootModel(nn.Module):
     def _vl_packed(self, batch: PackedBatch, backend: str) -> _VL:
         b = batch.batch_size
         img = self._embed_images(batch.images) if len(batch.images) else batch.state.new_zeros(0, 1, self.config.llm.width)
-        p = img.shape[1]
-        img_sample = batch.image_sample.repeat_interleave(p)
-        src = torch.cat([img.reshape(-1, img.shape[-1]), self.eagle.language_model.model.embed_tokens(batch.tokens)])
-        sample = torch.cat([img_sample, batch.token_sample])
-        kind = torch.cat([torch.zeros_like(img_sample), torch.ones_like(batch.token_sample)])
-        x = src[torch.argsort(sample * 2 + kind, stable=True)]
-        lengths = torch.bincount(sample, minlength=b)
-        positions = torch.arange(len(x), device=x.device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+        x, lengths, positions = pack_prefix(img, batch.image_sample,
+                                            self.eagle.language_model.model.embed_tokens(batch.tokens),
+                                            batch.token_sample, b)
         x = self._llm(x, positions, VarlenSpec.from_lengths(lengths, lengths, causal=True), None, backend)
         x = self.action_head.vlln(x)
         spec = VarlenSpec.from_lengths(lengths, lengths)

@@ -39,7 +39,7 @@ from torch import nn
 
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen, prefix_lm_mask, resolve_backend
-from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight
+from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix
 from kilovla.models.language import Decoder, DecoderConfig
 from kilovla.models.layers import apply_rope, gated_residual, sincos_time_embedding
 from kilovla.models.vision import ViTConfig, VisionTower
@@ -145,6 +145,12 @@ class Pi05Model(nn.Module):
             self.state_proj = nn.Linear(cfg.max_state_dim, w)
             self.action_time_mlp_in = nn.Linear(2 * w, w)
             self.action_time_mlp_out = nn.Linear(w, w)
+        # Nothing reads the prefix stream after the last layer's keys and values (see `_layer`): these
+        # weights stay in the state dict (checkpoints carry them) but take no gradient.
+        last = self.vlm.language_model.layers[-1]
+        for unused in (last.self_attn.q_proj, last.self_attn.o_proj, last.post_attention_layernorm, last.mlp,
+                       self.vlm.language_model.norm):
+            unused.requires_grad_(False)
 
     # -- parts ---------------------------------------------------------------------------------------
     @property
@@ -314,14 +320,8 @@ class Pi05Model(nn.Module):
         dev = x_t.device
         # Prefix: per sample, its images' tokens then its language tokens.
         img = self.embed_images(batch.images) if len(batch.images) else x_t.new_zeros(0, 1, cfg.lm.width)
-        p = img.shape[1]
-        img_sample = batch.image_sample.repeat_interleave(p)
-        src = torch.cat([img.reshape(-1, img.shape[-1]), self.vlm.language_model.embed(batch.tokens)])
-        sample = torch.cat([img_sample, batch.token_sample])
-        kind = torch.cat([torch.zeros_like(img_sample), torch.ones_like(batch.token_sample)])
-        order = torch.argsort(sample * 2 + kind, stable=True)
-        x_pre = src[order]
-        pre_len = torch.bincount(sample, minlength=b)
+        x_pre, pre_len, pre_pos = pack_prefix(img, batch.image_sample, self.vlm.language_model.embed(batch.tokens),
+                                              batch.token_sample, b)
         # Suffix: [state] + the chunk positions each sample has.
         suffix, cond = self.embed_suffix(batch.state, x_t, t)
         hmask = batch.horizon_mask if batch.horizon_mask is not None else torch.ones(b, horizon, dtype=torch.bool, device=dev)
@@ -330,7 +330,6 @@ class Pi05Model(nn.Module):
         x_suf = suffix[suf_valid]
         suf_sample, suf_slot = suf_valid.nonzero(as_tuple=True)
         suf_len = suf_valid.sum(1)
-        pre_pos = torch.arange(len(x_pre), device=dev) - torch.repeat_interleave(pre_len.cumsum(0) - pre_len, pre_len)
         suf_pos = pre_len[suf_sample] + (torch.arange(len(x_suf), device=dev)
                                          - torch.repeat_interleave(suf_len.cumsum(0) - suf_len, suf_len))
         pre = _Stream(x_pre, pre_pos)

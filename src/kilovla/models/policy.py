@@ -31,7 +31,7 @@ class VLAPolicy:
         self.model, self.meta, self.device = model.to(device).eval(), meta, torch.device(device)
         self.processor = Processor(model.config, meta)
         self.name = meta.preset
-        self.action_dim, self.state_dim = meta.action_dim, meta.state_dim
+        self.action_dim, self.state_dim, self.state_keys = meta.action_dim, meta.state_dim, list(meta.state_keys)
         self.cameras = tuple(k.removeprefix("observation.images.") for k in meta.camera_map)
         self.n_action_steps = meta.n_action_steps
 

@@ -51,10 +51,25 @@ PRESETS = {
 }
 
 
-def preset(name: str, **overrides) -> Pi05Config:
+def preset(name: str, **overrides):
+    """A preset's config with fields replaced; a dict replaces fields of a nested config:
+    ``preset("pi05-tiny", vision={"image_size": 64})``."""
     if name not in PRESETS:
         raise KilovlaError(f"unknown model preset {name!r}; available: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    base = PRESETS[name]
+    names = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise KilovlaError(f"{name} has no config fields {unknown}; fields: {', '.join(sorted(names))}")
+    resolved = {}
+    for key, value in overrides.items():
+        current = getattr(base, key)
+        if isinstance(value, dict) and dataclasses.is_dataclass(current):
+            value = dataclasses.replace(current, **value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        resolved[key] = value
+    return dataclasses.replace(base, **resolved)
 
 
 def build_model(name: str, device: str | torch.device = "cpu", seed: int = 0, **overrides) -> Pi05Model | GrootModel:

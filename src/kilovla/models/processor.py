@@ -39,14 +39,22 @@ class PolicyMeta:
     embodiment_id: int = 0  # GR00T: which per-embodiment encoders to use
 
 
+CONSTANT = 1e-4  # a feature dimension narrower than this carries nothing: it normalises to 0
+
+
 def _normalizer(stats: dict, mode: str):
     if mode == "quantile":
         lo, hi = np.asarray(stats["q01"], np.float32), np.asarray(stats["q99"], np.float32)
-        scale = np.maximum(hi - lo, 1e-6)
-        return (lambda x: 2 * (x - lo) / scale - 1), (lambda y: (y + 1) / 2 * scale + lo)
+        const = hi - lo < CONSTANT
+        scale = np.where(const, 1.0, hi - lo).astype(np.float32)
+        return ((lambda x: np.where(const, 0.0, 2 * (x - lo) / scale - 1).astype(np.float32)),
+                (lambda y: np.where(const, lo, (y + 1) / 2 * scale + lo).astype(np.float32)))
     if mode == "mean_std":
-        mu, sd = np.asarray(stats["mean"], np.float32), np.maximum(np.asarray(stats["std"], np.float32), 1e-6)
-        return (lambda x: (x - mu) / sd), (lambda y: y * sd + mu)
+        mu, sd = np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32)
+        const = sd < CONSTANT
+        sd = np.where(const, 1.0, sd).astype(np.float32)
+        return ((lambda x: np.where(const, 0.0, (x - mu) / sd).astype(np.float32)),
+                (lambda y: np.where(const, mu, y * sd + mu).astype(np.float32)))
     raise KilovlaError(f"normalization must be quantile or mean_std, not {mode!r}")
 
 

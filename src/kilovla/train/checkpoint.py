@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
-from kilovla.models.checkpoints import load_checkpoint, read_safetensors, save_safetensors
+from kilovla.models.checkpoints import read_safetensors, save_safetensors
 
 
 def _write(path: Path, text: str) -> None:
@@ -93,21 +93,29 @@ def resolve(resume: str, run_dir: Path) -> Path | None:
 
 
 def load(folder: Path, model, ema: dict | None, optimizer, scheduler) -> dict:
-    """Restore weights, EMA, optimizer, scheduler and RNG; returns the trainer state."""
-    load_checkpoint(model, folder / "model.safetensors", layout="kilovla")
+    """Restore weights, EMA, optimizer, scheduler and RNG into a (possibly sharded) model; returns the
+    trainer state. Every rank reads the files itself."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from kilovla.models.checkpoints import check_fits
+
+    weights = read_safetensors(folder / "model.safetensors")
+    # Sharded parameters report their local shard's shape; compare against the full shapes.
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    check_fits(full, weights, str(folder / "model.safetensors"))
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, weights, options=options)
     if ema is not None and (folder / "ema.safetensors").is_file():
         for k, v in read_safetensors(folder / "ema.safetensors").items():
-            ema[k].copy_(v)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
+            if k in ema:
+                ema[k].copy_(v)
     states = torch.load(folder / "optimizer.pt", weights_only=False)
-    # strict=False: a parameter that never received a gradient (a frozen part's, or one whose output
-    # nothing reads) has no optimizer state to save, and needs none after resuming either.
-    set_optimizer_state_dict(model, optimizer, states["optimizer"],
-                             options=StateDictOptions(full_state_dict=True, strict=False))
+    set_optimizer_state_dict(model, optimizer, states["optimizer"], options=options)
     scheduler.load_state_dict(states["scheduler"])
     rng = torch.load(folder / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
     return json.loads((folder / "trainer_state.json").read_text())
+

@@ -67,13 +67,16 @@ def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb:
             static_graph=static_graph, find_unused_parameters=find_unused_parameters)
     if strategy == "fsdp":
         try:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
         except ImportError:
             raise KilovlaError("FSDP2 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard)") from None
-        for module in model.modules():
-            if type(module).__name__ in ("DecoderLayer", "_QwenLayer", "_Block", "_Layer"):
-                fully_shard(module)
+        # One FSDP unit at the root: parameters, gradients and optimizer state are sharded at rest and
+        # gathered for the forward. Per-layer units would gather one layer at a time, but FSDP2
+        # gathers on a unit's forward(), and the mixture-of-transformers loop calls the layers'
+        # projections directly rather than each layer's forward().
         fully_shard(model)
+        if hasattr(model, "sample_actions"):
+            register_fsdp_forward_method(model, "sample_actions")
         return model
     raise KilovlaError(f"parallel.strategy must be ddp or fsdp, not {strategy!r}")
 

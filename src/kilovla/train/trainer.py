@@ -32,7 +32,6 @@ import torch
 from kilovla import config as config_mod
 from kilovla.data import DataLake, GlobalBatchPlan, LakeSource, PlanConfig, TokenLayout, build_loader
 from kilovla.data.lerobot import DatasetMeta
-from kilovla.data.plan import padding_fraction
 from kilovla.errors import KilovlaError
 from kilovla.models.groot import GrootConfig, GrootModel
 from kilovla.models.presets import build_model, preset
@@ -61,6 +60,10 @@ class PolicyConfig:
     state_in_prompt: bool = False
     n_action_steps: int | None = None
     embodiment_id: int = 0
+    # "recompute": exact stats over every frame of the training data (the default: LeRobot's stats.json
+    # averages per-episode quantiles, which collapses features that are constant within an episode,
+    # like a goal position, to zero width); "dataset": meta/stats.json as stored.
+    stats: str = "recompute"
 
 
 @dataclass
@@ -162,14 +165,22 @@ def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta]) -> Policy
         problems.append(f"state keys {missing_state} are not features of {first.root}")
     if problems:
         raise KilovlaError("the dataset does not fit the policy: " + "; ".join(problems))
-    stats_rel = "meta/stats.json"
-    stats = first.files.read_json(stats_rel)
     needed = [*cfg.policy.state_keys, "action"]
-    mode_keys = ("q01", "q99") if cfg.policy.normalization == "quantile" else ("mean", "std")
-    lacking = [k for k in needed if k not in stats or any(s not in stats[k] for s in mode_keys)]
-    if lacking:
-        raise KilovlaError(f"{first.files.path(stats_rel)}: no {'/'.join(mode_keys)} stats for {lacking} "
-                           "(`kilovla data stats PATH` recomputes them)")
+    if cfg.policy.stats == "recompute":
+        from kilovla.data.stats import feature_stats, stats_to_json
+
+        columns = [m.load_columns(needed) for m in metas]
+        stats = stats_to_json({k: feature_stats(np.concatenate([c[k] for c in columns])) for k in needed})
+    elif cfg.policy.stats == "dataset":
+        stats_rel = "meta/stats.json"
+        stats = first.files.read_json(stats_rel)
+        mode_keys = ("q01", "q99") if cfg.policy.normalization == "quantile" else ("mean", "std")
+        lacking = [k for k in needed if k not in stats or any(s not in stats[k] for s in mode_keys)]
+        if lacking:
+            raise KilovlaError(f"{first.files.path(stats_rel)}: no {'/'.join(mode_keys)} stats for {lacking} "
+                               "(`kilovla data stats PATH` recomputes them)")
+    else:
+        raise KilovlaError(f"policy.stats must be recompute or dataset, not {cfg.policy.stats!r}")
     state_dim = int(sum(np.prod(first.features[k].shape) for k in cfg.policy.state_keys))
     action_dim = int(np.prod(first.features["action"].shape))
     return PolicyMeta(preset=cfg.policy.preset, overrides=cfg.policy.overrides, camera_map=camera_map,
@@ -250,6 +261,14 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
                                                       token_budget=cfg.batch.token_budget))
     model = build_model(cfg.policy.preset, device=world.device, seed=cfg.seed, **overrides)
     _freeze(model, cfg)
+    if cfg.ema_decay and cfg.parallel.strategy == "fsdp" and world.size > 1:
+        raise KilovlaError("ema_decay with parallel.strategy=fsdp is not supported yet; use ddp or drop the EMA")
+    # Shard before building the optimizer: FSDP2 replaces parameters with sharded ones.
+    ddp_model = distributed.parallelize(model, cfg.parallel.strategy, world,
+                                        bucket_cap_mb=cfg.parallel.bucket_cap_mb,
+                                        gradient_as_bucket_view=cfg.parallel.gradient_as_bucket_view,
+                                        static_graph=cfg.parallel.static_graph,
+                                        find_unused_parameters=cfg.parallel.find_unused_parameters)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
@@ -266,11 +285,6 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         plan.load_state_dict(state["plan"])
         start_step = plan.step
     plan.step = start_step
-    ddp_model = distributed.parallelize(model, cfg.parallel.strategy, world,
-                                        bucket_cap_mb=cfg.parallel.bucket_cap_mb,
-                                        gradient_as_bucket_view=cfg.parallel.gradient_as_bucket_view,
-                                        static_graph=cfg.parallel.static_graph,
-                                        find_unused_parameters=cfg.parallel.find_unused_parameters)
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))

@@ -29,6 +29,7 @@ from kilovla.models.language import DecoderConfig
 from kilovla.models.pi05 import Pi05Config, Pi05Model
 from kilovla.models.tokenize import BYTE_VOCAB_SIZE, ByteTokenizer, tokenize_batch
 from kilovla.models.vision import ViTConfig
+from kilovla.train.metrics import peak_flops
 
 BENCH_CPU = Pi05Config(
     vision=ViTConfig(image_size=224, patch_size=14, width=64, depth=2, heads=2, mlp_dim=128),
@@ -36,7 +37,6 @@ BENCH_CPU = Pi05Config(
     expert=DecoderConfig(width=64, depth=3, heads=2, kv_heads=1, head_dim=32, mlp_dim=128, vocab_size=0),
     chunk_size=50, max_action_dim=8, max_state_dim=8, max_language_tokens=200,
 )
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 WORDS = "pick up the black bowl on the cookie box and place it on the plate near the stove drawer".split()
 
 
@@ -120,10 +120,7 @@ def _setup(quick: bool, device: str):
 
 
 def _mfu(model, batch, samples_per_s: float) -> float | None:
-    if not batch.images.is_cuda:
-        return None
-    name = torch.cuda.get_device_name(0)
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    peak = peak_flops(batch.images.device)
     return None if peak is None else _model_flops(model, batch) / batch.batch_size * samples_per_s / peak
 
 

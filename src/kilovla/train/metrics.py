@@ -8,6 +8,25 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# Dense bf16 peak FLOP/s per GPU (vendor figures), for MFU estimates.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+def peak_flops(device) -> float | None:
+    """The bf16 peak of a CUDA device, or None (CPU, or a GPU not in the table)."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def mfu(params: int, tokens_per_s: float, device) -> float | None:
+    """Model FLOPs utilisation: 6 * trainable params * tokens/s over the device's peak (attention left out)."""
+    peak = peak_flops(device)
+    return None if peak is None else 6.0 * params * tokens_per_s / peak
+
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, enabled: bool = True):

@@ -38,7 +38,7 @@ from kilovla.models.presets import build_model, preset
 from kilovla.models.processor import PolicyMeta, Processor
 from kilovla.train import checkpoint as ckpt
 from kilovla.train import distributed
-from kilovla.train.metrics import MetricsLogger, plot_learning_curve
+from kilovla.train.metrics import MetricsLogger, mfu, plot_learning_curve
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +270,7 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
                                         static_graph=cfg.parallel.static_graph,
                                         find_unused_parameters=cfg.parallel.find_unused_parameters)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)  # a sharded (DTensor) parameter reports its full size
     optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.optim, cfg.steps))
@@ -349,6 +350,8 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
                       "padding_fraction": 1 - tokens / capacity if capacity else 0.0,
                       "data_wait_fraction": data_wait / elapsed, "step_time_s": elapsed,
                       "peak_memory_mb": _memory_mb(world.device), "world_size": world.size}
+            if (util := mfu(n_trainable, tokens / elapsed / world.size, world.device)) is not None:
+                record["mfu"] = util
             if cfg.log_sample_ids:
                 record["sample_ids"] = sorted(i for ids in distributed.all_gather_objects(step_ids, world) for i in ids)
             logger.log(record)

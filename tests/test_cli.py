@@ -70,3 +70,17 @@ def test_demo_quick_runs_the_closed_loop(tmp_path):
     for name in ("report.md", "learning_curve.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert list((tmp_path / "eval-policy" / "videos").rglob("*.mp4"))
+
+
+def test_bench_all_combines_suites_into_results(tmp_path):
+    from kilovla.bench.common import Row, write_results, write_suite
+
+    write_suite("data", [Row.compare("padding_fraction", "fraction", 0.3, 0.02, higher_is_better=False)],
+                quick=True, out_dir=tmp_path)
+    write_suite("envs", [Row.compare("env_steps_per_s_64", "steps/s", 50.0, 100.0, higher_is_better=True)],
+                quick=True, out_dir=tmp_path)
+    json_path, md_path = write_results(tmp_path, ["data", "envs"])
+    combined = json.loads(json_path.read_text())
+    assert combined["suites"]["data"]["rows"][0]["ratio"] == 15.0
+    assert combined["suites"]["envs"]["rows"][0]["ratio"] == 2.0
+    assert "| envs | env_steps_per_s_64 | steps/s | 50 | 100 | 2 |" in md_path.read_text()

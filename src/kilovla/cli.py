@@ -126,6 +126,10 @@ def cmd_bench(args) -> int:
     }
     for suite in SUITES if args.suite == "all" else (args.suite,):
         print(f"wrote {runners[suite]()}")
+    if args.suite == "all":
+        from kilovla.bench.common import write_results
+
+        print("wrote {} and {}".format(*write_results(args.out, list(SUITES))))
     return 0
 
 

@@ -98,3 +98,24 @@ def print_rows(title: str, rows: list[Row], console=None) -> None:
 
 def _fmt(x) -> str:
     return "-" if x is None else f"{x:g}"
+
+
+def write_results(out_dir: str | Path, suites: list[str]) -> tuple[Path, Path]:
+    """Combine the suites' JSON into DIR/results.json and a markdown table DIR/results.md."""
+    out_dir = Path(out_dir)
+    combined = {"machine": machine_info(), "suites": {}}
+    lines = ["# kilovla benchmark results", "", "| suite | row | unit | baseline | ours | ratio | limit | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for suite in suites:
+        data = json.loads((out_dir / f"{suite}.json").read_text())
+        combined["suites"][suite] = data
+        for r in data["rows"]:
+            lines.append(f"| {suite} | {r['name']} | {r['unit']} | {_fmt(r['baseline'])} | {_fmt(r['ours'])} | "
+                         f"{_fmt(r['ratio'])} | {_fmt(r['limit'])} | {r['note']} |")
+    paths = []
+    for name, text in (("results.json", json.dumps(combined, indent=2)), ("results.md", "\n".join(lines) + "\n")):
+        tmp = out_dir / f".{name}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(text)
+        os.replace(tmp, out_dir / name)
+        paths.append(out_dir / name)
+    return paths[0], paths[1]

@@ -63,7 +63,6 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu") -> VLAPolicy
         meta = PolicyMeta(**json.loads(meta_path.read_text()))
     except (json.JSONDecodeError, TypeError) as e:
         raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
-    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in meta.overrides.items()}
-    model = build_model(meta.preset, device="meta", **overrides)
+    model = build_model(meta.preset, device="meta", **meta.overrides)
     load_checkpoint(model, folder / "model.safetensors")
     return VLAPolicy(model, meta, device)

@@ -241,7 +241,7 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     if not cfg.dataset.roots:
         raise KilovlaError("no dataset: set dataset.roots (a list of LeRobot dataset folders)")
     torch.manual_seed(cfg.seed)
-    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.policy.overrides.items()}
+    overrides = dict(cfg.policy.overrides)
     model_cfg = preset(cfg.policy.preset, **overrides)
     metas = [DatasetMeta(r) for r in cfg.dataset.roots]
     meta = policy_meta(cfg, model_cfg, metas)
@@ -285,7 +285,6 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         state = ckpt.load(folder, model, ema, optimizer, scheduler)
         plan.load_state_dict(state["plan"])
         start_step = plan.step
-    plan.step = start_step
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))

@@ -27,7 +27,7 @@ import psutil
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 from kilovla.data import windows
 from kilovla.data.lake import DataLake, LakeSource, TokenLayout
-from kilovla.data.lerobot import LeRobotDataset
+from kilovla.data.lerobot import DatasetMeta, LeRobotDataset
 from kilovla.data.loader import InProcessLoader, fetch_row
 from kilovla.data.packing import imbalance
 from kilovla.data.plan import GlobalBatchPlan, PlanConfig, padding_fraction
@@ -129,8 +129,8 @@ def _rss_mb() -> float:
 def loader_rows(root: Path, *, quick: bool, console=None) -> tuple[list[Row], dict]:
     from rich.progress import Progress
 
-    probe = LeRobotDataset(root)
-    request = loader_request(probe.fps, probe.camera_keys, "action" in probe.features)
+    probe = DatasetMeta(root)  # meta/ only: the loaders below load the columns themselves
+    request = loader_request(probe.fps, probe.video_keys, "action" in probe.features)
     layout = TokenLayout(tokens_per_camera=256, action_horizon=16)
     batch = 64 if quick else 256
     repeats = 3 if quick else 5
@@ -189,11 +189,11 @@ def loader_rows(root: Path, *, quick: bool, console=None) -> tuple[list[Row], di
     # Single RSS readings swing by tens of MiB (allocator); compare medians of whole quarters.
     growth = float(np.median(mem[3 * q:]) - np.median(mem[q:2 * q]))
 
-    cams = ", ".join(c.split(".")[-1] for c in probe.camera_keys)
-    feat = probe.meta.features[probe.camera_keys[0]] if probe.camera_keys else None
+    cams = ", ".join(c.split(".")[-1] for c in probe.video_keys)
+    feat = probe.features[probe.video_keys[0]] if probe.video_keys else None
     shape = f"{feat.shape[0]}x{feat.shape[1]}" if feat else "no video"
     codec = (feat.info or {}).get("video.codec", "?") if feat else "-"
-    what = f"{len(probe.camera_keys)} cams ({cams}) {shape} {codec}, 16-step actions, 2 frames of cam 0"
+    what = f"{len(probe.video_keys)} cams ({cams}) {shape} {codec}, 16-step actions, 2 frames of cam 0"
     rows = [
         Row.compare("loader_samples_per_s", "samples/s", base_sps, ours_sps, higher_is_better=True,
                     note=f"1 process; {what}; per-sample open+seek vs plan rows; median of {repeats}x{batch}"),
@@ -268,7 +268,6 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, dataset: str 
     if dataset is None:
         lake = build_libero_like_lake(cache)
     else:
-        probe = LeRobotDataset(dataset)
-        lake = DataLake([LakeSource(root=str(dataset))], LIBERO_LAYOUT, datasets=[probe])
+        lake = DataLake([LakeSource(root=str(dataset))], LIBERO_LAYOUT)
     more, extra2 = packing_rows(lake, world_size=world_size, quick=quick)
     return write_suite("data", rows + more, quick=quick, out_dir=out_dir, extra={**extra, **extra2}, console=console)

@@ -72,8 +72,7 @@ class DataLake:
     """
 
     def __init__(self, sources: Sequence[LakeSource | str | Path], layout: TokenLayout | None = None,
-                 count_tokens: Callable[[str], int] = byte_token_count, video_backend: str = "auto",
-                 datasets: Sequence[LeRobotDataset] | None = None):
+                 count_tokens: Callable[[str], int] = byte_token_count, video_backend: str = "auto"):
         if not sources:
             raise KilovlaError("a data lake needs at least one dataset")
         self.sources = [s if isinstance(s, LakeSource) else LakeSource(root=str(s)) for s in sources]
@@ -81,9 +80,8 @@ class DataLake:
             if s.weight < 0:
                 raise KilovlaError(f"{s.root}: mixture weight must be >= 0, got {s.weight}")
         self.layout = layout or TokenLayout()
-        self.datasets = list(datasets) if datasets is not None else [
-            LeRobotDataset(s.root, delta_timestamps=s.delta_timestamps, episodes=s.episodes,
-                           video_backend=video_backend) for s in self.sources]
+        self.datasets = [LeRobotDataset(s.root, delta_timestamps=s.delta_timestamps, episodes=s.episodes,
+                                        video_backend=video_backend) for s in self.sources]
         sizes = np.array([len(d) for d in self.datasets], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.weights = np.array([s.weight for s in self.sources], dtype=np.float64)

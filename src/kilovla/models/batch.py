@@ -132,3 +132,14 @@ def pack_prefix(image_tokens: torch.Tensor, image_sample: torch.Tensor, text_tok
     lengths = torch.bincount(sample, minlength=batch_size)
     positions = torch.arange(len(tokens), device=tokens.device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
     return tokens, lengths, positions
+
+
+def padded_prefix(image_tokens: torch.Tensor, image_masks: torch.Tensor, text_tokens: torch.Tensor,
+                  token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded twin of `pack_prefix`: image tokens (B*C, P, W) of camera slots (B, C), then text
+    tokens (B, L, W) -> tokens (B, C*P + L, W) and which are real (B, C*P + L)."""
+    b, c = image_masks.shape
+    p = image_tokens.shape[1]
+    tokens = torch.cat([image_tokens.reshape(b, c * p, -1), text_tokens], dim=1)
+    valid = torch.cat([image_masks[:, :, None].expand(b, c, p).reshape(b, c * p), token_mask], dim=1)
+    return tokens, valid

@@ -31,7 +31,7 @@ from torch import nn
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import (BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen,
                                       resolve_backend)
-from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix
+from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix, padded_prefix
 from kilovla.models.language import DecoderConfig
 from kilovla.models.layers import GatedMLP, apply_rope
 from kilovla.models.vision import ViTConfig, VisionTower
@@ -361,11 +361,9 @@ class GrootModel(nn.Module):
         batch = batch.select_cameras(cfg.enabled_cameras)
         if cfg.language_padding == "longest":
             batch = batch.trim_language()
-        b, c = batch.images.shape[:2]
         img = self._embed_images(batch.images.flatten(0, 1))
-        p = img.shape[1]
-        x = torch.cat([img.reshape(b, c * p, -1), self.eagle.language_model.model.embed_tokens(batch.tokens)], dim=1)
-        valid = torch.cat([batch.image_masks[:, :, None].expand(b, c, p).reshape(b, c * p), batch.token_mask], dim=1)
+        x, valid = padded_prefix(img, batch.image_masks, self.eagle.language_model.model.embed_tokens(batch.tokens),
+                                 batch.token_mask)
         positions = valid.long().cumsum(1) - 1
         n = valid.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()

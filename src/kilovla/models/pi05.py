@@ -39,7 +39,7 @@ from torch import nn
 
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen, prefix_lm_mask, resolve_backend
-from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix
+from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix, padded_prefix
 from kilovla.models.language import Decoder, DecoderConfig
 from kilovla.models.layers import apply_rope, gated_residual, sincos_time_embedding
 from kilovla.models.vision import ViTConfig, VisionTower
@@ -252,13 +252,8 @@ class Pi05Model(nn.Module):
                                    f"max_language_tokens={cfg.max_language_tokens}")
             batch = PaddedBatch(**{**vars(batch), "tokens": F.pad(batch.tokens, (0, extra)),
                                    "token_mask": F.pad(batch.token_mask, (0, extra))})
-        b, c = batch.images.shape[:2]
         img = self.embed_images(batch.images.flatten(0, 1))  # (B*C, P, W)
-        p = img.shape[1]
-        img = img.reshape(b, c * p, -1)
-        img_mask = batch.image_masks[:, :, None].expand(b, c, p).reshape(b, c * p)
-        x = torch.cat([img, self.vlm.language_model.embed(batch.tokens)], dim=1)
-        return x, torch.cat([img_mask, batch.token_mask], dim=1)
+        return padded_prefix(img, batch.image_masks, self.vlm.language_model.embed(batch.tokens), batch.token_mask)
 
     def _padded_suffix_masks(self, batch: PaddedBatch, horizon: int):
         b = batch.batch_size
@@ -269,6 +264,16 @@ class Pi05Model(nn.Module):
         ar = torch.zeros(extra + horizon, dtype=torch.bool, device=dev)
         ar[: extra + 1] = True  # the state block (pi0) and the action block each start a causal block
         return suf_mask, ar
+
+    def _padded_layout(self, batch: PaddedBatch, horizon: int):
+        """Prefix tokens, the additive attention mask (B, 1, N, N), RoPE positions (B, N) over
+        [prefix | suffix], and the prefix length: what the padded path and the sampler share."""
+        x_pre, pre_mask = self._padded_prefix(batch)
+        suf_mask, suf_ar = self._padded_suffix_masks(batch, horizon)
+        input_mask = torch.cat([pre_mask, suf_mask], dim=1)
+        ar = torch.cat([torch.zeros(pre_mask.shape[1], dtype=torch.bool, device=suf_ar.device), suf_ar])
+        positions = input_mask.long().cumsum(1) - 1
+        return x_pre, additive(prefix_lm_mask(input_mask, ar)), positions, pre_mask.shape[1]
 
     def _dense_attention(self, mask: torch.Tensor, n_prefix: int, cached=None):
         scale = self.config.lm.head_dim ** -0.5
@@ -299,14 +304,8 @@ class Pi05Model(nn.Module):
 
     def forward_padded(self, batch: PaddedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Velocity prediction (B, H, A) through the padded reference path."""
-        x_pre, pre_mask = self._padded_prefix(batch)
+        x_pre, mask, positions, n = self._padded_layout(batch, x_t.shape[1])
         suffix, cond = self.embed_suffix(batch.state, x_t, t)
-        suf_mask, suf_ar = self._padded_suffix_masks(batch, x_t.shape[1])
-        input_mask = torch.cat([pre_mask, suf_mask], dim=1)
-        ar = torch.cat([torch.zeros(pre_mask.shape[1], dtype=torch.bool, device=suf_ar.device), suf_ar])
-        mask = additive(prefix_lm_mask(input_mask, ar))
-        positions = input_mask.long().cumsum(1) - 1
-        n = pre_mask.shape[1]
         pre = _Stream(x_pre, positions[:, :n])
         suf = _Stream(suffix, positions[:, n:], None if cond is None else cond[:, None])
         out, _ = self._layers(pre, suf, self._dense_attention(mask, n))
@@ -413,13 +412,7 @@ class Pi05Model(nn.Module):
         x = torch.randn(b, horizon, cfg.max_action_dim, device=batch.state.device) if noise is None else noise
         if not use_cache:
             return self._sample_uncached(batch, x)
-        x_pre, pre_mask = self._padded_prefix(batch)
-        suf_mask, suf_ar = self._padded_suffix_masks(batch, horizon)
-        input_mask = torch.cat([pre_mask, suf_mask], dim=1)
-        ar = torch.cat([torch.zeros(pre_mask.shape[1], dtype=torch.bool, device=x.device), suf_ar])
-        mask = additive(prefix_lm_mask(input_mask, ar))
-        positions = input_mask.long().cumsum(1) - 1
-        n = pre_mask.shape[1]
+        x_pre, mask, positions, n = self._padded_layout(batch, horizon)
         _, cache = self._layers(_Stream(x_pre, positions[:, :n]), None, self._dense_attention(mask, n),
                                    collect_kv=True)
         dt = -1.0 / cfg.num_inference_steps

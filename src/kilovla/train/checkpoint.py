@@ -31,10 +31,6 @@ from kilovla.errors import KilovlaError
 from kilovla.models.checkpoints import read_safetensors, save_safetensors
 
 
-def _write(path: Path, text: str) -> None:
-    path.write_text(text)
-
-
 def save(folder: Path, *, model_state: dict, ema_state: dict | None, optimizer_state: dict, scheduler_state: dict,
          trainer_state: dict, policy_meta: dict, config_yaml: str, stats: dict, keep: int = 3) -> Path:
     folder = Path(folder)
@@ -49,10 +45,10 @@ def save(folder: Path, *, model_state: dict, ema_state: dict | None, optimizer_s
         torch.save({"optimizer": optimizer_state, "scheduler": scheduler_state}, tmp / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                    tmp / "rng.pt")
-        _write(tmp / "trainer_state.json", json.dumps(trainer_state, indent=2))
-        _write(tmp / "policy.json", json.dumps(policy_meta, indent=2))
-        _write(tmp / "config.yaml", config_yaml)
-        _write(tmp / "stats.json", json.dumps(stats))
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        (tmp / "policy.json").write_text(json.dumps(policy_meta, indent=2))
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / "stats.json").write_text(json.dumps(stats))
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)

@@ -84,3 +84,11 @@ def test_bench_all_combines_suites_into_results(tmp_path):
     assert combined["suites"]["data"]["rows"][0]["ratio"] == 15.0
     assert combined["suites"]["envs"]["rows"][0]["ratio"] == 2.0
     assert "| envs | env_steps_per_s_64 | steps/s | 50 | 100 | 2 |" in md_path.read_text()
+
+
+def test_data_bench_runs_on_a_dataset_smaller_than_the_bench_batch(tiny_root, tmp_path):
+    # tiny_root has ~80 frames, fewer than the suite's global batches (and 16 samples x 2 ranks fit)
+    assert main(["data", "bench", str(tiny_root), "--quick", "--world-size", "2", "--out", str(tmp_path)]) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "data.json").read_text())["rows"]}
+    assert rows["loader_samples_per_s"]["ours"] > 0
+    assert rows["rank_imbalance_attention"]["ours"] <= rows["rank_imbalance_attention"]["baseline"]

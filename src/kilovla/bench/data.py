@@ -132,7 +132,7 @@ def loader_rows(root: Path, *, quick: bool, console=None) -> tuple[list[Row], di
     probe = DatasetMeta(root)  # meta/ only: the loaders below load the columns themselves
     request = loader_request(probe.fps, probe.video_keys, "action" in probe.features)
     layout = TokenLayout(tokens_per_camera=256, action_horizon=16)
-    batch = 64 if quick else 256
+    batch = min(64 if quick else 256, probe.total_frames)  # a small user dataset still makes one full batch
     repeats = 3 if quick else 5
     soak = 2_000 if quick else 20_000
 
@@ -214,7 +214,7 @@ def loader_rows(root: Path, *, quick: bool, console=None) -> tuple[list[Row], di
 def packing_rows(lake: DataLake, *, world_size: int, quick: bool) -> tuple[list[Row], dict]:
     layout = lake.layout
     budget = 16384
-    batch = 512 if quick else 2048
+    batch = min(512 if quick else 2048, len(lake))
     plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=0, global_batch_size=batch, token_budget=budget))
     steps = 4
     real = fixed = 0

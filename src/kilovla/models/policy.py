@@ -4,6 +4,7 @@ A policy checkpoint is a folder (the trainer's checkpoints are such folders)::
 
     model.safetensors   weights (kilovla keys)
     policy.json         preset + config overrides, camera mapping, state keys, dims, normalisation stats
+                        (+ a `quantization_config` when `kilovla quantize` wrote it: FP8 layers, see quant/fp8.py)
 
 Pre- and post-processing are the `Processor`'s, the same the trainer uses.
 """
@@ -60,9 +61,16 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu") -> VLAPolicy
     if not meta_path.is_file():
         raise KilovlaError(f"{meta_path}: missing; a policy checkpoint folder holds policy.json and model.safetensors")
     try:
-        meta = PolicyMeta(**json.loads(meta_path.read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
+        fields = json.loads(meta_path.read_text())
+        quantization = fields.pop("quantization_config", None)
+        meta = PolicyMeta(**fields)
+    except (json.JSONDecodeError, TypeError, AttributeError) as e:
         raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
     model = build_model(meta.preset, device="meta", **meta.overrides)
-    load_checkpoint(model, folder / "model.safetensors")
+    if quantization is None:
+        load_checkpoint(model, folder / "model.safetensors")
+    else:  # a `kilovla quantize` folder; quant builds on models, so it is imported only here
+        from kilovla.quant.fp8 import load_quantized_weights
+
+        load_quantized_weights(model, quantization, folder / "model.safetensors", str(meta_path))
     return VLAPolicy(model, meta, device)

@@ -361,3 +361,27 @@ def test_the_scaled_mm_call_passes_torchs_layout_checks(n, k, m):
     with pytest.raises(RuntimeError, match="1x128 x 128x128 blockwise scaling"):
         F.scaled_mm(q, layer.weight.t(), row_major_scales, F.ScalingType.BlockWise1x128,
                     layer.weight_scale_inv.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bench_fp8_writes_the_named_rows(tmp_path):
+    from kilovla.bench import fp8 as fp8_bench
+
+    stats = {"observation.state": {"q01": [-1] * 4, "q99": [1] * 4}, "action": {"q01": [-1] * 4, "q99": [1] * 4}}
+    meta = PolicyMeta(preset="pi05-tiny", overrides={"disabled_cameras": ["right_wrist_0_rgb"]},
+                      camera_map={"observation.images.scene": "base_0_rgb", "observation.images.wrist": "left_wrist_0_rgb"},
+                      state_dim=4, action_dim=4, stats=stats, n_action_steps=4)
+    VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta).save(tmp_path / "ckpt")
+    path = fp8_bench.run(quick=True, out_dir=tmp_path / "out", policy=tmp_path / "ckpt", tasks=["reach-v3"],
+                         resolution=32, episodes=1)
+    result = json.loads(path.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["checkpoint_bytes_3b", "checkpoint_bytes_3b_groot", "checkpoint_bytes_tiny",
+                          "min_layer_sqnr_db", "action_mse_rel", "success_rate", "chunk_latency_ms"]
+    assert rows["checkpoint_bytes_3b"]["ratio"] == pytest.approx(1 / (1 - result["pi05-3b"]["reduction"]), rel=1e-3)
+    assert result["pi05-3b"]["vision_layers_quantized"] == 0 and result["groot-n15-3b"]["vision_layers_quantized"] == 0
+    assert rows["checkpoint_bytes_tiny"]["ours"] == (tmp_path / "out" / "fp8-policy" / "model.safetensors").stat().st_size
+    assert rows["min_layer_sqnr_db"]["ours"] > 25 and rows["min_layer_sqnr_db"]["baseline"] is None
+    assert 0 <= rows["success_rate"]["baseline"] <= 1 and 0 <= rows["success_rate"]["ours"] <= 1
+    assert result["report"]["closed_loop"]["baseline"]["episodes_per_task"] == 1

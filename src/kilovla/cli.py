@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--policy", default=None, help="fp8: the policy folder to quantize (default: train the demo's)")
     p.add_argument("--dataset", default=None, help="fp8: held-out LeRobot data (default: fresh scripted episodes)")
-    p.add_argument("--episodes", type=int, default=None, help="fp8: closed-loop episodes per task (default 50)")
+    p.add_argument("--episodes", type=int, default=None, help="fp8: closed-loop episodes per task (default 50; 0 skips the comparison)")
 
     p = sub.add_parser("quantize", help="block-wise FP8 post-training quantization of a policy folder, with a report")
     p.add_argument("policy_dir", help="a policy folder (a training checkpoint or `kilovla eval --policy` folder)")

@@ -9,7 +9,8 @@ Rows (DESIGN.md, Benchmarks):
   vs the `kilovla quantize` folder;
 - min_layer_sqnr_db: the lowest output SQNR of an FP8 layer on held-out samples (ours only);
 - action_mse_rel: action MSE of the FP8 policy against the unquantized one / action variance (ours only);
-- success_rate: closed-loop success on the demo's tasks, unquantized (baseline) vs FP8 (ours), same seeds;
+- success_rate: closed-loop success on the demo's tasks, unquantized (baseline) vs FP8 (ours), same seeds
+  (``--episodes 0`` leaves it out: the timing and size rows then run in a few minutes);
 - chunk_latency_ms: batch-1 action chunk of the demo policy, fp32 vs FP8 (emulated on CPU);
   chunk_latency_ms_3b (CUDA only): the `pi05-3b` shape with random weights, bf16 vs FP8 kernels.
 
@@ -110,14 +111,14 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
                 noise_std=0.1, seed=HELDOUT_SEED, batch_size=5, overwrite=True)
     quantized_dir = out / "fp8-policy"
     shutil.rmtree(quantized_dir, ignore_errors=True)
-    n = episodes or size["episodes"]
+    n = size["episodes"] if episodes is None else episodes
 
     def evaluation(p):
         return evaluate(p, tasks=tasks, episodes=n, seed=0, batch_size=10, resolution=resolution, num_workers=2)
 
     report = quantize_policy_folder(policy, quantized_dir, Fp8Config(), dataset=dataset, samples=size["samples"],
-                                    evaluation=evaluation, latency_repeats=size["latency_repeats"])
-    s, a, c, lat = report["size"], report["actions"], report["closed_loop"], report["latency"]
+                                    evaluation=evaluation if n else None, latency_repeats=size["latency_repeats"])
+    s, a, lat = report["size"], report["actions"], report["latency"]
     worst, worst_db = min_output_sqnr(report)
     rows += [
         Row.compare("checkpoint_bytes_tiny", "bytes", s["bf16_bytes"], s["quantized_bytes"], higher_is_better=False,
@@ -127,11 +128,17 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
                     note=f"lowest FP8 layer output SQNR over {len(report['layers'])} layers on held-out samples "
                          f"(W8A8 1x128; {worst}); min weight SQNR "
                          f"{min(v['weight_sqnr_db'] for v in report['layers'].values()):.1f} dB"),
-        Row.compare("action_mse_rel", "fraction", None, a["relative"], higher_is_better=False,
-                    note=f"MSE of FP8 vs unquantized action chunks / action variance, {a['samples']} held-out steps"),
-        Row.compare("success_rate", "fraction", c["baseline"]["overall"], c["quantized"]["overall"], higher_is_better=True,
-                    note=f"{len(tasks)} Meta-World tasks x {n} episodes, same seeds; unquantized vs FP8 "
-                         f"({c['difference_points']:+.1f} points)"),
+        Row.compare("action_mse_rel", "% of variance", None, 100 * a["relative"], higher_is_better=False,
+                    note=f"MSE of FP8 vs unquantized action chunks / variance of the actions, {a['samples']} held-out "
+                         "action steps (same observations, same flow noise)"),
+    ]
+    c = report.get("closed_loop")
+    if c is not None:
+        rows.append(Row.compare("success_rate", "fraction", c["baseline"]["overall"], c["quantized"]["overall"],
+                                higher_is_better=True,
+                                note=f"{len(tasks)} Meta-World tasks x {n} episodes, same seeds; unquantized vs FP8 "
+                                     f"({c['difference_points']:+.1f} points)"))
+    rows += [
         Row.compare("chunk_latency_ms", "ms", 1e3 * lat["baseline_s"], 1e3 * lat["quantized_s"], higher_is_better=False,
                     note=f"demo policy, batch 1, {lat['device']}: fp32 vs FP8 ({lat['kernel']}; emulation "
                          "dequantizes every call, so it is slower on CPU)"),

@@ -309,7 +309,7 @@ def test_quantize_refuses_a_quantized_policy_and_an_existing_output(folders, tmp
     from kilovla.cli import main
 
     assert main(["quantize", str(folders["out"]), "--out", str(tmp_path / "q2")]) == 2
-    assert "already quantized" in capsys.readouterr().err
+    assert "already quantized (policy.json has a quantization_config)" in capsys.readouterr().err
     existing = tmp_path / "exists"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
@@ -330,15 +330,20 @@ def test_a_failure_midway_leaves_nothing_behind(folders, tmp_path, monkeypatch):
     assert _entries(tmp_path) == []
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_a_quantized_policy_runs_in_closed_loop(tmp_path):
-    from kilovla.cli import main
-
+def _metaworld_policy_folder(folder):
+    """An untrained tiny pi0.5 that fits Meta-World's observations and actions."""
     stats = {"observation.state": {"q01": [-1] * 4, "q99": [1] * 4}, "action": {"q01": [-1] * 4, "q99": [1] * 4}}
     meta = PolicyMeta(preset="pi05-tiny", overrides={"disabled_cameras": ["right_wrist_0_rgb"]},
                       camera_map={"observation.images.scene": "base_0_rgb", "observation.images.wrist": "left_wrist_0_rgb"},
                       state_dim=4, action_dim=4, stats=stats, n_action_steps=4)
-    VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta).save(tmp_path / "ckpt")
+    VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta).save(folder)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_quantized_policy_runs_in_closed_loop(tmp_path):
+    from kilovla.cli import main
+
+    _metaworld_policy_folder(tmp_path / "ckpt")
     assert main(["quantize", str(tmp_path / "ckpt"), "--out", str(tmp_path / "q"), "--activations", "none",
                  "--latency-repeats", "1"]) == 0
     assert json.loads((tmp_path / "q" / "policy.json").read_text())["quantization_config"]["activations"] == "none"
@@ -368,11 +373,7 @@ def test_the_scaled_mm_call_passes_torchs_layout_checks(n, k, m):
 def test_bench_fp8_writes_the_named_rows(tmp_path):
     from kilovla.bench import fp8 as fp8_bench
 
-    stats = {"observation.state": {"q01": [-1] * 4, "q99": [1] * 4}, "action": {"q01": [-1] * 4, "q99": [1] * 4}}
-    meta = PolicyMeta(preset="pi05-tiny", overrides={"disabled_cameras": ["right_wrist_0_rgb"]},
-                      camera_map={"observation.images.scene": "base_0_rgb", "observation.images.wrist": "left_wrist_0_rgb"},
-                      state_dim=4, action_dim=4, stats=stats, n_action_steps=4)
-    VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta).save(tmp_path / "ckpt")
+    _metaworld_policy_folder(tmp_path / "ckpt")
     path = fp8_bench.run(quick=True, out_dir=tmp_path / "out", policy=tmp_path / "ckpt", tasks=["reach-v3"],
                          resolution=32, episodes=1)
     result = json.loads(path.read_text())

@@ -206,6 +206,33 @@ def test_sizes_are_counted_from_shapes_on_the_meta_device():
     assert counts["baseline_bytes"] == 2 * counts["total_params"]
 
 
+def _groot_batch(cfg):
+    from kilovla.models.batch import PaddedBatch
+    from kilovla.models.tokenize import ByteTokenizer, tokenize_batch
+
+    g = torch.Generator().manual_seed(0)
+    tokens, mask = tokenize_batch(ByteTokenizer(), ["pick the cube", "open the drawer please"], cfg.max_language_tokens)
+    s = cfg.vision.image_size
+    return PaddedBatch(images=torch.rand(2, 2, 3, s, s, generator=g), image_masks=torch.tensor([[1, 1], [1, 0]]).bool(),
+                       camera_names=cfg.cameras, tokens=tokens, token_mask=mask,
+                       state=torch.randn(2, cfg.max_state_dim, generator=g), embodiment_id=torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_quantized_groot_samples_actions_close_to_the_original(packing):
+    import dataclasses
+
+    model = build_model("groot-tiny").eval()
+    model.config = dataclasses.replace(model.config, packing=packing)
+    batch = _groot_batch(model.config)
+    noise = torch.randn(2, model.config.action_horizon, model.config.max_action_dim, generator=torch.Generator().manual_seed(1))
+    want = model.sample_actions(batch, noise=noise)
+    sqnr = quantize_model(model, Fp8Config())
+    assert len(sqnr) == 2 * 7 + 2 * 6 and isinstance(model.action_head.model.transformer_blocks[0].attn1.to_out[0], Fp8BlockLinear)
+    got = model.sample_actions(batch, noise=noise)
+    assert not torch.equal(got, want) and sqnr_db(want, got) > 25
+
+
 # -- policy folders -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):

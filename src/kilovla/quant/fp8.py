@@ -243,12 +243,13 @@ def _scaled_mm(layer: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _torchao(layer: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
-    """torchao's Triton kernel (DeepSeek's `fp8_gemm`): scales in the checkpoint's own layout."""
-    from torchao.prototype.blockwise_fp8_inference import blockwise_fp8_gemm, fp8_blockwise_act_quant
+    """torchao's Triton GEMM (DeepSeek's `fp8_gemm`), scales in the checkpoint's own layout. The
+    activations go through our quantizer: DeepSeek's divides an all-zero tile by a zero scale (NaN)."""
+    from torchao.prototype.blockwise_fp8_inference import blockwise_fp8_gemm
 
     lead, k = x.shape[:-1], x.shape[-1]
-    q, s = fp8_blockwise_act_quant(x.reshape(-1, k).to(torch.bfloat16).contiguous(), ACTIVATION_TILE)
-    out = blockwise_fp8_gemm(q, s, layer.weight, layer.weight_scale_inv, layer.block)
+    q, s = quantize_activations_1x128(x.reshape(-1, k))
+    out = blockwise_fp8_gemm(q.contiguous(), s.contiguous(), layer.weight, layer.weight_scale_inv, layer.block)
     if layer.bias is not None:
         out = out + layer.bias.to(out.dtype)
     return out.to(x.dtype).reshape(*lead, -1)

@@ -413,3 +413,14 @@ def test_bench_fp8_writes_the_named_rows(tmp_path):
     assert rows["min_layer_sqnr_db"]["ours"] > 25 and rows["min_layer_sqnr_db"]["baseline"] is None
     assert 0 <= rows["success_rate"]["baseline"] <= 1 and 0 <= rows["success_rate"]["ours"] <= 1
     assert result["report"]["closed_loop"]["baseline"]["episodes_per_task"] == 1
+
+
+def test_a_dataset_that_does_not_fit_is_named(folders, tmp_path, capsys):
+    from kilovla.cli import main
+    from kilovla.data.synthetic import make_synthetic_dataset
+
+    other = make_synthetic_dataset(tmp_path / "other", episodes=1, frames=12, cameras=("left",), seed=1)
+    assert main(["quantize", str(folders["source"]), "--out", str(tmp_path / "q"), "--dataset", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"--dataset {other} does not fit the policy" in err and "observation.images.front" in err
+    assert _entries(tmp_path) == ["other"]

@@ -117,9 +117,13 @@ def _report(source, out, folder, baseline, quantized, config, weight_sqnr, *, da
     sizes.update(fp8_params=counts["fp8_params"], total_params=counts["total_params"])
     report = {"source": str(source), "out": str(out), "quantization_config": quantization_config(config, list(weight_sqnr)),
               "size": sizes, "layers": {n: {"weight_sqnr_db": s} for n, s in weight_sqnr.items()}}
-    rows = qreport.heldout_rows(dataset, baseline, samples) if dataset is not None else None
-    if rows:
-        actions = qreport.compare_actions(baseline, quantized, rows, seed=seed)
+    rows = None
+    if dataset is not None:
+        try:
+            rows = qreport.heldout_rows(dataset, baseline, samples)
+            actions = qreport.compare_actions(baseline, quantized, rows, seed=seed)
+        except KilovlaError as e:
+            raise KilovlaError(f"--dataset {dataset} does not fit the policy: {e}") from None
         for name, value in actions.pop("output_sqnr_db").items():
             report["layers"][name]["output_sqnr_db"] = value
         report["actions"] = {"dataset": str(dataset), **actions}

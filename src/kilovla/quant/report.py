@@ -37,11 +37,11 @@ def chunk_length(config) -> int:
 def heldout_rows(dataset: str | Path, policy, samples: int, batch_size: int = 16) -> list[dict]:
     """`samples` frames spread evenly over a dataset, as the data layer's batched rows (with the
     policy's action window), in batches of `batch_size`."""
-    from kilovla.data.lerobot import LeRobotDataset
+    from kilovla.data.lerobot import DatasetMeta, LeRobotDataset
 
     chunk = chunk_length(policy.model.config)
-    meta_fps = LeRobotDataset(dataset).meta.fps
-    ds = LeRobotDataset(dataset, delta_timestamps={"action": [i / meta_fps for i in range(chunk)]})
+    fps = DatasetMeta(dataset).fps
+    ds = LeRobotDataset(dataset, delta_timestamps={"action": [i / fps for i in range(chunk)]})
     positions = np.unique(np.linspace(0, len(ds) - 1, min(samples, len(ds))).round().astype(int))
     return [ds.get_batch(positions[i:i + batch_size]) for i in range(0, len(positions), batch_size)]
 

@@ -110,19 +110,21 @@ def cmd_data_bench(args) -> int:
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data", "envs", "packing", "pruning")
+SUITES = ("data", "envs", "packing", "pruning", "scaling")
 
 
 def cmd_bench(args) -> int:
     from kilovla.bench import data as data_bench
     from kilovla.bench import envs as envs_bench
     from kilovla.bench import models as models_bench
+    from kilovla.bench import scaling as scaling_bench
 
     runners = {
         "data": lambda: data_bench.run(quick=args.quick, out_dir=args.out, world_size=args.world_size),
         "envs": lambda: envs_bench.run(quick=args.quick, out_dir=args.out),
         "packing": lambda: models_bench.run_packing(quick=args.quick, out_dir=args.out),
         "pruning": lambda: models_bench.run_pruning(quick=args.quick, out_dir=args.out),
+        "scaling": lambda: scaling_bench.run(quick=args.quick, out_dir=args.out),
     }
     for suite in SUITES if args.suite == "all" else (args.suite,):
         print(f"wrote {runners[suite]()}")
@@ -201,14 +203,15 @@ def cmd_eval(args) -> int:
     for col in ("task", "success", "episodes", "mean steps"):
         table.add_column(col)
     for task, r in report["per_task"].items():
-        ok = r["success_rate"] is not None
-        table.add_row(task, f"{r['success_rate']:.1%}" if ok else f"error: {r['error'].splitlines()[0]}",
-                      str(r["episodes"]), f"{r['mean_steps']:.1f}" if ok else "-")
-    overall = report["overall_success_rate"]
-    table.add_row("overall", "-" if overall is None else f"{overall:.1%}", "", "")
+        crash = f" ({r['crashed_episodes']} crashed: {r['error'].splitlines()[0]})" if r["crashed_episodes"] else ""
+        table.add_row(task, f"{r['success_rate']:.1%}{crash}", str(r["episodes"]),
+                      "-" if r["mean_steps"] is None else f"{r['mean_steps']:.1f}")
+    crashed = report["crashed_episodes"]
+    table.add_row("overall", f"{report['overall_success_rate']:.1%}"
+                  + (f" ({crashed} crashed episodes counted as failures)" if crashed else ""), "", "")
     _console().print(table)
     print(f"wrote {args.out}/report.json, {args.out}/report.md")
-    return 0 if all(r["success_rate"] is not None for r in report["per_task"].values()) else 1
+    return 1 if crashed else 0
 
 
 def cmd_train(args) -> int:
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KilovlaError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

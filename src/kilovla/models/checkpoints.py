@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -101,8 +102,29 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: cannot read safetensors: {e}") from None
 
 
+def load_sharded(model: nn.Module, state_dir: str | Path) -> None:
+    """Weights from a torch.distributed.checkpoint folder (an FSDP run's checkpoint `state/`), read in
+    this one process; a model built on the meta device is materialised on the CPU first."""
+    import torch.distributed.checkpoint as dcp
+
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(state_dir), no_dist=True)
+    except Exception as e:  # noqa: BLE001  DCP reports missing or misshapen keys as a CheckpointException
+        raise CheckpointError(f"{state_dir}: does not fit the model: {str(e).strip()[:500]}") from None
+
+
 def load_checkpoint(model: nn.Module, path: str | Path, layout: str = "auto") -> str:
-    """Load weights into `model`; returns the layout used."""
+    """Load weights into `model` from a safetensors file, or a folder holding model.safetensors or an
+    FSDP run's sharded `state/`; returns the layout used."""
+    path = Path(path)
+    if path.is_dir() and not (path / "model.safetensors").exists() and (path / "state").is_dir():
+        load_sharded(model, path / "state")
+        return "kilovla"
     state = read_safetensors(path)
     layout = detect_layout(state) if layout == "auto" else layout
     load_state(model, to_kilovla_keys(state, layout, getattr(getattr(model, "config", None), "pi05", True)), str(path))

@@ -72,7 +72,7 @@ class GrootConfig:
     max_language_tokens: int = 200
     language_padding: str = "max_length"
     packing: bool = False
-    attention_backend: str = "sdpa_dense"
+    attention_backend: str = "auto"  # varlen kernel of the packed path (models/attention.py)
     num_inference_steps: int = 4
     # NVIDIA fine-tunes with 0.2 in the DiT and the VL self-attention (diffusers' attention-output,
     # feed-forward and final dropout); 0 trains from scratch deterministically.
@@ -442,9 +442,8 @@ class GrootModel(nn.Module):
             else:  # cross-attention to the VL tokens
                 x = block(x, temb, vl.x, spec=cross_spec, mask=cross_mask, backend=backend)
         shift, scale = head.model.proj_out_1(F.silu(temb)).chunk(2, dim=-1)
-        x = head.model.norm_out(x) * (1 + scale[:, None]) + shift[:, None]
-        out = head.action_decoder(head.model.proj_out_2(x), embodiment)
-        return out[:, -horizon:]
+        x = head.model.norm_out(x[:, -horizon:]) * (1 + scale[:, None]) + shift[:, None]  # per token: decode actions only
+        return head.action_decoder(head.model.proj_out_2(x), embodiment)
 
     def sample_time(self, n: int, device) -> torch.Tensor:
         beta = torch.distributions.Beta(torch.tensor(1.5, device=device), torch.tensor(1.0, device=device))
@@ -469,15 +468,34 @@ class GrootModel(nn.Module):
         v = self.velocity(self.encode(batch), batch.state, x_t, t, self._embodiment(batch))
         return flow_loss(v, target, loss_weight(batch, target))
 
+    def velocity_field(self, batch: PaddedBatch | PackedBatch):
+        """The VL features are computed once; returns `field(x, t) -> v` in openpi's convention (noise at
+        t = 1, actions at t = 0, t of shape (B,)), so samplers serve both families, and the VL features
+        averaged over real tokens (B, F) for a value head. GR00T's own time runs the other way:
+        t_groot = 1 - t and its velocity (actions - noise) is the negative of openpi's."""
+        vl = self.encode(batch)  # once: the VL features do not depend on the flow time
+        emb = self._embodiment(batch)
+
+        def field(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return -self.velocity(vl, batch.state, x, 1.0 - t, emb)
+
+        if vl.lengths is None:
+            real = vl.mask.to(vl.x.dtype)
+            pooled = (vl.x * real[..., None]).sum(1) / real.sum(1, keepdim=True)
+        else:
+            sample = torch.repeat_interleave(torch.arange(len(vl.lengths), device=vl.x.device), vl.lengths)
+            pooled = torch.zeros(len(vl.lengths), vl.x.shape[-1], dtype=vl.x.dtype, device=vl.x.device)
+            pooled = pooled.index_add(0, sample, vl.x) / vl.lengths[:, None]
+        return field, pooled
+
     @torch.no_grad()
     def sample_actions(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Euler-integrate GR00T's flow from noise (t = 0) to actions (t = 1) in `num_inference_steps`."""
         cfg = self.config
         b = batch.state.shape[0]
         x = torch.randn(b, cfg.action_horizon, cfg.max_action_dim, device=batch.state.device) if noise is None else noise
-        vl = self.encode(batch)  # once: the VL features do not depend on the flow time
-        emb = self._embodiment(batch)
+        field, _ = self.velocity_field(batch)
         dt = 1.0 / cfg.num_inference_steps
         for step in range(cfg.num_inference_steps):
-            t = torch.full((b,), step * dt, device=x.device)
-            x = x + dt * self.velocity(vl, batch.state, x, t, emb)
+            x = x - dt * field(x, torch.full((b,), 1.0 - step * dt, device=x.device))
         return x

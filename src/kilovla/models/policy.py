@@ -2,7 +2,8 @@
 
 A policy checkpoint is a folder (the trainer's checkpoints are such folders)::
 
-    model.safetensors   weights (kilovla keys)
+    model.safetensors   weights (kilovla keys); an FSDP run's intermediate checkpoints hold `state/`
+                        (torch.distributed.checkpoint shards) instead
     policy.json         preset + config overrides, camera mapping, state keys, dims, normalisation stats
 
 Pre- and post-processing are the `Processor`'s, the same the trainer uses.
@@ -64,5 +65,5 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu") -> VLAPolicy
     except (json.JSONDecodeError, TypeError) as e:
         raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
     model = build_model(meta.preset, device="meta", **meta.overrides)
-    load_checkpoint(model, folder / "model.safetensors")
+    load_checkpoint(model, folder)  # model.safetensors, or an FSDP checkpoint's shards
     return VLAPolicy(model, meta, device)

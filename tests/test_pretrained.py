@@ -67,7 +67,8 @@ def qwen_dir(tmp_path_factory) -> Path:
         pre_tokenizers.Split(Regex(tokenize._QWEN_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([*TASKS, "You are a helpful assistant.", "system user assistant image"] * 10,
+    # "<image" is one pre-token under Qwen's split (not GPT-2's), so a wrong pre-tokenizer changes ids
+    tok.train_from_iterator([*TASKS, "You are a helpful assistant.", "system user assistant", "<image 1><image 2>"] * 10,
                             trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                 show_progress=False))
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in EAGLE_SPECIALS])
@@ -91,8 +92,9 @@ def test_pi05_prompt_ids_match_the_sentencepiece_model(sp_model):
     text = "Task: pick up the bowl, State: 0 128 192 255 -1;\nAction: "
     assert ids == sp.encode(text, add_bos=True) and ids[0] == sp.bos_id() == 2
     assert sp.decode(ids) == text  # the prompt round-trips through the tokenizer
-    pi0 = tokenize.openpi_prompt_ids(tok, "open the top drawer")
-    assert pi0 == sp.encode("open the top drawer", add_bos=True) + sp.encode("\n")
+    pi0 = tokenize.openpi_prompt_ids(tok, "close the cabinet;")
+    assert pi0 == sp.encode("close the cabinet;", add_bos=True) + sp.encode("\n")
+    assert pi0 != sp.encode("close the cabinet;\n", add_bos=True)  # ";\n" is one piece: openpi encodes "\n" alone
     assert discretize_state(np.array([-1.2, -1.0, 0.9921875, 2.0])) == [-1, 0, 255, 255]  # openpi does not clip
 
 
@@ -290,6 +292,18 @@ def test_lerobot_pi05_folder_with_legacy_norm_keys(tmp_path):
     _check_loaded(src, model)
     meta = _meta("pi05-tiny", {}, PI_CAMERAS)
     _finetune(model, Processor(model.config, meta), meta, 8)
+
+
+def test_lerobot_pi0_folder_with_pi05_time_mlp_names(tmp_path):
+    src = _random_weights("pi0-tiny")
+    state = {f"model.{k}": v for k, v in src.state_dict().items()}
+    for part in ("in", "out"):  # LeRobot's pi0 loader renames these back to action_time_mlp_*
+        for p in ("weight", "bias"):
+            state[f"model.time_mlp_{part}.{p}"] = state.pop(f"model.action_time_mlp_{part}.{p}")
+    save_safetensors(state, tmp_path / "lerobot_pi0" / "model.safetensors")
+    model = build_model("pi0-tiny", device="meta")
+    assert load_weights(model, tmp_path / "lerobot_pi0").layout == "lerobot"
+    _check_loaded(src, model)
 
 
 GROOT_CAMERAS = {"observation.images.front": "ego_view", "observation.images.wrist": "wrist"}
@@ -521,3 +535,15 @@ def test_broken_shard_sets_are_named(tmp_path):
     shards[-1].unlink()
     with pytest.raises(CheckpointError, match=f"names shards that are not there: {shards[-1].name}"):
         Checkpoint.open(tmp_path / "export")
+
+
+@pytest.mark.gpu
+def test_weights_load_straight_onto_the_gpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    src = _random_weights("pi05-tiny")
+    _openpi_export(tmp_path / "export", src)
+    model = build_model("pi05-tiny", device="meta")
+    load_weights(model, tmp_path / "export", device="cuda")
+    assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in model.parameters())
+    _check_loaded(src, model.cpu(), lambda k: torch.bfloat16)

@@ -34,6 +34,7 @@ strict); `open_init_checkpoint` for ``--policy.init_from`` (also refuses quantiz
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -219,33 +220,26 @@ def map_keys(stored: Iterable[str], layout: str, family: str) -> tuple[dict[str,
     mapping: dict[str, str] = {}
     dropped: list[str] = []
     tied = None
+    tied_name, unused = (_GROOT_TIED, _GROOT_UNUSED) if family == "groot" else (_PI_TIED, _PI_UNUSED)
     for src in stored:
         key = src.removeprefix(prefix) if prefix and src.startswith(prefix) else src
-        if family == "groot":
-            if key == _GROOT_TIED:
-                tied = src
-                continue
-            if _GROOT_UNUSED.match(key):
+        if key == tied_name:
+            tied = src
+            continue
+        if unused.match(key):
+            dropped.append(src)
+            continue
+        if family == "pi05":
+            if key.startswith("state_proj.") or _PI05_LEGACY.match(key):
                 dropped.append(src)
                 continue
-        else:
-            if key == _PI_TIED:
-                tied = src
-                continue
-            if _PI_UNUSED.match(key):
-                dropped.append(src)
-                continue
-            if family == "pi05":
-                if key.startswith("state_proj.") or _PI05_LEGACY.match(key):
-                    dropped.append(src)
-                    continue
-                if key.startswith("action_time_mlp_"):
-                    key = key.replace("action_time_mlp_", "time_mlp_", 1)
-            elif key.startswith("time_mlp_"):
-                key = key.replace("time_mlp_", "action_time_mlp_", 1)
+            if key.startswith("action_time_mlp_"):
+                key = key.replace("action_time_mlp_", "time_mlp_", 1)
+        elif family == "pi0" and key.startswith("time_mlp_"):
+            key = key.replace("time_mlp_", "action_time_mlp_", 1)
         mapping[key] = src
     embed = _GROOT_EMBED if family == "groot" else _PI_EMBED
-    if tied is not None:
+    if tied is not None:  # the tied LM head stands in for the embedding it shares storage with
         if embed in mapping:
             dropped.append(tied)
         else:
@@ -324,12 +318,12 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint | str | Path, *, devic
     for key, t in plan.items():
         by_file.setdefault(t.file, []).append((key, t))
     total = sum(t.end - t.start for t in plan.values())
-    with _LoadProgress(total, str(ckpt.path), enabled=progress and total > 256 * 2**20) as bar, torch.no_grad():
+    with _load_progress(total, str(ckpt.path), progress and total > 256 * 2**20) as advance, torch.no_grad():
         for path, items in by_file.items():
             with open(path, "rb", buffering=0) as f:
                 for key, t in sorted(items, key=lambda kt: kt[1].start):
                     _read_into(f, t, state[key])
-                    bar.advance(t.end - t.start)
+                    advance(t.end - t.start)
     return ckpt
 
 
@@ -354,28 +348,18 @@ def open_init_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint.open(path)
 
 
-class _LoadProgress:
-    def __init__(self, total: int, label: str, enabled: bool):
-        self.enabled = enabled
-        if enabled:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+@contextlib.contextmanager
+def _load_progress(total: int, label: str, enabled: bool):
+    """Yields advance(n_bytes); a rich bar with the transfer rate when enabled."""
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-            self._p = Progress(TextColumn("load"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                               TextColumn(label), transient=True)
-            self._task = self._p.add_task("load", total=total)
-
-    def __enter__(self):
-        if self.enabled:
-            self._p.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self._p.__exit__(*exc)
-
-    def advance(self, n: int) -> None:
-        if self.enabled:
-            self._p.advance(self._task, n)
+    with Progress(TextColumn("load"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TextColumn(label),
+                  transient=True) as bar:
+        task = bar.add_task("load", total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 # -- writing -------------------------------------------------------------------------------------------

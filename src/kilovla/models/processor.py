@@ -24,7 +24,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.models.batch import PaddedBatch
-from kilovla.models.images import ImageAugmentation, resize_images
+from kilovla.models.images import RESIZE_MODES, ImageAugmentation, resize_images
 from kilovla.models.tokenize import (EAGLE_IMAGE_TOKEN, PAD, eagle_prompt_ids, load_tokenizer, openpi_prompt_ids,
                                      pad_prompts, truncate)
 
@@ -98,6 +98,8 @@ class Processor:
             spec = str(Path(root) / spec)
         self.tokenizer = load_tokenizer(spec)
         self.augmentation = ImageAugmentation.from_dict(meta.augmentation)
+        if meta.image_resize not in RESIZE_MODES:
+            raise KilovlaError(f"image_resize must be one of {RESIZE_MODES}, not {meta.image_resize!r}")
         self.image_token_id = getattr(model_config, "image_token_id", None)
         self._check_tokenizer()
 

@@ -110,12 +110,13 @@ def cmd_data_bench(args) -> int:
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data", "envs", "packing", "pruning", "scaling")
+SUITES = ("data", "envs", "packing", "pruning", "scaling", "load")
 
 
 def cmd_bench(args) -> int:
     from kilovla.bench import data as data_bench
     from kilovla.bench import envs as envs_bench
+    from kilovla.bench import load as load_bench
     from kilovla.bench import models as models_bench
     from kilovla.bench import scaling as scaling_bench
 
@@ -125,6 +126,7 @@ def cmd_bench(args) -> int:
         "packing": lambda: models_bench.run_packing(quick=args.quick, out_dir=args.out),
         "pruning": lambda: models_bench.run_pruning(quick=args.quick, out_dir=args.out),
         "scaling": lambda: scaling_bench.run(quick=args.quick, out_dir=args.out),
+        "load": lambda: load_bench.run(quick=args.quick, out_dir=args.out),
     }
     for suite in SUITES if args.suite == "all" else (args.suite,):
         print(f"wrote {runners[suite]()}")

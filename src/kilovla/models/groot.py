@@ -12,6 +12,11 @@ Flow matching in GR00T's convention (opposite to openpi): t = (0.999 - Beta(1.5,
 x_t = (1 - t) * noise + t * actions, target velocity = actions - noise, the DiT sees
 floor(t * 1000); sampling integrates from t = 0 (noise) to 1 in `num_inference_steps` Euler steps.
 
+With `image_token_id` set (GR00T N1.5's Eagle prompt, `tokenize.eagle_prompt_ids`) the language
+tokens are the whole chat template and each camera's tokens replace its run of ``<IMG_CONTEXT>``
+placeholders, as Eagle does; without it (byte-tokenised models trained from scratch) the camera
+tokens come first and the language after.
+
 Padded and packed paths as in pi0.5 (`config.packing`): the packed one runs the causal LM and the
 VL self-attention as varlen calls over real tokens, and the DiT's cross-attention as a varlen call
 from each sample's 49 action-head tokens to that sample's VL tokens. The padded path masks padding
@@ -77,6 +82,8 @@ class GrootConfig:
     # NVIDIA fine-tunes with 0.2 in the DiT and the VL self-attention (diffusers' attention-output,
     # feed-forward and final dropout); 0 trains from scratch deterministically.
     dropout: float = 0.0
+    # Eagle's <IMG_CONTEXT> id (151669 in N1.5): camera features go where the prompt has these.
+    image_token_id: int | None = None
 
     def __post_init__(self):
         if self.vl_self_attention_heads * self.vl_self_attention_head_dim != self.llm.width:
@@ -379,14 +386,30 @@ class GrootModel(nn.Module):
                                f"{self.config.vision.image_size}x{self.config.vision.image_size}")
         return self.eagle.mlp1(self.eagle.vision_model(images))
 
+    def _place_images(self, text: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None,
+                      images: torch.Tensor) -> torch.Tensor:
+        """Eagle's prompt: the i-th present image's tokens replace the i-th run of placeholders (in
+        sample order, then camera order). text (..., W) embeddings of tokens (...); images (N, P, W)."""
+        slots = tokens == self.config.image_token_id
+        if valid is not None:
+            slots &= valid
+        if int(slots.sum()) != images.shape[0] * images.shape[1]:
+            raise KilovlaError(f"the prompts hold {int(slots.sum())} image placeholders, the batch has "
+                               f"{images.shape[0]} images of {images.shape[1]} tokens")
+        return text.masked_scatter(slots[..., None], images.to(text.dtype))
+
     def _vl_padded(self, batch: PaddedBatch, backend: str) -> _VL:
         cfg = self.config
         batch = batch.select_cameras(cfg.enabled_cameras)
         if cfg.language_padding == "longest":
             batch = batch.trim_language()
         img = self._embed_images(batch.images.flatten(0, 1))
-        x, valid = padded_prefix(img, batch.image_masks, self.eagle.language_model.model.embed_tokens(batch.tokens),
-                                 batch.token_mask)
+        text = self.eagle.language_model.model.embed_tokens(batch.tokens)
+        if cfg.image_token_id is None:
+            x, valid = padded_prefix(img, batch.image_masks, text, batch.token_mask)
+        else:
+            present = img.view(*batch.image_masks.shape, *img.shape[1:])[batch.image_masks]
+            x, valid = self._place_images(text, batch.tokens, batch.token_mask, present), batch.token_mask
         positions = valid.long().cumsum(1) - 1
         n = valid.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
@@ -401,9 +424,14 @@ class GrootModel(nn.Module):
     def _vl_packed(self, batch: PackedBatch, backend: str) -> _VL:
         b = batch.batch_size
         img = self._embed_images(batch.images) if len(batch.images) else batch.state.new_zeros(0, 1, self.config.llm.width)
-        x, lengths, positions = pack_prefix(img, batch.image_sample,
-                                            self.eagle.language_model.model.embed_tokens(batch.tokens),
-                                            batch.token_sample, b)
+        text = self.eagle.language_model.model.embed_tokens(batch.tokens)
+        if self.config.image_token_id is None:
+            x, lengths, positions = pack_prefix(img, batch.image_sample, text, batch.token_sample, b)
+        else:
+            x = self._place_images(text, batch.tokens, None, img)
+            lengths = torch.bincount(batch.token_sample, minlength=b)
+            positions = torch.arange(len(x), device=x.device) - torch.repeat_interleave(lengths.cumsum(0) - lengths,
+                                                                                       lengths)
         x = self._llm(x, positions, VarlenSpec.from_lengths(lengths, lengths, causal=True), None, backend)
         x = self.action_head.vlln(x)
         spec = VarlenSpec.from_lengths(lengths, lengths)

@@ -15,6 +15,7 @@ resumable on another world size and a 2-process run equal to a 1-process one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,9 +33,11 @@ from kilovla.data import DataLake, GlobalBatchPlan, LakeSource, PlanConfig, Toke
 from kilovla.data.lerobot import DatasetMeta
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import resolve_backend
+from kilovla.models.checkpoints import load_weights, open_init_checkpoint, plan_load
 from kilovla.models.groot import GrootConfig, GrootModel
-from kilovla.models.presets import build_model, preset
-from kilovla.models.processor import PolicyMeta, Processor
+from kilovla.models.presets import build_model, policy_defaults, preset
+from kilovla.models.processor import STATS_FOR, PolicyMeta, Processor
+from kilovla.models.tokenize import find_tokenizer
 from kilovla.train import checkpoint as ckpt
 from kilovla.train.optim import OptimConfig, build_optimizer, clip_gradients
 from kilovla.train import distributed
@@ -56,14 +59,19 @@ class PolicyConfig:
     overrides: dict = field(default_factory=dict)  # model config fields, e.g. {"packing": true}
     camera_map: dict = field(default_factory=dict)  # empty: dataset cameras in order -> enabled model slots
     state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
-    normalization: str = "quantile"
-    state_in_prompt: bool = False
+    # Unset (None) fields take the preset's fine-tuning defaults (models/presets.py, POLICY_DEFAULTS).
+    normalization: str | None = None  # quantile, mean_std, min_max
+    state_in_prompt: bool | None = None
     n_action_steps: int | None = None
-    embodiment_id: int = 0
+    embodiment_id: int | None = None
     # "recompute": exact stats over every frame of the training data (the default: LeRobot's stats.json
     # averages per-episode quantiles, which collapses features that are constant within an episode,
     # like a goal position, to zero width); "dataset": meta/stats.json as stored.
     stats: str = "recompute"
+    init_from: str | None = None  # a checkpoint to fine-tune: policy folder, openpi, LeRobot or Isaac-GR00T
+    tokenizer: str | None = None  # "byte" or a path; unset: the preset's kind, found next to init_from
+    image_resize: str | None = None  # stretch, pad
+    augmentation: dict | None = None  # ImageAugmentation fields ({} turns the preset's off)
 
 
 @dataclass
@@ -121,8 +129,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ema_decay: float | None = None
-    freeze_vision: bool = False
-    freeze_vlm: bool = False
+    freeze_vision: bool | None = None  # unset: the preset's (GR00T N1.5 freezes its backbone)
+    freeze_vlm: bool | None = None
     expert_only: bool = False
     gradient_checkpointing: bool = False
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16
@@ -131,12 +139,27 @@ class TrainConfig:
 
 
 # -- setup ---------------------------------------------------------------------------------------------
+def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
+    """Fill what the run leaves unset from the preset's fine-tuning defaults; find the tokenizer."""
+    d, p = policy_defaults(cfg.policy.preset), cfg.policy
+    pick = lambda mine, default: default if mine is None else mine  # noqa: E731
+    near = [Path(p.init_from).expanduser()] if p.init_from else []
+    policy = dataclasses.replace(
+        p, normalization=pick(p.normalization, d.normalization),
+        state_in_prompt=pick(p.state_in_prompt, d.state_in_prompt), embodiment_id=pick(p.embodiment_id, d.embodiment_id),
+        image_resize=pick(p.image_resize, d.image_resize), augmentation=pick(p.augmentation, d.augmentation.to_dict()),
+        tokenizer=find_tokenizer(d.tokenizer, p.tokenizer, near, p.preset))
+    return dataclasses.replace(cfg, policy=policy, freeze_vision=pick(cfg.freeze_vision, d.freeze_vision),
+                               freeze_vlm=pick(cfg.freeze_vlm, d.freeze_vlm))
+
+
 def _chunk(model_cfg) -> int:
     return getattr(model_cfg, "chunk_size", None) or model_cfg.action_horizon
 
 
-def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta]) -> PolicyMeta:
-    """How the policy reads this dataset: camera map, state keys, dims, stats; checked for fit."""
+def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta], init_from: dict | None = None) -> PolicyMeta:
+    """How the policy reads this dataset: camera map, state keys, dims, stats; checked for fit.
+    `cfg` has its defaults filled (`with_policy_defaults`)."""
     first = metas[0]
     problems = []
     for m in metas[1:]:
@@ -166,7 +189,7 @@ def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta]) -> Policy
     elif cfg.policy.stats == "dataset":
         stats_rel = "meta/stats.json"
         stats = first.files.read_json(stats_rel)
-        mode_keys = ("q01", "q99") if cfg.policy.normalization == "quantile" else ("mean", "std")
+        mode_keys = STATS_FOR.get(cfg.policy.normalization, ("mean", "std"))
         lacking = [k for k in needed if k not in stats or any(s not in stats[k] for s in mode_keys)]
         if lacking:
             raise KilovlaError(f"{first.files.path(stats_rel)}: no {'/'.join(mode_keys)} stats for {lacking} "
@@ -179,7 +202,9 @@ def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta]) -> Policy
                       state_keys=list(cfg.policy.state_keys), state_dim=state_dim, action_dim=action_dim,
                       stats={k: stats[k] for k in needed}, normalization=cfg.policy.normalization,
                       state_in_prompt=cfg.policy.state_in_prompt, n_action_steps=cfg.policy.n_action_steps,
-                      embodiment_id=cfg.policy.embodiment_id)
+                      embodiment_id=cfg.policy.embodiment_id, tokenizer=cfg.policy.tokenizer,
+                      image_resize=cfg.policy.image_resize, augmentation=dict(cfg.policy.augmentation),
+                      init_from=init_from)
 
 
 def apply_freeze(model, *, freeze_vision: bool = False, freeze_vlm: bool = False,
@@ -265,10 +290,17 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     if not cfg.dataset.roots:
         raise KilovlaError("no dataset: set dataset.roots (a list of LeRobot dataset folders)")
     torch.manual_seed(cfg.seed)
+    cfg = with_policy_defaults(cfg)
     overrides = dict(cfg.policy.overrides)
     model_cfg = preset(cfg.policy.preset, **overrides)
+    init = None
+    if cfg.policy.init_from:  # checked against the model from the file headers, before any work
+        init = open_init_checkpoint(cfg.policy.init_from)
+        model = build_model(cfg.policy.preset, device="meta", **overrides)
+        plan_load(model, init)
     metas = [DatasetMeta(r) for r in cfg.dataset.roots]
-    meta = policy_meta(cfg, model_cfg, metas)
+    meta = policy_meta(cfg, model_cfg, metas,
+                       init_from={"path": str(init.path.resolve()), "layout": init.layout} if init else None)
     processor = Processor(model_cfg, meta)
     chunk = _chunk(model_cfg)
     weights = cfg.dataset.weights or [1.0] * len(metas)
@@ -283,7 +315,11 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=cfg.seed, global_batch_size=cfg.batch.global_batch_size,
                                                       global_batch_tokens=cfg.batch.global_batch_tokens,
                                                       token_budget=cfg.batch.token_budget))
-    model = build_model(cfg.policy.preset, device=world.device, seed=cfg.seed, **overrides)
+    if init is not None:  # materialised from the file tensor by tensor, in the model's (float32) dtype
+        load_weights(model, init, device=world.device, progress=cfg.progress and world.is_main)
+        log.info("initialised from %s (%s layout, stored %s)", init.path, init.layout, init.dtypes())
+    else:
+        model = build_model(cfg.policy.preset, device=world.device, seed=cfg.seed, **overrides)
     apply_freeze(model, freeze_vision=cfg.freeze_vision, freeze_vlm=cfg.freeze_vlm or cfg.expert_only,
                  gradient_checkpointing=cfg.gradient_checkpointing)
     if cfg.ema_decay and cfg.parallel.strategy == "fsdp" and world.size > 1:
@@ -353,7 +389,7 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
                     faults.step_begins(step + 1)
                     watchdog.arm(phase, world.timeout_s)
                 global_n = len(plan.global_batch(step))
-                batch = processor.training_batch(row).to(world.device)
+                batch = processor.training_batch(row, seed=cfg.seed).to(world.device)
                 noise, t = _sample_noise(model_cfg, cfg.seed, step, row["sample_index"], family_time)
                 last = row["row"] == row["rows_in_step"] - 1
                 # Every row but the step's last only accumulates: one gradient reduction per step.

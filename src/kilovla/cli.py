@@ -230,6 +230,23 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_rl(args) -> int:
+    from kilovla.rl import runner
+
+    unknown = [a for a in args.overrides if not (a.startswith("--") and "=" in a)]
+    if unknown:
+        raise KilovlaError(f"unexpected arguments {unknown}; overrides look like --section.key=value")
+    overrides = list(args.overrides)
+    if args.mode:
+        overrides.append(f"--mode={args.mode}")
+    if args.policy:
+        overrides.append(f"--policy={args.policy}")
+    cfg = runner.load(args.config, overrides)
+    summary = runner.run(cfg, resume=args.resume, ray_address=args.ray_address)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kilovla.demo import run_demo
 
@@ -294,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'auto' for the run's latest")
     p.set_defaults(func=cmd_train, overrides=[])
 
+    p = sub.add_parser("rl", help="RL fine-tuning of a policy folder on Ray: sync baseline or async (RL-VLA3)")
+    p.add_argument("--config", default=None, help="YAML file (kilovla.rl.runner.RLConfig); dotted overrides follow")
+    p.add_argument("--mode", choices=["sync", "async"], default=None)
+    p.add_argument("--policy", default=None, help="the policy folder to start from (e.g. the demo's checkpoint)")
+    p.add_argument("--resume", default=None, help="an RL checkpoint folder, or 'auto' for the run's latest")
+    p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' after `ray start`); default: local")
+    p.set_defaults(func=cmd_rl, overrides=[])
+
     p = sub.add_parser("collect", help="scripted demonstrations -> a LeRobot v3.0 dataset")
     p.add_argument("--env", default="metaworld")
     p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default")
@@ -336,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "func", None) is not cmd_train:
+    if extra and getattr(args, "func", None) not in (cmd_train, cmd_rl):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = extra

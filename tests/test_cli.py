@@ -1,6 +1,7 @@
 """The `kilovla` command: exit codes, one-line errors, JSON outputs."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -92,9 +93,13 @@ def test_bench_data_quick_writes_the_named_rows(tmp_path):
     assert result["suite"] == "data" and result["quick"] is True
     assert set(result["machine"]) >= {"cpu", "cores", "gpu", "torch"}
     rows = {r["name"]: r for r in result["rows"]}
-    for name in ("loader_samples_per_s", "first_batch_s", "padding_fraction", "rank_imbalance_tokens",
-                 "rank_imbalance_attention"):
+    for name in ("loader_samples_per_s", "getitem_samples_per_s", "cache_samples_per_s", "cache_bytes",
+                 "first_batch_s", "padding_fraction", "rank_imbalance_tokens", "rank_imbalance_attention"):
         assert rows[name]["baseline"] is not None and rows[name]["ours"] is not None, name
+    assert rows["loader_samples_per_s"]["limit"] > 0
+    assert result["workers"] == len(os.sched_getaffinity(0))
+    frames = sum(p.stat().st_size for p in (tmp_path / "cache").glob("frames-*/**/*.npy"))
+    assert rows["cache_bytes"]["ours"] == pytest.approx(frames, rel=1e-4)  # the cache as it lies on disk
     assert rows["padding_fraction"]["ours"] < rows["padding_fraction"]["baseline"]
     assert rows["rank_imbalance_attention"]["ours"] < rows["rank_imbalance_attention"]["baseline"]
 

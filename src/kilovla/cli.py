@@ -135,7 +135,8 @@ def cmd_data_cache(args) -> int:
 def cmd_data_bench(args) -> int:
     from kilovla.bench import data as data_bench
 
-    path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size)
+    path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size,
+                          frame_cache=args.cache)
     print(f"wrote {path}")
     return 0
 
@@ -324,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data_cache)
     p = dsub.add_parser("bench", help="the data benchmark suite on your dataset")
     p.add_argument("path")
+    p.add_argument("--cache", default=None, help="the dataset's frame cache for the cache rows "
+                   "(default: build one under OUT/cache)")
     _bench_flags(p)
     p.set_defaults(func=cmd_data_bench)
 

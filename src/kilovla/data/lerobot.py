@@ -562,6 +562,9 @@ class LeRobotDataset:
         frames = self.decoder_pool.read_many(requests, self.tolerance_s)
         out: dict[str, np.ndarray] = {}
         for (key, mask, shape), got in zip(plan, frames):
+            if mask.all():  # one file holds every sample's frames of this camera: no scatter copy
+                out[key] = got.reshape(*shape, *got.shape[1:])
+                continue
             if key not in out:
                 out[key] = np.empty((*shape, *got.shape[1:]), dtype=np.uint8)
             out[key][mask] = got.reshape(-1, shape[1], *got.shape[1:])

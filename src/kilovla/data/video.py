@@ -238,6 +238,8 @@ class VideoDecoderPool:
         with lock:
             frames = reader.read(unique, tolerance_s)
         self.frames_decoded += len(unique)
+        if len(unique) == len(timestamps) and np.all(timestamps[1:] > timestamps[:-1]):
+            return frames  # already sorted and distinct: no gather copy
         return frames[inverse]
 
     def read_many(self, requests: list[tuple[str, np.ndarray]], tolerance_s: float = 1e-4) -> list[np.ndarray]:

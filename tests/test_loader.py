@@ -48,6 +48,23 @@ def test_torch_workers_deliver_exactly_the_in_process_rows(lake):
     assert got == want
 
 
+def test_worker_rows_arrive_as_the_same_numpy_arrays(lake, monkeypatch):
+    from kilovla.data import loader as loader_mod
+
+    monkeypatch.setattr(loader_mod, "SHARED_MEMORY_MIN_BYTES", 1024)  # the tiny frames go through shared memory too
+    want = list(InProcessLoader(lake, _plan(lake), steps=1))
+    got = list(TorchLoader(lake, _plan(lake), steps=1, num_workers=1, pin_memory=False))
+    assert len(got) == len(want)
+    for a, b in zip(want, got):
+        assert set(a) == set(b)
+        for key, value in a.items():
+            assert type(b[key]) is type(value), key
+            if isinstance(value, np.ndarray):
+                assert b[key].dtype == value.dtype and b[key].shape == value.shape, key
+                if value.dtype != object:
+                    np.testing.assert_array_equal(b[key], value, err_msg=key)
+
+
 def test_resuming_from_a_state_dict_continues_the_same_sequence(lake):
     straight = _summary(InProcessLoader(lake, _plan(lake), steps=4))
     first = _plan(lake)

@@ -162,34 +162,87 @@ def _lerobot_torchcodec_frames(path: str, timestamps: list[float]):
     return (torch.stack([loaded[i] for i in argmin]) / 255.0).type(torch.float32)
 
 
-class LeRobotVideoPath:
-    """A map-style dataset that loads an item the way LeRobot 0.4.4's `LeRobotDataset.__getitem__`
-    does: cameras one after the other, each through its default decoder (torchcodec with the
-    process-wide decoder cache, else PyAV per call), frames float32 (K, C, H, W) in [0, 1].
+class _ArrowRows:
+    """HF datasets' access to rows as LeRobot 0.4.4 sets it up (`set_transform(hf_transform_to_torch)`):
+    Arrow rows converted to Python values, then each value to a tensor. (The `datasets` package itself
+    is not a kilovla dependency: its pins would replace the fsspec the rest of the stack uses.)"""
 
-    The table part reads our numpy columns, which is faster than LeRobot's HF-datasets rows, so
-    this baseline is if anything quicker than LeRobot itself.
+    def __init__(self, table):
+        self.table = table
+
+    def row(self, i: int) -> dict:
+        return {k: _to_torch(v[0]) for k, v in self.table.slice(i, 1).to_pydict().items()}
+
+    def rows(self, indices: list[int]) -> dict:
+        return {k: [_to_torch(x) for x in v] for k, v in self.table.take(indices).to_pydict().items()}
+
+    def column(self, key: str, indices: list[int]) -> list:
+        return [_to_torch(x) for x in self.table.column(key).take(indices).to_pylist()]
+
+
+def _to_torch(value):
+    import torch
+
+    return value if isinstance(value, str) else torch.tensor(value)
+
+
+class LeRobotVideoPath:
+    """A map-style dataset that loads an item step by step as LeRobot 0.4.4's
+    `LeRobotDataset.__getitem__` does: the row, the episode's metadata row, the window rows per key
+    (column first), the window timestamps, then the cameras one after the other through LeRobot's
+    default decoder (torchcodec with the process-wide decoder cache, else PyAV per call), frames
+    float32 (K, C, H, W) in [0, 1], K dropped when 1.
     """
 
     def __init__(self, dataset: LeRobotDataset, backend: str):
+        import pyarrow as pa
+
+        meta = dataset.meta
         self.ds = dataset
         self.backend = backend
+        self.rows = _ArrowRows(pa.concat_tables([meta.files.read_parquet(f) for f in dict.fromkeys(
+            meta.episodes.data_file)]))
+        self.episodes = _ArrowRows(pa.concat_tables([meta.files.read_parquet(f) for f in meta.files.glob(
+            "meta/episodes/chunk-*/file-*.parquet")]))
+        self.deltas = {k: v.tolist() for k, v in (dataset.delta_indices or {}).items()}
 
     def __len__(self) -> int:
         return len(self.ds)
 
-    def __getitem__(self, position: int) -> dict:
+    def _episode(self, ep_idx: int) -> dict:
+        return self.episodes.table.slice(ep_idx, 1).to_pylist()[0]
+
+    def __getitem__(self, idx: int) -> dict:
         import torch
 
-        values, times, ep = _sample_windows(self.ds, int(position))
-        item = {k: torch.from_numpy(np.asarray(v)) for k, v in values.items()}
-        for key, wanted in times.items():
-            path = self.ds.meta.files.path(self.ds.meta.episodes.video_file[key][ep])
-            if self.backend == "torchcodec":
-                frames = _lerobot_torchcodec_frames(path, wanted.tolist())
-            else:
-                frames = torch.from_numpy(decode_per_call_pyav(path, wanted)[0]).permute(0, 3, 1, 2).float() / 255
-            item[key] = frames.squeeze(0)  # LeRobot drops the time axis of a one-frame window
+        idx = int(self.ds.positions_to_rows([idx])[0])
+        item = self.rows.row(idx)
+        ep_idx, abs_idx = item["episode_index"].item(), item["index"].item()
+        query = None
+        if self.deltas:
+            ep = self._episode(ep_idx)
+            start, end = ep["dataset_from_index"], ep["dataset_to_index"]
+            query = {k: [max(start, min(end - 1, abs_idx + d)) for d in ds] for k, ds in self.deltas.items()}
+            for key, ds in self.deltas.items():
+                item[f"{key}_is_pad"] = torch.BoolTensor([(abs_idx + d < start) | (abs_idx + d >= end) for d in ds])
+            for key, q in query.items():
+                if key not in self.ds.camera_keys:
+                    item[key] = torch.stack(self.rows.column(key, q))
+        if self.ds.camera_keys:
+            current = item["timestamp"].item()
+            times = {key: torch.stack(self.rows.rows(query[key])["timestamp"]).tolist()
+                     if query is not None and key in query else [current] for key in self.ds.camera_keys}
+            ep = self._episode(ep_idx)
+            for key, ts in times.items():
+                path = self.ds.meta.files.path(self.ds.meta.episodes.video_file[key][ep_idx])
+                shifted = [ep[f"videos/{key}/from_timestamp"] + t for t in ts]
+                if self.backend == "torchcodec":
+                    frames = _lerobot_torchcodec_frames(path, shifted)
+                else:
+                    frames = torch.from_numpy(decode_per_call_pyav(path, np.array(shifted))[0])
+                    frames = frames.permute(0, 3, 1, 2).type(torch.float32) / 255
+                item[key] = frames.squeeze(0)
+        item["task"] = self.ds.meta.tasks[item["task_index"].item()]
         return item
 
 

@@ -383,6 +383,22 @@ def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool =
         naive.item(int(g))
     base_first = time.perf_counter() - t0
 
+    # Memory over a long run, before the frame cache maps its files: RSS after every row.
+    rss, done = [], 0
+    plan.step = 10_000  # steps of their own, far from the measured ones
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"soak: {soak} samples", total=soak)
+        for row in InProcessLoader(lake, plan):
+            done += len(row["sample_index"])
+            rss.append(_rss_mb())
+            progress.update(task, completed=min(done, soak))
+            if done >= soak:
+                break
+    mem = np.array(rss)
+    q = len(mem) // 4
+    # Single RSS readings swing by tens of MiB (allocator); compare medians of whole quarters.
+    growth = float(np.median(mem[3 * q:]) - np.median(mem[q:2 * q]))
+
     if build_cache:
         build_frame_cache(root, cache_dir, backend=backend, engine="local")
     cached_lake = DataLake([LakeSource(root=str(root), delta_timestamps=request, frame_cache=str(cache_dir))], layout)
@@ -435,22 +451,6 @@ def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool =
         m["getitem"].append(len(chunk) / (time.perf_counter() - t0))
     med = {k: statistics.median(v) for k, v in m.items()}
     limit = med["limit"] * workers / frames_per_sample
-
-    # Memory over a long run: RSS after every row.
-    rss, done = [], 0
-    plan.step = repeats * (steps + 1) + 1
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"soak: {soak} samples", total=soak)
-        for row in InProcessLoader(lake, plan):
-            done += len(row["sample_index"])
-            rss.append(_rss_mb())
-            progress.update(task, completed=min(done, soak))
-            if done >= soak:
-                break
-    mem = np.array(rss)
-    q = len(mem) // 4
-    # Single RSS readings swing by tens of MiB (allocator); compare medians of whole quarters.
-    growth = float(np.median(mem[3 * q:]) - np.median(mem[q:2 * q]))
 
     cams = ", ".join(c.split(".")[-1] for c in probe.video_keys)
     feat = probe.features[probe.video_keys[0]] if probe.video_keys else None

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from kilovla.data import DataLake, GlobalBatchPlan, InProcessLoader, LakeSource, PlanConfig, TokenLayout
-from kilovla.data.frame_cache import MANIFEST, build_frame_cache, default_cache_dir
+from kilovla.data.frame_cache import MANIFEST, build_frame_cache, default_cache_dir, ray_task_failure
 from kilovla.data.lerobot import LeRobotDataset
 from kilovla.data.video import VideoEncoder, torchcodec_available
-from kilovla.errors import DatasetError
+from kilovla.errors import DatasetError, KilovlaError
 
 REQUEST = {"action": [0.0, 0.1, 0.2], "observation.images.front": [-0.2, -0.1, 0.0], "observation.images.wrist": [0.0]}
 FRONT_VIDEO = "videos/observation.images.front/chunk-000/file-000.mp4"
@@ -231,3 +231,22 @@ def test_cli_builds_the_cache_with_ray_data(tiny_copy, tmp_path):
     build_frame_cache(tiny_copy, local, backend="pyav", engine="local")
     for part in local.rglob("*.npy"):
         np.testing.assert_array_equal(np.load(part), np.load(out / part.relative_to(local)))
+
+
+class _RayTaskError(Exception):
+    """Shaped like Ray's: the task's exception as `.cause`, everything in one long str()."""
+
+    def __init__(self, text, cause=None):
+        super().__init__(text)
+        self.cause = cause
+
+
+def test_a_failed_ray_task_becomes_its_one_line_error():
+    inner = DatasetError("/data/videos/front.mp4", "corrupt video")
+    assert ray_task_failure(_RayTaskError("ray::Map(decode)() ... long traceback", inner)) is inner
+    wrapped = _RayTaskError("ray::Map(decode)()\nSystem error: No module named 'kilovla.data.frame_cache'\ntraceback")
+    err = ray_task_failure(wrapped)
+    assert isinstance(err, KilovlaError) and str(err) == (
+        "the Ray cluster's workers cannot import kilovla.data.frame_cache: install this kilovla (same version) "
+        "on every node of the cluster")
+    assert ray_task_failure(_RayTaskError("out of memory")) is None  # not the user's input: keep Ray's error

@@ -143,7 +143,7 @@ def test_ray_starts_locally_only_with_a_log_line(fake_ray, caplog):
 
     with caplog.at_level("WARNING", logger="kilovla.data.ray_cluster"):
         connect_ray(num_cpus=3)
-    assert fake_ray.calls == [{"num_cpus": 3, "include_dashboard": False, "log_to_driver": False}]
+    assert fake_ray.calls == [{"address": "local", "num_cpus": 3, "include_dashboard": False, "log_to_driver": False}]
     assert len(caplog.records) == 1 and "starting a local Ray with 3 CPUs" in caplog.records[0].getMessage()
 
 

@@ -38,6 +38,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections import OrderedDict
@@ -296,8 +297,9 @@ def _build_with_ray(root, out, todo, backend, ray_address):
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the caller shows one rich progress bar instead
     ctx.print_on_execution_start = False
-    # Ray Data narrates every execution at INFO on stderr; the progress bar says what matters.
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    # Ray Data narrates every execution on stderr, failures included (with tracebacks); the progress
+    # bar says what matters and a failure is re-raised below as one line.
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
 
     def decode(item: dict) -> dict:
         parts = decode_episode_parts(root, out, int(item["episode"]), json.loads(item["cameras"]), backend)
@@ -308,20 +310,28 @@ def _build_with_ray(root, out, todo, backend, ray_address):
     try:
         for row in ds.iter_rows():
             yield json.loads(row["parts"])
-    except Exception as e:  # Ray wraps the task's DatasetError; surface its one line
-        cause = _user_error(e)
-        if cause is not None:
-            raise cause from None
+    except Exception as e:
+        failure = ray_task_failure(e)
+        if failure is not None:
+            raise failure from None
         raise
 
 
-def _user_error(e: BaseException) -> KilovlaError | None:
+def ray_task_failure(e: BaseException) -> KilovlaError | None:
+    """The one-line error behind a Ray task failure, when it is the user's to fix: a DatasetError
+    raised in the task (Ray wraps it), or workers that cannot import kilovla (a cluster whose nodes
+    run another environment)."""
     seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, KilovlaError):
-            return e
-        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    err = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, KilovlaError):
+            return err
+        err = getattr(err, "cause", None) or err.__cause__ or err.__context__
+    missing = re.search(r"No module named '(kilovla[\w.]*)'", str(e))
+    if missing:
+        return KilovlaError(f"the Ray cluster's workers cannot import {missing.group(1)}: install this kilovla "
+                            "(same version) on every node of the cluster")
     return None
 
 

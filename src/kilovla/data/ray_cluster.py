@@ -44,5 +44,7 @@ def connect_ray(address: str | None = None, *, num_cpus: int | None = None, what
     cpus = num_cpus or len(os.sched_getaffinity(0))
     log.warning("%s: no Ray cluster given (no address, RAY_ADDRESS unset); starting a local Ray with %d CPUs "
                 "in this process", what, cpus)
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    # address="local": a new instance even when another Ray runs on this machine (ray.init() alone
+    # may attach to it through Ray's current-cluster file).
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return ray

@@ -101,10 +101,42 @@ def cmd_data_synth(args) -> int:
     return 0
 
 
+def cmd_data_cache(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from kilovla.data.frame_cache import build_frame_cache
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as progress:
+        task = progress.add_task("decoding episodes", total=None)
+        result = build_frame_cache(args.src, args.out, cameras=args.cameras.split(",") if args.cameras else None,
+                                   backend=args.backend, engine="local" if args.local else "auto",
+                                   ray_address=args.ray_address,
+                                   progress=lambda done, total: progress.update(task, completed=done, total=total))
+    summary = {"cache": str(result.path), "parts": result.parts, "decoded_now": result.decoded,
+               "frames": result.frames, "cache_bytes": result.cache_bytes, "video_bytes": result.video_bytes,
+               "engine": result.engine}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    table = Table(title=f"frame cache of {args.src}", show_header=False)
+    table.add_row("cache", summary["cache"])
+    table.add_row("parts (camera x episode)", f"{result.parts} ({result.decoded} decoded now, "
+                  f"{result.parts - result.decoded} still valid)")
+    table.add_row("frames", str(result.frames))
+    table.add_row("size on disk", f"{result.cache_bytes / 2**20:.1f} MiB = "
+                  f"{result.cache_bytes / max(result.video_bytes, 1):.1f}x the videos ({result.video_bytes / 2**20:.1f} MiB)")
+    table.add_row("engine", result.engine)
+    _console().print(table)
+    return 0
+
+
 def cmd_data_bench(args) -> int:
     from kilovla.bench import data as data_bench
 
-    path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size)
+    path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size,
+                          frame_cache=args.cache)
     print(f"wrote {path}")
     return 0
 
@@ -296,8 +328,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_data_synth)
+    p = dsub.add_parser("cache", help="decode every video once into a frame cache that loaders read instead")
+    p.add_argument("src")
+    p.add_argument("--out", default=None, help="cache folder (default: where loaders look by themselves, "
+                   "$KILOVLA_CACHE_DIR or ~/.cache/kilovla, frames/<name>-<hash>)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to decode on ('auto': the running one); "
+                   "default: RAY_ADDRESS, else a local Ray")
+    p.add_argument("--local", action="store_true", help="decode in this process, without Ray")
+    p.add_argument("--cameras", default=None, help="comma-separated camera keys (default: all)")
+    p.add_argument("--backend", default="auto", choices=["auto", "pyav", "torchcodec"],
+                   help="decoder; frames are bit-identical to what a loader with this backend decodes")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_data_cache)
     p = dsub.add_parser("bench", help="the data benchmark suite on your dataset")
     p.add_argument("path")
+    p.add_argument("--cache", default=None, help="the dataset's frame cache for the cache rows "
+                   "(default: build one under OUT/cache)")
     _bench_flags(p)
     p.set_defaults(func=cmd_data_bench)
 

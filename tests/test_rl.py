@@ -77,11 +77,11 @@ def test_async_run_replaces_a_crashed_and_a_hung_env_worker(policy_dir, local_ra
     assert 0.0 <= summary["eval"]["success_rate"] <= 1.0
 
 
-def test_sync_mode_with_two_ddp_learners(policy_dir, local_ray, tmp_path):
+def test_sync_mode_with_two_ddp_learners_and_collective_weight_sync(policy_dir, local_ray, tmp_path):
     from kilovla.rl import runner
 
     summary = runner.run(_config(policy_dir, tmp_path / "run", "--mode=sync", "--learner.ranks=2", "--steps=2",
-                                 "--eval.episodes=0"))
+                                 "--eval.episodes=0", "--weight_sync=collective"))
     records = _records(tmp_path / "run")
     assert summary["steps"] == 2 and [r["step"] for r in records] == [1, 2]
     assert records[-1]["mean_batch_size"] == 4  # one forward over all four envs per lock step

@@ -142,7 +142,7 @@ def cmd_data_bench(args) -> int:
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data", "envs", "packing", "pruning", "scaling", "load")
+SUITES = ("data", "envs", "packing", "pruning", "scaling", "load", "rl")
 
 
 def cmd_bench(args) -> int:
@@ -150,6 +150,7 @@ def cmd_bench(args) -> int:
     from kilovla.bench import envs as envs_bench
     from kilovla.bench import load as load_bench
     from kilovla.bench import models as models_bench
+    from kilovla.bench import rl as rl_bench
     from kilovla.bench import scaling as scaling_bench
 
     runners = {
@@ -159,13 +160,21 @@ def cmd_bench(args) -> int:
         "pruning": lambda: models_bench.run_pruning(quick=args.quick, out_dir=args.out),
         "scaling": lambda: scaling_bench.run(quick=args.quick, out_dir=args.out),
         "load": lambda: load_bench.run(quick=args.quick, out_dir=args.out),
+        "rl": lambda: rl_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, minutes=args.minutes),
     }
-    for suite in SUITES if args.suite == "all" else (args.suite,):
+    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    if args.suite == "all" and args.policy is None:
+        try:
+            args.policy = rl_bench.default_policy()
+        except KilovlaError as e:
+            print(f"skipping the rl suite: {e}")
+            suites.remove("rl")
+    for suite in suites:
         print(f"wrote {runners[suite]()}")
     if args.suite == "all":
         from kilovla.bench.common import write_results
 
-        print("wrote {} and {}".format(*write_results(args.out, list(SUITES))))
+        print("wrote {} and {}".format(*write_results(args.out, suites)))
     return 0
 
 
@@ -350,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
     p.add_argument("suite", choices=[*SUITES, "all"])
     _bench_flags(p)
+    p.add_argument("--policy", default=None, help="rl: the policy folder to fine-tune (default: the demo's checkpoint)")
+    p.add_argument("--minutes", type=float, default=30.0, help="rl: wall-time budget of the RL fine-tuning run")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("train", help="train a VLA policy (single process, or under torchrun)")

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from kilovla import config as config_mod
+from kilovla.data.ray_cluster import connect_ray
 from kilovla.errors import KilovlaError
 from kilovla.rl.core.flow import FlowSDE
 from kilovla.rl.learner import AlgoConfig
@@ -106,6 +107,7 @@ class RLConfig:
     learner: LearnerSection = field(default_factory=LearnerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    weight_sync: str = "auto"  # object_store, collective (NCCL on GPUs, gloo on CPU), auto: collective on CUDA
     weight_sync_timeout_s: float = 120.0
     inference_threads: int = 1
     learner_threads: int = 1
@@ -113,8 +115,10 @@ class RLConfig:
 
 
 # -- the run ---------------------------------------------------------------------------------------------
-def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None, faults: dict | None = None) -> dict:
-    """Train; returns the summary (also run_dir/summary.json). `faults` injects failures (tests)."""
+def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None, faults: dict | None = None,
+        time_budget_s: float | None = None) -> dict:
+    """Train; returns the summary (also run_dir/summary.json). `time_budget_s` ends the run (with its
+    final checkpoint) at the first policy version past that wall time; `faults` injects failures (tests)."""
     import ray
 
     from kilovla.rl import workers
@@ -140,7 +144,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     version = state.get("version", 0)
 
-    _init_ray(ray_address)
+    connect_ray(ray_address, num_cpus=max(2, os.cpu_count() or 2), what="kilovla rl")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
     logger = MetricsLogger(run_dir, resume_step=version if folder is not None else None)
@@ -150,7 +154,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
             ray.get([lw.load_state.remote(ray.put(torch.load(folder / "learner.pt", weights_only=False)))
                      for lw in roles.learners])
         roles.sync_weights(version)
-        loop = _AsyncLoop(cfg, roles, logger) if cfg.mode == "async" else _SyncLoop(cfg, roles, logger)
+        loop = (_AsyncLoop if cfg.mode == "async" else _SyncLoop)(cfg, roles, logger, time_budget_s)
         loop.run(version, state)
         final = roles.checkpoint(loop.version, loop.counters(), keep=cfg.checkpoint.keep)
         summary = {"mode": cfg.mode, "steps": loop.version, "checkpoint": str(final), **loop.summary()}
@@ -170,19 +174,6 @@ def _sde(cfg: RLConfig, meta: dict) -> FlowSDE:
     return FlowSDE(steps=steps, noise_level=cfg.rollout.noise_level, stochastic=cfg.rollout.stochastic)
 
 
-def _init_ray(address: str | None) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level="ERROR")
-    else:
-        log.info("starting a local Ray instance (set --ray-address or RAY_ADDRESS to join a cluster)")
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="ERROR")
-
-
 class _Roles:
     """The actors of a run, their creation, replacement and weight sync."""
 
@@ -199,12 +190,16 @@ class _Roles:
         if faults.get("server"):
             ray.get(self.server.inject.remote(faults["server"]))
         ray.get(self.server.stats.remote())  # started: weight syncs are timed from here
+        self.collective = cfg.weight_sync == "collective" or (cfg.weight_sync == "auto" and torch.cuda.is_available())
+        if cfg.weight_sync not in ("auto", "object_store", "collective"):
+            raise KilovlaError(f"weight_sync must be auto, object_store or collective, not {cfg.weight_sync!r}")
         self.buffer = workers.TrajectoryBuffer.remote(cfg.learner.max_staleness, cfg.learner.batch_segments, version)
         ranks = cfg.learner.ranks
-        store = (ray.util.get_node_ip_address(), _free_port()) if ranks > 1 else None
         self.learners = [workers.LearnerWorker.remote(policy_dir, sde, n_action_steps, cfg.learner.algo,
                                                       cfg.learner.batch_segments, cfg.rollout.segment_steps, cfg.steps,
-                                                      rank, ranks, store, cfg.learner_threads) for rank in range(ranks)]
+                                                      cfg.learner_threads) for _ in range(ranks)]
+        store = ray.get(self.learners[0].address.remote()) if ranks > 1 else None
+        ray.get([lw.start.remote(rank, ranks, store) for rank, lw in enumerate(self.learners)])
         seeds = state.get("next_seeds") or {}
         self.envs, self.next_seed, self._seen, self._checked, self.incarnation = [], {}, {}, 0.0, {}
         for w in range(cfg.env.workers):
@@ -213,6 +208,10 @@ class _Roles:
             self.envs.append(self._env_worker(w))
         self.replaced = state.get("replaced_workers", 0)
         self.started_from = state.get("started_from", policy_dir)  # the supervised policy the run began with
+        if self.collective:  # learner rank 0 and the server meet in a process group of their own
+            host, port = ray.get(self.learners[0].address.remote())
+            ray.get([self.learners[0].join_weight_channel.remote(host, port, cfg.weight_sync_timeout_s),
+                     self.server.join_weight_channel.remote(host, port, cfg.weight_sync_timeout_s)])
 
     def _env_worker(self, w: int):
         from kilovla.envs.vector import EnvConfig
@@ -273,10 +272,14 @@ class _Roles:
         """Send the learner's weights to the inference server; a sync that does not finish in time ends the run."""
         import ray
 
-        weights = self.learners[0].weights.remote()  # passed by reference: the driver never copies them
-        ray.wait([weights])  # the deadline covers the transfer, not the learner's step or start-up
+        if self.collective:
+            refs = [self.learners[0].send_weights.remote(), self.server.receive_weights.remote(version)]
+        else:
+            weights = self.learners[0].weights.remote()  # passed by reference: the driver never copies them
+            ray.wait([weights])  # the deadline covers the transfer, not the learner's step or start-up
+            refs = [self.server.set_weights.remote(weights, version)]
         try:
-            ray.get(self.server.set_weights.remote(weights, version), timeout=self.cfg.weight_sync_timeout_s)
+            ray.get(refs, timeout=self.cfg.weight_sync_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise KilovlaError(f"weight sync of policy version {version} to the inference server did not complete "
                                f"within {self.cfg.weight_sync_timeout_s:g} s; ending the run") from None
@@ -338,24 +341,20 @@ class _Roles:
             ray.kill(actor, no_restart=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class _Loop:
     """What both modes share: counters, metrics per version, checkpoints, the progress bar."""
 
-    def __init__(self, cfg: RLConfig, roles: _Roles, logger: MetricsLogger):
+    def __init__(self, cfg: RLConfig, roles: _Roles, logger: MetricsLogger, time_budget_s: float | None = None):
         self.cfg, self.roles, self.logger = cfg, roles, logger
+        self.deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
         self.version = 0
         self.env_steps = self.episodes = self.successes = 0
         self._window = {"t": time.monotonic(), "env_steps": 0, "episodes": 0, "successes": 0}
         self.t_start = time.monotonic()
         self.records: list[dict] = []
+
+    def going(self) -> bool:
+        return self.version < self.cfg.steps and (self.deadline is None or time.monotonic() < self.deadline)
 
     def counters(self) -> dict:
         return {"env_steps": self.env_steps, "episodes": self.episodes, "successes": self.successes}
@@ -418,7 +417,7 @@ class _AsyncLoop(_Loop):
         ranks, batch = len(roles.learners), cfg.learner.batch_segments
         in_batch, pending = 0, []  # segments consumed towards this version; taken, not yet trained
         with _Progress(cfg.steps, version, cfg.progress) as progress:
-            while self.version < cfg.steps:
+            while self.going():
                 replaced = roles.check_envs()
                 for w in replaced:
                     roles.envs[w].start.remote(roles.server, roles.buffer)
@@ -445,7 +444,7 @@ class _SyncLoop(_Loop):
         roles, cfg = self.roles, self.cfg
         ranks, seq = len(roles.learners), 0
         with _Progress(cfg.steps, version, cfg.progress) as progress:
-            while self.version < cfg.steps:
+            while self.going():
                 segments = []
                 while len(segments) < cfg.learner.batch_segments:
                     try:

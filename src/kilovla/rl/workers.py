@@ -61,6 +61,9 @@ class EnvWorker:
     def __init__(self, worker_id: int, incarnation: int, envs: list, segment_steps: int, reward_scale: float,
                  success_bonus: float, fault: dict | None = None):
         torch.set_num_threads(1)
+        # Software GL (llvmpipe) would start a render thread per core in every env's context: with
+        # several envs per process, one each is faster and leaves the cores to the rest of the run.
+        os.environ.setdefault("LP_NUM_THREADS", "1")
         self.id, self.incarnation, self.segment_steps = worker_id, incarnation, segment_steps
         self.reward_scale, self.success_bonus = reward_scale, success_bonus
         self.configs = [c for c, _ in envs]
@@ -186,6 +189,39 @@ def sync_segment(segment_id: tuple, start_version: int, steps: list, next_obs: d
     return _segment(segment_id, -1, start_version, records, next_obs, episodes, sum(r[3] for *_, r in steps))
 
 
+# -- weight sync ----------------------------------------------------------------------------------------
+class WeightChannel:
+    """A two-member process group of its own (learner rank 0 sends, the inference server receives) over a
+    TCP store: NCCL between GPUs, gloo on CPU. The weights go as one flat buffer per dtype, received in
+    place into the server's parameters: no copy through the driver or the object store."""
+
+    def __init__(self, host: str, port: int, rank: int, timeout_s: float):
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
+        if torch.cuda.is_available():
+            self.pg = dist.ProcessGroupNCCL(store, rank, 2)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        self.timeout = timeout
+
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """The sender's values into every receiver's tensors (same shapes and dtypes on both sides)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self.pg.broadcast(flat, 0).wait(self.timeout)
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+
 # -- inference ----------------------------------------------------------------------------------------
 @ray.remote(num_cpus=0)
 class InferenceServer:
@@ -255,6 +291,20 @@ class InferenceServer:
             await asyncio.sleep(1 << 20)
         async with self._lock:
             self.model.load_state_dict(weights)
+            self.version = version
+        return version
+
+    async def join_weight_channel(self, host: str, port: int, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self.channel = await loop.run_in_executor(self._pool, WeightChannel, host, port, 1, timeout_s)
+
+    async def receive_weights(self, version: int) -> int:
+        """The collective path of `set_weights`: the learner broadcasts, this replica receives in place."""
+        if self.fault.get("hang_weight_sync_at") == version:
+            await asyncio.sleep(1 << 20)
+        tensors = list(self.model.state_dict().values())
+        async with self._lock:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.channel.broadcast, tensors)
             self.version = version
         return version
 
@@ -358,25 +408,38 @@ class TrajectoryBuffer:
 # -- the learner ----------------------------------------------------------------------------------------
 @ray.remote(num_cpus=0)
 class LearnerWorker:
+    """One learner rank. `address()` then `start(...)` on every rank at once: ranks > 1 form a DDP group
+    whose TCP store lives on rank 0's node."""
+
     def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, algo, segments_per_step: int,
-                 segment_steps: int, total_steps: int, rank: int = 0, world_size: int = 1, store: tuple | None = None,
-                 threads: int = 1):
-        from kilovla.rl.learner import Learner
+                 segment_steps: int, total_steps: int, threads: int = 1):
         from kilovla.rl.policy import load_actor_critic
-        from kilovla.train import distributed
 
         torch.set_num_threads(threads)
         torch.manual_seed(0)
-        model = load_actor_critic(policy_dir, sde, n_action_steps).eval()  # eval: no dropout, same as acting
-        world = distributed.World(rank=rank, size=world_size)
+        self.model = load_actor_critic(policy_dir, sde, n_action_steps).eval()  # eval: no dropout, as when acting
+        self.args = (algo, segments_per_step, segment_steps, total_steps)
+        self.busy = _Busy()
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port on it, for a process group's store."""
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+    def start(self, rank: int = 0, world_size: int = 1, store: tuple | None = None) -> None:
+        from kilovla.rl.learner import Learner
+        from kilovla.train import distributed
+
         if world_size > 1:
             import torch.distributed as dist
 
             host, port = store
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                     init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
-        self.learner = Learner(model, algo, segments_per_step, segment_steps, total_steps, world)
-        self.busy = _Busy()
+        self.learner = Learner(self.model, *self.args[:3], self.args[3], distributed.World(rank=rank, size=world_size))
 
     def consume(self, segments: list[Segment]) -> dict | None:
         t0 = time.monotonic()
@@ -386,6 +449,12 @@ class LearnerWorker:
 
     def weights(self) -> dict:
         return self.learner.weights()
+
+    def join_weight_channel(self, host: str, port: int, timeout_s: float) -> None:
+        self.channel = WeightChannel(host, port, 0, timeout_s)
+
+    def send_weights(self) -> None:
+        self.channel.broadcast(list(self.learner.model.state_dict().values()))
 
     def state(self) -> dict:
         return {"model": self.learner.weights(), "optimizer": self.learner.optimizer.state_dict(),

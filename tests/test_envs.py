@@ -165,3 +165,13 @@ def test_bundled_libero_matches_the_official_release():
     from kilovla.envs.libero import compare_with_official
 
     assert compare_with_official(official) == []
+
+
+def test_rendering_can_be_skipped_between_the_observations_a_policy_looks_at(push):
+    push.reset(seed=0)
+    push.unwrapped.set_rendering(False)
+    obs = push.step(np.zeros(4))[0]
+    assert not any(k.startswith("observation.images.") for k in obs)  # no camera work for this step
+    push.unwrapped.set_rendering(True)
+    obs = push.step(np.zeros(4))[0]
+    assert obs["observation.images.scene"].shape == (32, 32, 3) and obs["observation.images.wrist"].any()

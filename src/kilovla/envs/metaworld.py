@@ -191,6 +191,11 @@ class MetaWorldEnv(gym.Env):
         truncated = self._steps >= self.max_steps and not terminated
         return self._obs(state), float(reward), terminated, truncated, {"is_success": success, "task": self.task}
 
+    def set_rendering(self, on: bool) -> None:
+        """Render camera images in the observations that follow (on), or not: a caller that executes a
+        chunk of actions and only looks at the last observation skips rendering the ones between."""
+        self._render_images = on and bool(self.cameras)
+
     def render(self):
         return next(iter(self._render().values()))
 

@@ -121,10 +121,10 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     final checkpoint) at the first policy version past that wall time; `faults` injects failures (tests)."""
     import ray
 
-    from kilovla.rl import workers
-
     if cfg.mode not in ("sync", "async"):
         raise KilovlaError(f"mode must be sync or async, not {cfg.mode!r}")
+    if cfg.weight_sync not in ("auto", "object_store", "collective"):
+        raise KilovlaError(f"weight_sync must be auto, object_store or collective, not {cfg.weight_sync!r}")
     run_dir = Path(cfg.run_dir)
     folder = ckpt.resolve(resume, run_dir, "rl_state.json") if resume else None
     policy_dir = str(folder) if folder is not None else cfg.policy
@@ -191,8 +191,6 @@ class _Roles:
             ray.get(self.server.inject.remote(faults["server"]))
         ray.get(self.server.stats.remote())  # started: weight syncs are timed from here
         self.collective = cfg.weight_sync == "collective" or (cfg.weight_sync == "auto" and torch.cuda.is_available())
-        if cfg.weight_sync not in ("auto", "object_store", "collective"):
-            raise KilovlaError(f"weight_sync must be auto, object_store or collective, not {cfg.weight_sync!r}")
         self.buffer = workers.TrajectoryBuffer.remote(cfg.learner.max_staleness, cfg.learner.batch_segments, version)
         ranks = cfg.learner.ranks
         self.learners = [workers.LearnerWorker.remote(policy_dir, sde, n_action_steps, cfg.learner.algo,

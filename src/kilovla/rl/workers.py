@@ -98,7 +98,10 @@ class EnvWorker:
         self.in_step_since[i] = t0
         self._inject(i)
         reward, ended, finished, executed = 0.0, False, [], 0
-        for action in actions:
+        rendering = getattr(self.envs[i].unwrapped, "set_rendering", None)
+        for k, action in enumerate(actions):
+            if rendering is not None:  # only the chunk's last observation is ever looked at: render just that
+                rendering(k == len(actions) - 1)
             obs, r, terminated, truncated, info = self.envs[i].step(action)
             success = bool(info.get("is_success", False))
             reward += self.reward_scale * r + (self.success_bonus if success else 0.0)
@@ -109,6 +112,8 @@ class EnvWorker:
             executed += 1
             if terminated or truncated:
                 finished.append(Episode(self.configs[i].kwargs.get("task", ""), ep["seed"], success, ep["steps"], ep["return"]))
+                if rendering is not None:
+                    rendering(True)
                 self._reset(i)
                 ended = True
                 break

@@ -123,3 +123,45 @@ def test_cli_eval_scripted(tmp_path):
     assert main(["eval", "--tasks", "reach-v3", "--episodes", "2", "--resolution", "32", "--videos", "0",
                  "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "report.json").read_text())["per_task"]["reach-v3"]["success_rate"] == 1.0
+
+
+class _ChunkPolicy:
+    """Looks at both cameras, returns 4-action chunks of zeros; records what it was shown."""
+
+    name, action_dim, cameras = "chunks", 4, ("scene", "wrist")
+
+    def __init__(self):
+        self.calls = 0
+
+    def reset(self):
+        pass
+
+    def select_action(self, batch):
+        assert batch["observation.images.scene"].shape[1:] == (32, 32, 3)  # the policy always gets its images
+        self.calls += 1
+        return np.zeros((len(batch["task"]), 4, 4), np.float32)
+
+
+def _count_renders(monkeypatch) -> list:
+    from kilovla.envs.metaworld import MetaWorldEnv
+
+    rendered, real = [], MetaWorldEnv._render
+    monkeypatch.setattr(MetaWorldEnv, "_render", lambda self: (out := real(self)) and rendered.append(1) or out)
+    return rendered
+
+
+def test_evaluation_renders_only_the_frames_a_policy_or_a_video_looks_at(monkeypatch, tmp_path):
+    rendered = _count_renders(monkeypatch)
+    policy = _ChunkPolicy()
+    report = evaluate(policy, tasks=["reach-v3"], episodes=2, batch_size=2, resolution=32, max_steps=20)
+    assert report["per_task"]["reach-v3"]["mean_steps"] == 20
+    assert len(rendered) == 2 + policy.calls * 2  # the two resets, and each chunk's last observation
+    rendered.clear()
+    report = evaluate(load_policy("scripted"), tasks=["reach-v3"], episodes=3, batch_size=3, resolution=32,
+                      max_steps=20, videos=1, out_dir=tmp_path)
+    steps = [int(s) for s in [report["per_task"]["reach-v3"]["mean_steps"]]]
+    assert len(rendered) <= 3 + 20  # the state-only expert: the resets and the recorded episode's frames
+    [video] = (tmp_path / "videos" / "reach-v3").glob("*.mp4")
+    from kilovla.data.video import probe_video
+
+    assert probe_video(video)["frames"] >= min(steps)  # the recorded episode still has every frame

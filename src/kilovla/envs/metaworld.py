@@ -215,6 +215,7 @@ class MetaWorldExpertPolicy:
 
     name = "scripted"
     action_dim, state_dim = ACTION_DIM, STATE_DIM
+    cameras = ()  # acts on the simulator's state alone
 
     def __init__(self, noise_std: float = 0.0, seed: int = 0):
         self.noise_std, self.seed = noise_std, seed

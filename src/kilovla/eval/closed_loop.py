@@ -90,7 +90,8 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
         configs = [EnvConfig(env, {"task": task, **kwargs})] * min(batch_size, episodes)
         try:
             with EnvPool(configs, num_workers=num_workers) as pool:
-                done = run_episodes(pool, policy, seeds, n_action_steps=n_action_steps, on_step=on_step, on_end=on_end)
+                done = run_episodes(pool, policy, seeds, n_action_steps=n_action_steps, on_step=on_step, on_end=on_end,
+                                    frames=lambda ep: recorder.folder is not None and ep.index < videos)
         except EnvCrashed as e:
             per_task[task] = {"success_rate": sum(ep.success for ep in finished) / episodes, "episodes": episodes,
                               "mean_steps": float(np.mean([ep.steps for ep in finished])) if finished else None,

@@ -39,6 +39,7 @@ class AlgoConfig:
     value_coef: float = 0.5
     value_clip: float = 10.0
     value_lr: float = 1e-3
+    normalize_advantages: bool = True  # per micro-batch, as PPO implementations do per minibatch
     micro_batch: int = 32  # samples per forward/backward on a learner rank
     freeze_vision: bool = True
     freeze_vlm: bool = True  # piRL trains the action expert (and projections) only
@@ -91,10 +92,12 @@ class Learner:
         t = lambda k, dtype=torch.float32: torch.as_tensor(data[k][rows], dtype=dtype)  # noqa: E731
         logp, values = self.step_model(trajectory.index(data["obs"], rows), t("chain"), t("stochastic", torch.bool))
         behav, adv = t("logp"), t("adv")
+        if self.cfg.normalize_advantages and len(rows) > 1:
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
         policy, stats = decoupled_ppo_loss(logp, logp.detach(), behav, adv, self.cfg.clip, self.cfg.behav_cap)
         critic = value_loss(values, t("ret"), t("value"), self.cfg.value_clip)
         stats.update(policy_loss=policy.mean().item(), value_loss=critic.mean().item(),
-                     logp_gap=(logp.detach() - behav).abs().mean().item(), advantage=adv.mean().item())
+                     logp_gap=(logp.detach() - behav).abs().mean().item(), advantage=t("adv").mean().item())
         return (policy + self.cfg.value_coef * critic).sum(), stats
 
     def _finish_step(self, out: dict) -> dict:

@@ -350,6 +350,7 @@ class _Loop:
         self._window = {"t": time.monotonic(), "env_steps": 0, "episodes": 0, "successes": 0}
         self.t_start = time.monotonic()
         self.records: list[dict] = []
+        self.per_task: dict[str, tuple[int, int]] = {}  # task -> (episodes, successes) since the last record
 
     def going(self) -> bool:
         return self.version < self.cfg.steps and (self.deadline is None or time.monotonic() < self.deadline)
@@ -367,6 +368,9 @@ class _Loop:
             self.env_steps += s.env_steps
             self.episodes += len(s.episodes)
             self.successes += sum(e.success for e in s.episodes)
+            for e in s.episodes:
+                done, won = self.per_task.get(e.task, (0, 0))
+                self.per_task[e.task] = (done + 1, won + int(e.success))
 
     def stepped(self, learner_stats: dict, progress) -> None:
         self.version = learner_stats["version"]
@@ -385,7 +389,9 @@ class _Loop:
                   "mean_batch_size": inference["mean_batch_size"], "queue_wait_p50_s": inference["queue_wait_p50_s"],
                   "queue_wait_p99_s": inference["queue_wait_p99_s"],
                   "staleness_histogram": stats["buffer"]["staleness_histogram"],
-                  "dropped_segments": stats["buffer"]["dropped_segments"], "replaced_workers": self.roles.replaced}
+                  "dropped_segments": stats["buffer"]["dropped_segments"], "replaced_workers": self.roles.replaced,
+                  **{f"success/{t}": won / done for t, (done, won) in sorted(self.per_task.items())}}
+        self.per_task = {}
         self.logger.log(record)
         self.records.append(record)
         self._window = {"t": now, **self.counters()}

@@ -7,9 +7,14 @@ BIN := $(VENV)/bin
 # A CPU torch wheel lies on the dev/CI machines; pinning it first stops pip from pulling a CUDA build.
 # pyproject accepts torch>=2.6, so GPU users keep their own CUDA build (make TORCH= to skip the pin).
 TORCH ?= torch==2.13.0
+# torchcodec, the faster of the two video decoders, loads the system's shared FFmpeg libraries (4-8);
+# its build must match torch's (0.13 for torch 2.13). make TORCHCODEC= to go without (PyAV decodes then).
+TORCHCODEC ?= torchcodec==0.13.0
 # Debian packages: headless OpenGL for MuJoCo (EGL through Mesa's software renderer; OSMesa as the
-# fallback, MUJOCO_GL=osmesa). PyAV's wheel bundles FFmpeg.
-APT_PACKAGES := libegl1 libegl-mesa0 libgl1 libgles2 libosmesa6
+# fallback, MUJOCO_GL=osmesa); ffmpeg for the shared libraries torchcodec loads (the package pulls in
+# libavcodec/libavformat/libavfilter/libavdevice/libswscale of whatever Debian release this is).
+# PyAV's wheel bundles its own FFmpeg.
+APT_PACKAGES := libegl1 libegl-mesa0 libgl1 libgles2 libosmesa6 $(if $(strip $(TORCHCODEC)),ffmpeg)
 # The official LIBERO source (bddl files, init states; no assets) to check the bundled suites against.
 LIBERO_OFFICIAL := .cache/libero-0.1.1
 
@@ -31,6 +36,8 @@ $(BIN)/python:
 venv: $(BIN)/python
 	@if [ -n "$(TORCH)" ]; then $(BIN)/pip install -q "$(TORCH)"; fi
 	$(BIN)/pip install -q -e ".[dev,rl,sim,libero]"
+	@# --no-deps: torchcodec must not pull another torch; its PyPI wheel up to 0.13 is the CPU build.
+	@if [ -n "$(TORCHCODEC)" ]; then $(BIN)/pip install -q --no-deps "$(TORCHCODEC)"; fi
 
 $(LIBERO_OFFICIAL):
 	mkdir -p .cache
@@ -41,9 +48,11 @@ demo: system venv
 	$(BIN)/kilovla demo
 
 # Everything but the gpu marker: the slow tests (LIBERO) take well under a minute here.
+# KILOVLA_REQUIRE_TORCHCODEC: both video decoders are tested; a torchcodec that fails to load fails.
 test: system venv $(LIBERO_OFFICIAL)
 	@# pytest exits 5 when it collects no test: that is a broken suite here, not a pass.
-	KILOVLA_LIBERO_OFFICIAL=$(LIBERO_OFFICIAL) $(BIN)/python -m pytest -q -m "not gpu"; rc=$$?; \
+	KILOVLA_REQUIRE_TORCHCODEC=$(if $(strip $(TORCHCODEC)),1,0) KILOVLA_LIBERO_OFFICIAL=$(LIBERO_OFFICIAL) \
+	$(BIN)/python -m pytest -q -m "not gpu"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 test-all: venv $(LIBERO_OFFICIAL)

@@ -117,3 +117,34 @@ def test_learned_policies_run_in_closed_loop(tmp_path):
         from kilovla.eval.closed_loop import evaluate, load_policy
 
         evaluate(load_policy(str(tmp_path / "bad")), tasks=["reach-v3"], episodes=1)
+
+
+def test_checkpoint_folders_are_pruned_in_step_order_and_replaced_whole(tmp_path):
+    from kilovla.train.checkpoint import prune, put_in_place
+
+    root = tmp_path / "checkpoints"
+    for step in (999_998, 999_999, 1_000_000, 40):  # as strings, step_1000000 sorts first
+        (root / f"step_{step:06d}").mkdir(parents=True)
+    prune(root, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_1000000", "step_999999"]
+    # Writing a step that exists swaps the new folder in whole; nothing of the old one stays.
+    (root / "step_999999" / "old.txt").write_text("old")
+    new = root / ".step_999999.tmp"
+    new.mkdir()
+    (new / "model.safetensors").write_text("new")
+    put_in_place(new, root / "step_999999")
+    assert sorted(p.name for p in (root / "step_999999").iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_1000000", "step_999999"]
+
+
+def test_peak_memory_is_the_peak_not_the_current_resident_set():
+    import psutil
+
+    from kilovla.train.trainer import _memory_mb
+
+    before = _memory_mb(torch.device("cpu"))
+    block = np.ones(400 * 2**20 // 8)  # 400 MiB, touched
+    held = psutil.Process().memory_info().rss / 2**20
+    del block
+    assert psutil.Process().memory_info().rss / 2**20 < held - 300  # returned to the system
+    assert _memory_mb(torch.device("cpu")) >= max(before, held) - 1

@@ -1,6 +1,7 @@
 """The `kilovla` command: exit codes, one-line errors, JSON outputs."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -33,6 +34,46 @@ def test_bad_input_exits_2_with_one_line_naming_the_file(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def _run_cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "kilovla", *args], capture_output=True, text=True)
+    return proc.returncode, proc.stderr
+
+
+def _edit_info(root, fn):
+    path = root / "meta/info.json"
+    info = json.loads(path.read_text())
+    fn(info)
+    path.write_text(json.dumps(info))
+
+
+@pytest.mark.parametrize("command", ["info", "validate"])
+def test_truncated_episode_metadata_is_one_line_naming_the_file(tiny_copy, command):
+    episodes = tiny_copy / "meta/episodes/chunk-000/file-000.parquet"
+    episodes.write_bytes(episodes.read_bytes()[: episodes.stat().st_size // 2])
+    rc, err = _run_cli("data", command, str(tiny_copy))
+    assert rc == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: {episodes}: cannot read parquet")
+
+
+@pytest.mark.parametrize("command", ["info", "validate"])
+def test_features_given_as_a_list_is_one_line_naming_the_field(tiny_copy, command):
+    _edit_info(tiny_copy, lambda info: info.update(features=[{"name": k, **v} for k, v in info["features"].items()]))
+    rc, err = _run_cli("data", command, str(tiny_copy))
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip() == (f"error: {tiny_copy}/meta/info.json: 'features' must be a mapping of name -> spec, "
+                           "got a list")
+
+
+@pytest.mark.parametrize("command", ["info", "validate"])
+def test_a_string_in_a_shape_is_one_line_naming_the_feature(tiny_copy, command):
+    _edit_info(tiny_copy, lambda info: info["features"]["action"].update(shape=["six"]))
+    rc, err = _run_cli("data", command, str(tiny_copy))
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip() == (f"error: {tiny_copy}/meta/info.json: feature 'action': 'shape' must be a list of "
+                           "non-negative integers, got ['six']")
+
+
 def test_stats_rewrites_stats_json(tiny_copy, capsys):
     before = json.loads((tiny_copy / "meta/stats.json").read_text())
     assert main(["data", "stats", str(tiny_copy)]) == 0
@@ -52,9 +93,13 @@ def test_bench_data_quick_writes_the_named_rows(tmp_path):
     assert result["suite"] == "data" and result["quick"] is True
     assert set(result["machine"]) >= {"cpu", "cores", "gpu", "torch"}
     rows = {r["name"]: r for r in result["rows"]}
-    for name in ("loader_samples_per_s", "first_batch_s", "padding_fraction", "rank_imbalance_tokens",
-                 "rank_imbalance_attention"):
+    for name in ("loader_samples_per_s", "getitem_samples_per_s", "cache_samples_per_s", "cache_bytes",
+                 "first_batch_s", "padding_fraction", "rank_imbalance_tokens", "rank_imbalance_attention"):
         assert rows[name]["baseline"] is not None and rows[name]["ours"] is not None, name
+    assert rows["loader_samples_per_s"]["limit"] > 0
+    assert result["workers"] == len(os.sched_getaffinity(0))
+    frames = sum(p.stat().st_size for p in (tmp_path / "cache").glob("frames-*/**/*.npy"))
+    assert rows["cache_bytes"]["ours"] == pytest.approx(frames, rel=1e-4)  # the cache as it lies on disk
     assert rows["padding_fraction"]["ours"] < rows["padding_fraction"]["baseline"]
     assert rows["rank_imbalance_attention"]["ours"] < rows["rank_imbalance_attention"]["baseline"]
 

@@ -424,3 +424,13 @@ def test_a_dataset_that_does_not_fit_is_named(folders, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--dataset {other} does not fit the policy" in err and "observation.images.front" in err
     assert _entries(tmp_path) == ["other"]
+
+
+def test_fp8_weights_load_only_into_fp8_layers(folders, tmp_path):
+    from kilovla.models.checkpoints import CheckpointError, load_checkpoint, save_safetensors
+
+    state = load_file(str(folders["out"] / "model.safetensors"))
+    plain = {k: v for k, v in state.items() if not k.endswith("weight_scale_inv")}
+    save_safetensors(plain, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="weights stored as F8_E4M3"):
+        load_checkpoint(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",), device="meta"), tmp_path)

@@ -80,15 +80,29 @@ def test_flow_time_follows_groot_convention():
     assert abs(t.mean().item() - (0.999 - 0.6) / 0.999) < 0.01
 
 
-def test_sampling_is_deterministic_given_noise():
+def test_packed_sampling_equals_padded_sampling():
     model = _model()
     batch = _batch(model.config)
-    noise = torch.randn(3, 8, 8)
-    torch.testing.assert_close(model.sample_actions(batch, noise=noise), model.sample_actions(batch, noise=noise))
-    packed = dataclasses.replace(model.config, packing=True)
-    model.config, plain = packed, model.sample_actions(batch, noise=noise)
-    model.config = dataclasses.replace(packed, packing=False)
-    torch.testing.assert_close(plain, model.sample_actions(batch, noise=noise), **TOL)
+    noise = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(2))
+    padded = model.sample_actions(batch, noise=noise)
+    model.config = dataclasses.replace(model.config, packing=True)
+    packed = model.sample_actions(batch, noise=noise)
+    torch.testing.assert_close(packed, padded, **TOL)
+    assert not torch.allclose(model.sample_actions(batch, noise=noise + 0.5), packed, atol=1e-3)  # noise matters
+
+
+def test_dropout_acts_in_training_only():
+    model = _model()
+    batch = _batch(model.config)
+    reference = _run(model, batch)
+    model.config = dataclasses.replace(model.config, dropout=0.2)
+    dropped = build_model("groot-tiny", dropout=0.2)
+    dropped.load_state_dict(model.state_dict())
+    _same(reference, _run(dropped.eval(), batch))  # eval: dropout is the identity
+    dropped.train()
+    first, second = _run(dropped, batch)["v_t"], _run(dropped, batch)["v_t"]
+    assert not torch.allclose(first, second)  # a fresh mask per call
+    assert not torch.allclose(first, reference["v_t"])
 
 
 def test_training_reduces_the_loss():

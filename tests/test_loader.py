@@ -48,6 +48,23 @@ def test_torch_workers_deliver_exactly_the_in_process_rows(lake):
     assert got == want
 
 
+def test_worker_rows_arrive_as_the_same_numpy_arrays(lake, monkeypatch):
+    from kilovla.data import loader as loader_mod
+
+    monkeypatch.setattr(loader_mod, "SHARED_MEMORY_MIN_BYTES", 1024)  # the tiny frames go through shared memory too
+    want = list(InProcessLoader(lake, _plan(lake), steps=1))
+    got = list(TorchLoader(lake, _plan(lake), steps=1, num_workers=1, pin_memory=False))
+    assert len(got) == len(want)
+    for a, b in zip(want, got):
+        assert set(a) == set(b)
+        for key, value in a.items():
+            assert type(b[key]) is type(value), key
+            if isinstance(value, np.ndarray):
+                assert b[key].dtype == value.dtype and b[key].shape == value.shape, key
+                if value.dtype != object:
+                    np.testing.assert_array_equal(b[key], value, err_msg=key)
+
+
 def test_resuming_from_a_state_dict_continues_the_same_sequence(lake):
     straight = _summary(InProcessLoader(lake, _plan(lake), steps=4))
     first = _plan(lake)
@@ -92,3 +109,105 @@ def test_ray_actor_pool_delivers_the_in_process_rows(lake):
     finally:
         ray.shutdown()
     assert got == want
+
+
+class _FakeRay:
+    """Records what connect_ray asks of Ray, without starting one."""
+
+    def __init__(self, initialized=False):
+        self.initialized = initialized
+        self.calls = []
+
+    def is_initialized(self):
+        return self.initialized
+
+    def init(self, **kwargs):
+        self.calls.append(kwargs)
+        if kwargs.get("address") == "refuse:1":
+            raise ConnectionError("Could not find any running Ray instance.\nmore detail")
+        self.initialized = True
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    import sys
+
+    fake = _FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return fake
+
+
+def test_ray_starts_locally_only_with_a_log_line(fake_ray, caplog):
+    from kilovla.data.ray_cluster import connect_ray
+
+    with caplog.at_level("WARNING", logger="kilovla.data.ray_cluster"):
+        connect_ray(num_cpus=3)
+    assert fake_ray.calls == [{"address": "local", "num_cpus": 3, "include_dashboard": False, "log_to_driver": False}]
+    assert len(caplog.records) == 1 and "starting a local Ray with 3 CPUs" in caplog.records[0].getMessage()
+
+
+def test_ray_address_from_the_environment_is_honoured(fake_ray, monkeypatch, caplog):
+    from kilovla.data.ray_cluster import connect_ray
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.1.2.3:6379")
+    with caplog.at_level("WARNING", logger="kilovla.data.ray_cluster"):
+        connect_ray()
+    assert fake_ray.calls == [{"address": "10.1.2.3:6379", "log_to_driver": False}]
+    assert not caplog.records  # joined the cluster: nothing to warn about
+
+
+def test_an_explicit_address_wins_and_an_initialised_ray_is_left_alone(fake_ray, monkeypatch):
+    from kilovla.data.ray_cluster import connect_ray
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.1.2.3:6379")
+    connect_ray("auto")
+    assert fake_ray.calls == [{"address": "auto", "log_to_driver": False}]
+    connect_ray("other:1")  # already initialised: no second init
+    assert len(fake_ray.calls) == 1
+
+
+def test_an_unreachable_cluster_is_one_clear_error(fake_ray):
+    from kilovla.data.ray_cluster import connect_ray
+
+    with pytest.raises(KilovlaError, match=r"^cannot connect to the Ray cluster at 'refuse:1': "
+                                           r"Could not find any running Ray instance.$"):
+        connect_ray("refuse:1")
+
+
+def test_the_ray_loader_joins_the_cluster_named_by_ray_address(lake, fake_ray, monkeypatch):
+    from kilovla.data.loader import RayLoader
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.9.9.9:6379")
+    fake_ray.put = lambda obj: obj
+    fake_ray.remote = lambda **kw: (_ for _ in ()).throw(RuntimeError("stop after init"))
+    with pytest.raises(RuntimeError, match="stop after init"):
+        next(iter(RayLoader(lake, _plan(lake), steps=1)))
+    assert fake_ray.calls == [{"address": "10.9.9.9:6379", "log_to_driver": False}]
+
+
+def test_in_process_prefetch_yields_the_rows_of_a_plain_loop(lake):
+    plain = _summary(InProcessLoader(lake, _plan(lake), steps=3, prefetch=0))
+    ahead = _summary(InProcessLoader(lake, _plan(lake), steps=3, prefetch=3))
+    assert plain == ahead and len(plain) > 3
+
+
+def test_a_fetch_error_surfaces_at_its_row_when_prefetching(lake, monkeypatch):
+    from kilovla.data import loader as loader_mod
+    from kilovla.errors import DatasetError
+
+    plan = _plan(lake)
+    bad = plan.rank_rows(1, 0, 1)[0]
+    real = loader_mod.fetch_row
+
+    def flaky(lk, ids):
+        if np.array_equal(ids, bad):
+            raise DatasetError("videos/x.mp4", "corrupt video")
+        return real(lk, ids)
+
+    monkeypatch.setattr(loader_mod, "fetch_row", flaky)
+    got = []
+    with pytest.raises(DatasetError, match="corrupt video"):
+        for row in InProcessLoader(lake, plan, steps=3, prefetch=2):
+            got.append(row["step"])
+    assert got == [0] * len(plan.rank_rows(0, 0, 1))  # every row before the bad one, none after

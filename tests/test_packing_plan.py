@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kilovla.data.packing import balance_ranks, imbalance, pack_best_fit, plan_rank_rows, sample_cost
+from kilovla.data.packing import balance_ranks, imbalance, pack_best_fit, pack_min_rows, plan_rank_rows, sample_cost
 from kilovla.data.plan import GlobalBatchPlan, PlanConfig, padding_fraction
 from kilovla.errors import KilovlaError
 
@@ -25,6 +25,27 @@ def test_best_fit_fills_rows_to_within_two_percent_on_vla_lengths():
     lengths = _lengths(2048)
     rows = pack_best_fit(lengths, 16384)
     assert padding_fraction([lengths[r].sum() for r in rows], 16384) < 0.02
+
+
+def test_min_rows_fills_clustered_lengths_where_best_fit_leaves_gaps():
+    # one dataset, four instructions: 2 cameras x 256 + 20-55 language tokens + 8 state + 50 actions
+    lengths = np.random.default_rng(1).choice([590, 591, 596, 626], 2048)
+    best = pack_best_fit(lengths, 16384)
+    ours = pack_min_rows(lengths, 16384)
+    assert padding_fraction([lengths[r].sum() for r in best], 16384) > 0.02
+    assert padding_fraction([lengths[r].sum() for r in ours], 16384) <= 0.02
+    assert len(ours) == -(-lengths.sum() // 16384)  # the lower bound
+    assert sorted(np.concatenate(ours).tolist()) == list(range(2048))
+    assert max(lengths[r].sum() for r in ours) <= 16384
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_min_rows_never_needs_more_rows_than_best_fit(seed):
+    lengths = _lengths(700, seed)
+    ours = pack_min_rows(lengths, 8192)
+    assert len(ours) <= len(pack_best_fit(lengths, 8192))
+    assert sorted(np.concatenate(ours).tolist()) == list(range(700))
+    assert max(lengths[r].sum() for r in ours) <= 8192
 
 
 def test_a_sample_longer_than_the_budget_is_an_error():

@@ -105,10 +105,33 @@ def test_all_switches_together_equal_the_plain_path():
     _same(_run(model, batch), together)
 
 
-def test_flex_backend_equals_the_segment_reference():
-    model = _model()
-    batch = _batch(model.config)
-    _same(_run(model, batch, packing=True), _run(model, batch, packing=True, attention_backend="flex"))
+@pytest.mark.parametrize("backend", ["flex", "sdpa_masked", "sdpa_batched", "auto"])
+@pytest.mark.parametrize("family", ["pi05-tiny", "pi0-tiny"])
+def test_varlen_backends_equal_the_segment_reference(family, backend):
+    model = _model(family)
+    batch = _batch(model.config, horizons=[8, 3, 5])
+    reference = _run(model, batch, packing=True, attention_backend="sdpa_segments")
+    _same(reference, _run(model, batch, packing=True, attention_backend=backend))
+
+
+def test_packed_positions_restart_for_every_sample():
+    """RoPE positions in the packed path: each sample's prefix counts 0.. its length, its suffix goes on
+    from there, exactly the positions the padded path gives its real tokens."""
+    model = _model(packing=True)
+    batch = _batch(model.config, horizons=[8, 3, 5])
+    seen = []
+    hook = lambda mod, args, kwargs: seen.append(args[1])  # noqa: E731  DecoderLayer.forward(x, positions, ...)
+    handles = [model.vlm.language_model.layers[0].register_forward_pre_hook(hook, with_kwargs=True),
+               model.expert.layers[0].register_forward_pre_hook(hook, with_kwargs=True)]
+    _run(model, batch)
+    for h in handles:
+        h.remove()
+    prefix, suffix = seen
+    prefix_len = 16 * 2 + batch.token_mask.sum(1)  # two present cameras of 16 tokens, then the real prompt
+    expected_prefix = torch.cat([torch.arange(n) for n in prefix_len.tolist()])
+    expected_suffix = torch.cat([n + torch.arange(h) for n, h in zip(prefix_len.tolist(), [8, 3, 5])])
+    assert torch.equal(prefix, expected_prefix)
+    assert torch.equal(suffix, expected_suffix)
 
 
 def test_a_cuda_backend_on_cpu_falls_back_loudly(caplog):
@@ -189,6 +212,23 @@ def test_packed_gradients_equal_padded_gradients():
         grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
                                 for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_gradient_checkpointing_gives_the_same_gradients(packing):
+    """Recomputing each layer's activations in backward changes memory, not the gradient."""
+    model = _model(packing=packing)
+    batch = _batch(model.config, horizons=[8, 3, 5])
+    grads = []
+    for recompute in (False, True):
+        model.zero_grad(set_to_none=True)
+        model.gradient_checkpointing = recompute
+        g = torch.Generator().manual_seed(5)
+        model(batch, noise=torch.randn(batch.actions.shape, generator=g), time=torch.rand(3, generator=g))["loss"].backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 20
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_pi05_prompt_writes_the_discretised_state():

@@ -40,6 +40,36 @@ def test_get_batch_matches_items(tiny_root):
         np.testing.assert_array_equal(batch["observation.images.front"][b], frames.transpose(0, 2, 3, 1))
 
 
+def test_camera_tensors_are_lerobots_float_division(tiny_root):
+    import torch
+
+    ds = LeRobotDataset(tiny_root, frame_cache=None)
+    frames = ds.get_batch(np.array([7]))["observation.images.wrist"][0]
+    want = (torch.from_numpy(frames).permute(2, 0, 1) / 255.0).type(torch.float32)  # LeRobot 0.4's conversion
+    got = ds[7]["observation.images.wrist"]
+    assert got.dtype == torch.float32 and got.is_contiguous()
+    assert torch.equal(got, want)
+
+
+def test_a_dataloader_batch_is_decoded_together_and_equals_the_items(tiny_root, monkeypatch):
+    import torch
+
+    request = {"action": [0, 0.1], "observation.images.front": [-0.1, 0]}
+    ds = LeRobotDataset(tiny_root, delta_timestamps=request, frame_cache=None)
+    calls = []
+    real = ds.decoder_pool.read_many
+    monkeypatch.setattr(ds.decoder_pool, "read_many", lambda reqs, tol: calls.append(len(reqs)) or real(reqs, tol))
+    loader = torch.utils.data.DataLoader(ds, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(0))
+    batch = next(iter(loader))
+    assert calls == [2]  # one read per camera file for the whole batch, not one per item
+    assert batch["observation.images.front"].shape == (6, 2, 3, 64, 96)
+    for j, index in enumerate(batch["index"].tolist()):
+        item = ds[index]
+        for key in ("action", "action_is_pad", "observation.images.front", "observation.images.wrist"):
+            assert torch.equal(batch[key][j], item[key]), (index, key)
+        assert batch["task"][j] == item["task"]
+
+
 def test_episode_subset_reindexes_positions(tiny_root):
     full = LeRobotDataset(tiny_root)
     sub = LeRobotDataset(tiny_root, episodes=[2])

@@ -101,38 +101,83 @@ def cmd_data_synth(args) -> int:
     return 0
 
 
+def cmd_data_cache(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from kilovla.data.frame_cache import build_frame_cache
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as progress:
+        task = progress.add_task("decoding episodes", total=None)
+        result = build_frame_cache(args.src, args.out, cameras=args.cameras.split(",") if args.cameras else None,
+                                   backend=args.backend, engine="local" if args.local else "auto",
+                                   ray_address=args.ray_address,
+                                   progress=lambda done, total: progress.update(task, completed=done, total=total))
+    summary = {"cache": str(result.path), "parts": result.parts, "decoded_now": result.decoded,
+               "frames": result.frames, "cache_bytes": result.cache_bytes, "video_bytes": result.video_bytes,
+               "engine": result.engine}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    table = Table(title=f"frame cache of {args.src}", show_header=False)
+    table.add_row("cache", summary["cache"])
+    table.add_row("parts (camera x episode)", f"{result.parts} ({result.decoded} decoded now, "
+                  f"{result.parts - result.decoded} still valid)")
+    table.add_row("frames", str(result.frames))
+    table.add_row("size on disk", f"{result.cache_bytes / 2**20:.1f} MiB = "
+                  f"{result.cache_bytes / max(result.video_bytes, 1):.1f}x the videos ({result.video_bytes / 2**20:.1f} MiB)")
+    table.add_row("engine", result.engine)
+    _console().print(table)
+    return 0
+
+
 def cmd_data_bench(args) -> int:
     from kilovla.bench import data as data_bench
 
-    path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size)
+    path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size,
+                          frame_cache=args.cache)
     print(f"wrote {path}")
     return 0
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data", "envs", "packing", "pruning", "fp8")
+SUITES = ("data", "envs", "packing", "pruning", "scaling", "load", "rl", "fp8")
 
 
 def cmd_bench(args) -> int:
     from kilovla.bench import data as data_bench
     from kilovla.bench import envs as envs_bench
     from kilovla.bench import fp8 as fp8_bench
+    from kilovla.bench import load as load_bench
     from kilovla.bench import models as models_bench
+    from kilovla.bench import rl as rl_bench
+    from kilovla.bench import scaling as scaling_bench
 
     runners = {
         "data": lambda: data_bench.run(quick=args.quick, out_dir=args.out, world_size=args.world_size),
         "envs": lambda: envs_bench.run(quick=args.quick, out_dir=args.out),
         "packing": lambda: models_bench.run_packing(quick=args.quick, out_dir=args.out),
         "pruning": lambda: models_bench.run_pruning(quick=args.quick, out_dir=args.out),
+        "scaling": lambda: scaling_bench.run(quick=args.quick, out_dir=args.out),
+        "load": lambda: load_bench.run(quick=args.quick, out_dir=args.out),
+        "rl": lambda: rl_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, minutes=args.minutes),
         "fp8": lambda: fp8_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, dataset=args.dataset,
                                      episodes=args.episodes),
     }
-    for suite in SUITES if args.suite == "all" else (args.suite,):
+    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    if args.suite == "all" and args.policy is None:
+        try:
+            args.policy = rl_bench.default_policy()
+        except KilovlaError as e:
+            print(f"skipping the rl suite: {e}")
+            suites.remove("rl")
+    for suite in suites:
         print(f"wrote {runners[suite]()}")
     if args.suite == "all":
         from kilovla.bench.common import write_results
 
-        print("wrote {} and {}".format(*write_results(args.out, list(SUITES))))
+        print("wrote {} and {}".format(*write_results(args.out, suites)))
     return 0
 
 
@@ -204,14 +249,15 @@ def cmd_eval(args) -> int:
     for col in ("task", "success", "episodes", "mean steps"):
         table.add_column(col)
     for task, r in report["per_task"].items():
-        ok = r["success_rate"] is not None
-        table.add_row(task, f"{r['success_rate']:.1%}" if ok else f"error: {r['error'].splitlines()[0]}",
-                      str(r["episodes"]), f"{r['mean_steps']:.1f}" if ok else "-")
-    overall = report["overall_success_rate"]
-    table.add_row("overall", "-" if overall is None else f"{overall:.1%}", "", "")
+        crash = f" ({r['crashed_episodes']} crashed: {r['error'].splitlines()[0]})" if r["crashed_episodes"] else ""
+        table.add_row(task, f"{r['success_rate']:.1%}{crash}", str(r["episodes"]),
+                      "-" if r["mean_steps"] is None else f"{r['mean_steps']:.1f}")
+    crashed = report["crashed_episodes"]
+    table.add_row("overall", f"{report['overall_success_rate']:.1%}"
+                  + (f" ({crashed} crashed episodes counted as failures)" if crashed else ""), "", "")
     _console().print(table)
     print(f"wrote {args.out}/report.json, {args.out}/report.md")
-    return 0 if all(r["success_rate"] is not None for r in report["per_task"].values()) else 1
+    return 1 if crashed else 0
 
 
 def cmd_train(args) -> int:
@@ -225,6 +271,23 @@ def cmd_train(args) -> int:
     summary = train(cfg, resume=args.resume)
     if summary:
         print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_rl(args) -> int:
+    from kilovla.rl import runner
+
+    unknown = [a for a in args.overrides if not (a.startswith("--") and "=" in a)]
+    if unknown:
+        raise KilovlaError(f"unexpected arguments {unknown}; overrides look like --section.key=value")
+    overrides = list(args.overrides)
+    if args.mode:
+        overrides.append(f"--mode={args.mode}")
+    if args.policy:
+        overrides.append(f"--policy={args.policy}")
+    cfg = runner.load(args.config, overrides)
+    summary = runner.run(cfg, resume=args.resume, ray_address=args.ray_address)
+    print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -305,19 +368,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_data_synth)
+    p = dsub.add_parser("cache", help="decode every video once into a frame cache that loaders read instead")
+    p.add_argument("src")
+    p.add_argument("--out", default=None, help="cache folder (default: where loaders look by themselves, "
+                   "$KILOVLA_CACHE_DIR or ~/.cache/kilovla, frames/<name>-<hash>)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to decode on ('auto': the running one); "
+                   "default: RAY_ADDRESS, else a local Ray")
+    p.add_argument("--local", action="store_true", help="decode in this process, without Ray")
+    p.add_argument("--cameras", default=None, help="comma-separated camera keys (default: all)")
+    p.add_argument("--backend", default="auto", choices=["auto", "pyav", "torchcodec"],
+                   help="decoder; frames are bit-identical to what a loader with this backend decodes")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_data_cache)
     p = dsub.add_parser("bench", help="the data benchmark suite on your dataset")
     p.add_argument("path")
+    p.add_argument("--cache", default=None, help="the dataset's frame cache for the cache rows "
+                   "(default: build one under OUT/cache)")
     _bench_flags(p)
     p.set_defaults(func=cmd_data_bench)
 
     p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
     p.add_argument("suite", choices=[*SUITES, "all"])
     _bench_flags(p)
-    p.set_defaults(func=cmd_bench)
-
-    p.add_argument("--policy", default=None, help="fp8: the policy folder to quantize (default: train the demo's)")
+    p.add_argument("--policy", default=None, help="rl, fp8: the policy folder to fine-tune / quantize (default: the "
+                   "demo's checkpoint; fp8 trains one with the demo's recipe when there is none)")
+    p.add_argument("--minutes", type=float, default=30.0, help="rl: wall-time budget of the RL fine-tuning run")
     p.add_argument("--dataset", default=None, help="fp8: held-out LeRobot data (default: fresh scripted episodes)")
-    p.add_argument("--episodes", type=int, default=None, help="fp8: closed-loop episodes per task (default 50; 0 skips the comparison)")
+    p.add_argument("--episodes", type=int, default=None,
+                   help="fp8: closed-loop episodes per task (default 50; 0 skips the comparison)")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("quantize", help="block-wise FP8 post-training quantization of a policy folder, with a report")
     p.add_argument("policy_dir", help="a policy folder (a training checkpoint or `kilovla eval --policy` folder)")
@@ -348,6 +427,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4")
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'auto' for the run's latest")
     p.set_defaults(func=cmd_train, overrides=[])
+
+    p = sub.add_parser("rl", help="RL fine-tuning of a policy folder on Ray: sync baseline or async (RL-VLA3)")
+    p.add_argument("--config", default=None, help="YAML file (kilovla.rl.runner.RLConfig); dotted overrides follow")
+    p.add_argument("--mode", choices=["sync", "async"], default=None)
+    p.add_argument("--policy", default=None, help="the policy folder to start from (e.g. the demo's checkpoint)")
+    p.add_argument("--resume", default=None, help="an RL checkpoint folder, or 'auto' for the run's latest")
+    p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' after `ray start`); default: local")
+    p.set_defaults(func=cmd_rl, overrides=[])
 
     p = sub.add_parser("collect", help="scripted demonstrations -> a LeRobot v3.0 dataset")
     p.add_argument("--env", default="metaworld")
@@ -391,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "func", None) is not cmd_train:
+    if extra and getattr(args, "func", None) not in (cmd_train, cmd_rl):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = extra
@@ -400,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KilovlaError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -1,7 +1,9 @@
 """User-facing errors.
 
 A `KilovlaError` is a problem with what the user gave us (a file, a flag, a request), not a bug in
-kilovla: the CLI prints its message as one line and exits with code 2, without a traceback.
+kilovla: the CLI prints its message as one line and exits with code 2, without a traceback. A
+subclass with another `exit_code` is a run that failed for a reason outside kilovla's control (a peer
+rank that died): one line too, exit code 1.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from pathlib import Path
 
 class KilovlaError(Exception):
     """Bad input. The message names the file or option and the problem."""
+
+    exit_code = 2
 
 
 class DatasetError(KilovlaError):

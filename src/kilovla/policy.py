@@ -6,7 +6,8 @@ and returns an action chunk (B, T, action_dim); the caller executes the first `n
 each chunk before asking again. `reset()` is called before an evaluation starts.
 
 Policies may declare `action_dim`, `state_dim` and `cameras`; evaluation refuses an env whose spec
-disagrees, with one message, instead of failing mid-rollout.
+disagrees, with one message, instead of failing mid-rollout. `cameras = ()` says the policy reads no
+camera: rollouts then render images only where a video or dataset needs them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class RandomPolicy:
     """Uniform actions in [-1, 1]: the floor any learned policy must beat."""
 
     name = "random"
+    cameras = ()  # looks at nothing
 
     def __init__(self, action_dim: int, seed: int = 0, chunk: int = 1):
         self.action_dim, self.seed, self.chunk = action_dim, seed, chunk

@@ -14,8 +14,9 @@ Rows (DESIGN.md, Benchmarks):
 - chunk_latency_ms: batch-1 action chunk of the demo policy, fp32 vs FP8 (emulated on CPU);
   chunk_latency_ms_3b (CUDA only): the `pi05-3b` shape with random weights, bf16 vs FP8 kernels.
 
-The policy is the demo's (``--policy DIR``, else trained here with `kilovla demo`'s recipe); the
-held-out samples are fresh scripted episodes on another seed (``--dataset DIR`` to bring your own).
+The policy is the demo's: ``--policy DIR``, else the checkpoint `kilovla demo` left in demo-output/,
+else one trained here with the demo's recipe. The held-out samples are fresh scripted episodes on
+another seed (``--dataset DIR`` to bring your own).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
+from kilovla.errors import KilovlaError
 from kilovla.quant.fp8 import Fp8Config, checkpoint_bytes, quantize_model, select_layers
 
 HELDOUT_SEED = 7  # the demo collects on seed 0: other object and goal positions
@@ -80,6 +82,7 @@ def _latency_3b_cuda(repeats: int) -> Row:
 def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str | Path | None = None,
         dataset: str | Path | None = None, tasks: list[str] | None = None, resolution: int | None = None,
         episodes: int | None = None, console=None) -> Path:
+    from kilovla.bench.rl import default_policy
     from kilovla.envs.collect import collect
     from kilovla.eval.closed_loop import evaluate
     from kilovla.quant.folder import quantize_policy_folder
@@ -99,8 +102,11 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
                                      f"{100 * s['reduction']:.1f} % smaller; vision tower kept"))
 
     if policy is None:
-        policy, demo_tasks, demo_resolution = _demo_policy(out, quick)
-        tasks, resolution = tasks or demo_tasks, resolution or demo_resolution
+        try:
+            policy = default_policy()  # the demo's checkpoint under demo-output/, as `bench rl` takes it
+        except KilovlaError:
+            policy, demo_tasks, demo_resolution = _demo_policy(out, quick)
+            tasks, resolution = tasks or demo_tasks, resolution or demo_resolution
     from kilovla.envs.metaworld import DEFAULT_TASKS
 
     tasks = tasks or list(DEFAULT_TASKS)

@@ -3,11 +3,13 @@
 The batch follows pi0.5 on LIBERO as openpi feeds it: 3 camera slots x 256 tokens (224 px, patch
 14) with the third camera blank, language padded to 200 tokens (real prompts 8-48 tokens), action
 chunks of 10-50 steps padded to 50. The model is pi0.5's architecture at a width that trains on
-2 CPU cores (`bench-cpu`); on a CUDA machine the same suite runs in bf16 with the flash-attn
-varlen backend and reports MFU.
+2 CPU cores (`bench-cpu`); on a CUDA machine the same suite runs in bf16 and reports MFU. The
+packed path uses the `auto` attention backend.
 
 - packing: baseline = the padded path (fixed shapes); ours = packing + varlen attention (no padding,
-  no blank camera). limit = padded tokens / real tokens, the most packing can save.
+  no blank camera). limit = padded tokens / real tokens, the most packing can save. Rows
+  `attention_backend_<name>` compare the exact varlen backends that train on this device against the
+  per-segment loop; the fastest on CPU is `models.attention.CPU_AUTO`.
 - pruning: baseline = blank camera masked + 200-token language (openpi); ours = blank camera pruned
   before the ViT + per-batch (dynamic) language padding, both in the padded path.
 
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
+from kilovla.models.attention import resolve_backend
 from kilovla.models.batch import PaddedBatch
 from kilovla.models.language import DecoderConfig
 from kilovla.models.pi05 import Pi05Config, Pi05Model
@@ -94,27 +97,32 @@ def _step_time(model, opt, batch, switches: dict) -> float:
     return time.perf_counter() - t0
 
 
-def _compare(model, opt, batches, base: dict, ours: dict, repeats: int, autocast) -> tuple[float, float]:
-    base_t, ours_t = [], []
+def _throughputs(model, opt, batches, variants: dict[str, dict], repeats: int, autocast) -> dict[str, float]:
+    """Median samples/s of each variant (config switches), all interleaved in one process."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
     with autocast:
-        _step_time(model, opt, batches[0], base)  # warm-up: allocator, kernels
-        _step_time(model, opt, batches[0], ours)
-        for r in range(repeats):
+        for switches in variants.values():  # warm-up: allocator, kernels
+            _step_time(model, opt, batches[0], switches)
+        for _ in range(repeats):
             for b in batches:
-                base_t.append(_step_time(model, opt, b, base))
-                ours_t.append(_step_time(model, opt, b, ours))
+                for name, switches in variants.items():
+                    times[name].append(_step_time(model, opt, b, switches))
     n = batches[0].batch_size
-    return n / float(np.median(base_t)), n / float(np.median(ours_t))
+    return {name: n / float(np.median(t)) for name, t in times.items()}
+
+
+def _compare(model, opt, batches, base: dict, ours: dict, repeats: int, autocast) -> tuple[float, float]:
+    result = _throughputs(model, opt, batches, {"base": base, "ours": ours}, repeats, autocast)
+    return result["base"], result["ours"]
 
 
 def _setup(quick: bool, device: str):
     torch.manual_seed(0)
     cuda = device == "cuda"
-    cfg = dataclasses.replace(BENCH_CPU, attention_backend="flash_attn" if cuda else "sdpa_segments")
-    model = Pi05Model(cfg).to(device)
+    model = Pi05Model(dataclasses.replace(BENCH_CPU, attention_backend="auto")).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch_size = 4 if quick else 8
-    batches = [libero_batch(cfg, batch_size, seed).to(device) for seed in range(2 if quick else 3)]
+    batches = [libero_batch(model.config, batch_size, seed).to(device) for seed in range(2 if quick else 3)]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     return model, opt, batches, autocast
 
@@ -124,23 +132,45 @@ def _mfu(model, batch, samples_per_s: float) -> float | None:
     return None if peak is None else _model_flops(model, batch) / batch.batch_size * samples_per_s / peak
 
 
+def _backends_to_compare(device: str) -> list[str]:
+    """Exact varlen backends that can train on `device` (flex has no backward on CPU)."""
+    names = ["sdpa_segments", "sdpa_masked", "sdpa_batched"]
+    if device == "cuda":
+        names += [b for b in ("flex", "flash_attn", "torch_varlen") if resolve_backend(b, device) == b]
+    return names
+
+
 def run_packing(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, device: str | None = None, console=None) -> Path:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, opt, batches, autocast = _setup(quick, device)
+    backend = resolve_backend("auto", device)
     padded, real = map(sum, zip(*(token_counts(model.config, b) for b in batches)))
     repeats = 1 if quick else 3
     base, ours = _compare(model, opt, batches, {"packing": False}, {"packing": True}, repeats, autocast)
     rows = [Row.compare("train_samples_per_s", "samples/s", base, ours, higher_is_better=True,
                         limit=round(padded / real, 3),
                         note=f"pi0.5 LIBERO layout (3x256 img tokens, 1 blank; lang<=200; horizon 10-50), "
-                             f"{device}; fixed padding vs packing + varlen; limit = padded/real tokens")]
+                             f"{device}; fixed padding vs packing + varlen ({backend}, the auto choice); "
+                             f"limit = padded/real tokens")]
     mfu = _mfu(model, batches[0], ours)
     if mfu is not None:
         rows.append(Row.compare("mfu", "fraction", _mfu(model, batches[0], base), mfu, higher_is_better=True,
                                 note="model FLOPs of real tokens / peak bf16"))
+    # Which exact varlen kernel the packed path should use here: the per-segment loop is the baseline.
+    names = _backends_to_compare(device)
+    speeds = _throughputs(model, opt, batches, {b: {"packing": True, "attention_backend": b} for b in names},
+                          repeats, autocast)
+    for name in names:
+        rows.append(Row.compare(f"attention_backend_{name}", "samples/s", speeds["sdpa_segments"], speeds[name],
+                                higher_is_better=True,
+                                note=f"packed training step, {device}: one SDPA call per sample vs {name}"
+                                     + (" (the auto choice)" if name == backend else "")))
+    if device != "cuda":
+        rows.append(Row.compare("attention_backend_flex", "samples/s", speeds["sdpa_segments"], None,
+                                higher_is_better=True, note="flex_attention has no backward on CPU: cannot train"))
     extra = {"padded_tokens": padded, "real_tokens": real, "ideal_ratio": padded / real,
-             "fraction_of_ideal": (ours / base) / (padded / real), "device": device,
-             "attention_backend": model.config.attention_backend}
+             "fraction_of_ideal": (ours / base) / (padded / real), "device": device, "attention_backend": backend,
+             "backend_samples_per_s": speeds}
     return write_suite("packing", rows, quick=quick, out_dir=out_dir, extra=extra, console=console)
 
 

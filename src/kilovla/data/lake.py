@@ -61,6 +61,7 @@ class LakeSource:
     delta_timestamps: dict | None = None
     action_horizon: int | None = None  # overrides the layout's for this dataset
     episodes: tuple[int, ...] | None = None
+    frame_cache: str | None = "auto"  # a decoded-frame cache folder, "auto" or None (see LeRobotDataset)
 
 
 class DataLake:
@@ -81,7 +82,8 @@ class DataLake:
                 raise KilovlaError(f"{s.root}: mixture weight must be >= 0, got {s.weight}")
         self.layout = layout or TokenLayout()
         self.datasets = [LeRobotDataset(s.root, delta_timestamps=s.delta_timestamps, episodes=s.episodes,
-                                        video_backend=video_backend) for s in self.sources]
+                                        video_backend=video_backend, frame_cache=s.frame_cache)
+                         for s in self.sources]
         sizes = np.array([len(d) for d in self.datasets], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.weights = np.array([s.weight for s in self.sources], dtype=np.float64)

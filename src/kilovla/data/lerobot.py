@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kilovla.data import windows
+from kilovla.data.frame_cache import resolve_frame_cache
 from kilovla.errors import DatasetError, KilovlaError
 
 SUPPORTED_VERSIONS = ("v2.0", "v2.1", "v3.0")
@@ -105,6 +106,18 @@ class DatasetFiles:
         except (pa.ArrowException, OSError) as e:
             raise DatasetError(self.path(rel), f"cannot read parquet: {e}") from None
 
+    def read_parquet_schema(self, rel: str) -> pa.Schema:
+        """The schema alone (the footer): a truncated or corrupt file fails here with its name."""
+        if not self.exists(rel):
+            raise DatasetError(self.path(rel), "missing")
+        try:
+            if self.is_url:
+                with self.open(rel) as f:
+                    return pq.read_schema(f)
+            return pq.read_schema(self.path(rel))
+        except (pa.ArrowException, OSError) as e:
+            raise DatasetError(self.path(rel), f"cannot read parquet: {e}") from None
+
     def size_bytes(self) -> int:
         if self.is_url:
             return int(self.fs.du(self.base))
@@ -166,6 +179,8 @@ class DatasetMeta:
         info_rel = "meta/info.json"
         self.info = self.files.read_json(info_rel)
         info_path = self.files.path(info_rel)
+        if not isinstance(self.info, dict):
+            raise DatasetError(info_path, f"must hold a JSON object, got a {type(self.info).__name__}")
         for key in ("codebase_version", "fps", "features"):
             if key not in self.info:
                 raise DatasetError(info_path, f"missing key {key!r}")
@@ -175,12 +190,7 @@ class DatasetMeta:
         self.fps = self.info["fps"]
         if not isinstance(self.fps, (int, float)) or self.fps <= 0:
             raise DatasetError(info_path, f"fps must be a positive number, got {self.fps!r}")
-        self.features: dict[str, Feature] = {}
-        for name, spec in self.info["features"].items():
-            if not isinstance(spec, dict) or "dtype" not in spec or "shape" not in spec:
-                raise DatasetError(info_path, f"feature {name!r} needs 'dtype' and 'shape'")
-            self.features[name] = Feature(name, spec["dtype"], tuple(int(s) for s in spec["shape"]),
-                                          spec.get("names"), spec.get("info"))
+        self.features = _parse_features(self.info["features"], info_path)
         for name in ("episode_index", "index", "timestamp", "frame_index"):
             if name not in self.features:
                 raise DatasetError(info_path, f"feature {name!r} is missing from 'features'")
@@ -234,8 +244,8 @@ class DatasetMeta:
             wanted += [f"videos/{key}/{c}" for c in ("chunk_index", "file_index", "from_timestamp", "to_timestamp")]
         parts = []
         for rel in rels:
-            schema_names = set(pq.read_schema(self.files.path(rel)).names) if not self.files.is_url else None
-            missing = [c for c in wanted if schema_names is not None and c not in schema_names]
+            schema_names = set(self.files.read_parquet_schema(rel).names)
+            missing = [c for c in wanted if c not in schema_names]
             if missing:
                 raise DatasetError(self.files.path(rel), f"missing columns {missing}")
             parts.append(self.files.read_parquet(rel, columns=wanted))
@@ -359,6 +369,31 @@ class DatasetMeta:
         }
 
 
+def _parse_features(features: Any, info_path: str) -> dict[str, Feature]:
+    """info.json's `features`: a mapping name -> {dtype, shape (list of ints), names, info}."""
+    if not isinstance(features, dict):
+        raise DatasetError(info_path, f"'features' must be a mapping of name -> spec, got a {type(features).__name__}")
+    out: dict[str, Feature] = {}
+    for name, spec in features.items():
+        if not isinstance(spec, dict) or "dtype" not in spec or "shape" not in spec:
+            raise DatasetError(info_path, f"feature {name!r} needs 'dtype' and 'shape'")
+        shape = spec["shape"]
+        if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                            for d in shape):
+            raise DatasetError(info_path, f"feature {name!r}: 'shape' must be a list of non-negative integers, "
+                               f"got {shape!r}")
+        if not isinstance(spec["dtype"], str):
+            raise DatasetError(info_path, f"feature {name!r}: 'dtype' must be a string, got {spec['dtype']!r}")
+        info = spec.get("info")
+        if info is not None and not isinstance(info, dict):
+            raise DatasetError(info_path, f"feature {name!r}: 'info' must be a mapping, got {info!r}")
+        if spec["dtype"] == "video" and len(shape) != 3:
+            raise DatasetError(info_path, f"video feature {name!r}: 'shape' must be [height, width, channels], "
+                               f"got {shape!r}")
+        out[name] = Feature(name, spec["dtype"], tuple(shape), spec.get("names"), info)
+    return out
+
+
 _NUMPY_DTYPES = {"float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 
 
@@ -405,11 +440,15 @@ class LeRobotDataset:
         tolerance_s: how far a decoded frame's time may be from the requested one.
         video_backend: "auto" (torchcodec if it loads, else PyAV), "pyav" or "torchcodec".
         image_transforms: callable applied to each float CHW camera tensor in `__getitem__`.
+        frame_cache: camera frames from a decoded-frame cache (`kilovla data cache`, see
+            `kilovla.data.frame_cache`) instead of the videos: a cache folder, "auto" (the default:
+            the cache at `default_cache_dir(root)` when there is one) or None (always decode). A
+            cache that does not match the dataset is refused with a DatasetError, never half-used.
     """
 
     def __init__(self, root: str | Path, delta_timestamps: dict[str, list[float]] | None = None,
                  episodes: list[int] | None = None, tolerance_s: float = 1e-4, video_backend: str = "auto",
-                 image_transforms=None, decode_threads: int = 2):
+                 image_transforms=None, decode_threads: int = 2, frame_cache: str | Path | None = "auto"):
         self.meta = DatasetMeta(root)
         self.root = self.meta.root
         self.fps = self.meta.fps
@@ -433,6 +472,12 @@ class LeRobotDataset:
         self._rows = np.concatenate([np.arange(eps.row_from[e], eps.row_to[e]) for e in self.episode_ids])
         self._row_episode = np.repeat(np.arange(len(eps)), eps.length)
         self._pool = None
+        self.frame_cache = resolve_frame_cache(frame_cache, self.meta, self.columns, self.meta.video_keys)
+        if self.frame_cache is not None and video_backend != "auto" \
+                and self.frame_cache.manifest["backend"] != video_backend:
+            raise DatasetError(self.frame_cache.path / "manifest.json",
+                               f"frames were decoded with {self.frame_cache.manifest['backend']}, this dataset asks "
+                               f"for video_backend={video_backend!r}; use 'auto' or rebuild the cache")
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -498,6 +543,9 @@ class LeRobotDataset:
         return out
 
     def _decode(self, rows, ep, query_rows, video_keys) -> dict[str, np.ndarray]:
+        if self.frame_cache is not None:
+            out = {key: self.frame_cache.read(key, query_rows.get(key, rows[:, None])) for key in video_keys}
+            return {key: v[:, 0] if v.shape[1] == 1 else v for key, v in out.items()}
         eps = self.meta.episodes
         timestamps = self.columns["timestamp"]
         requests: list[tuple[str, np.ndarray]] = []
@@ -514,6 +562,9 @@ class LeRobotDataset:
         frames = self.decoder_pool.read_many(requests, self.tolerance_s)
         out: dict[str, np.ndarray] = {}
         for (key, mask, shape), got in zip(plan, frames):
+            if mask.all():  # one file holds every sample's frames of this camera: no scatter copy
+                out[key] = got.reshape(*shape, *got.shape[1:])
+                continue
             if key not in out:
                 out[key] = np.empty((*shape, *got.shape[1:]), dtype=np.uint8)
             out[key][mask] = got.reshape(-1, shape[1], *got.shape[1:])
@@ -523,25 +574,43 @@ class LeRobotDataset:
         return out
 
     def __getitem__(self, position: int) -> dict:
+        return self.__getitems__([position])[0]
+
+    def __getitems__(self, positions) -> list[dict]:
+        """Items at `positions`, decoded together (torch's DataLoader calls this with a whole batch
+        of indices when it exists, so a batch costs one decoding pass per video file)."""
         import torch
 
-        if not -len(self) <= position < len(self):
-            raise IndexError(f"position {position} out of range for a dataset of {len(self)} frames")
-        batch = self.get_batch(np.array([position % len(self)]))
-        item = {}
-        for key, value in batch.items():
-            value = value[0]
-            if key == "task":
-                item[key] = value
-            elif key in self.meta.video_keys:
-                item[key] = to_float_chw(torch.from_numpy(np.ascontiguousarray(value)))
-                if self.image_transforms is not None:
-                    item[key] = self.image_transforms(item[key])
+        n = len(self)
+        for position in positions:
+            if not -n <= position < n:
+                raise IndexError(f"position {position} out of range for a dataset of {n} frames")
+        batch = self.get_batch(np.array([p % n for p in positions], dtype=np.int64))
+        items: list[dict] = [{} for _ in positions]
+        for key, values in batch.items():
+            if key in self.meta.video_keys:
+                images = to_float_chw(values)
+                for item, image in zip(items, images):
+                    item[key] = image if self.image_transforms is None else self.image_transforms(image)
+            elif key == "task":
+                for item, value in zip(items, values):
+                    item[key] = value
             else:
-                item[key] = torch.from_numpy(np.asarray(value))
-        return item
+                for item, value in zip(items, values):
+                    item[key] = torch.from_numpy(np.asarray(value))
+        return items
 
 
 def to_float_chw(frames_u8_hwc):
-    """uint8 (..., H, W, C) -> float32 (..., C, H, W) in [0, 1], LeRobot's camera tensor."""
-    return (frames_u8_hwc.movedim(-1, -3) / 255.0).float().contiguous()
+    """uint8 (..., H, W, C) -> float32 (..., C, H, W) in [0, 1], LeRobot's camera tensor.
+
+    Bit-identical to LeRobot's `(frames / 255.0).type(torch.float32)` (one float32 division per
+    value), computed in numpy: torch would hand a few hundred kB to its intra-op thread pool, which
+    on a busy machine costs 10-50x the division itself.
+    """
+    import torch
+
+    frames = frames_u8_hwc.numpy() if isinstance(frames_u8_hwc, torch.Tensor) else np.asarray(frames_u8_hwc)
+    out = np.empty((*frames.shape[:-3], frames.shape[-1], *frames.shape[-3:-1]), dtype=np.float32)
+    np.divide(np.moveaxis(frames, -1, -3), np.float32(255.0), out=out)
+    return torch.from_numpy(out)

@@ -23,12 +23,15 @@ between steps resumes exactly there.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kilovla.data.lake import DataLake
 from kilovla.data.plan import GlobalBatchPlan
+from kilovla.data.ray_cluster import connect_ray, import_ray
 from kilovla.errors import KilovlaError
 
 log = logging.getLogger(__name__)
@@ -88,11 +91,62 @@ class _Loader:
 
 
 class InProcessLoader(_Loader):
-    """Fetches rows in the calling process."""
+    """Fetches rows in the calling process.
+
+    `prefetch` rows are fetched ahead by one background thread, so decoding overlaps the caller's
+    work (video decoding and numpy release the GIL); 0 fetches each row only when it is asked for.
+    Rows come out in plan order either way, and an error while fetching surfaces at the row it hit.
+    """
+
+    def __init__(self, lake, plan, rank=0, world_size=1, steps=None, prefetch: int = 2):
+        super().__init__(lake, plan, rank, world_size, steps)
+        if prefetch < 0:
+            raise KilovlaError(f"prefetch must be >= 0, got {prefetch}")
+        self.prefetch = prefetch
 
     def __iter__(self) -> Iterator[dict]:
-        for step, j, n, ids in _plan_rows(self.plan, self.rank, self.world_size, self.plan.step, self._stop()):
-            yield self._advance(_stamp(fetch_row(self.lake, ids), step, j, n))
+        keys = _plan_rows(self.plan, self.rank, self.world_size, self.plan.step, self._stop())
+        if self.prefetch == 0:
+            for step, j, n, ids in keys:
+                yield self._advance(_stamp(fetch_row(self.lake, ids), step, j, n))
+            return
+        pending: deque = deque()
+        with ThreadPoolExecutor(1, thread_name_prefix="kilovla-prefetch") as executor:
+            try:
+                for key in keys:
+                    pending.append((key, executor.submit(fetch_row, self.lake, key[3])))
+                    if len(pending) > self.prefetch:
+                        yield self._take(pending)
+                while pending:
+                    yield self._take(pending)
+            finally:
+                for _, future in pending:
+                    future.cancel()
+
+    def _take(self, pending: deque) -> dict:
+        (step, j, n, _), future = pending.popleft()
+        return self._advance(_stamp(future.result(), step, j, n))
+
+
+# Arrays above this size leave a worker as tensors in shared memory; smaller ones are pickled
+# through the pipe, which for a few kB is cheaper than handing over one more file descriptor.
+SHARED_MEMORY_MIN_BYTES = 1 << 16
+
+
+def _to_tensors(batch: dict) -> dict:
+    """Large numpy arrays -> torch (no copy): a worker's tensors reach the main process through
+    shared memory, where numpy arrays would be pickled through a pipe (a row of 30 samples of
+    224 px frames is ~13 MB)."""
+    import torch
+
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) and v.dtype != object
+            and v.nbytes >= SHARED_MEMORY_MIN_BYTES else v for k, v in batch.items()}
+
+
+def _to_numpy(batch: dict) -> dict:
+    import torch
+
+    return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 class _RowDataset:
@@ -103,7 +157,7 @@ class _RowDataset:
 
     def __getitem__(self, key):
         step, j, n, ids = key
-        return _stamp(fetch_row(self.lake, np.asarray(ids)), step, j, n)
+        return _to_tensors(_stamp(fetch_row(self.lake, np.asarray(ids)), step, j, n))
 
 
 class _PlanSampler:
@@ -149,10 +203,12 @@ class TorchLoader(_Loader):
         )
         for batch in loader:
             if self.pin_memory:
-                batch = {k: torch.from_numpy(v).pin_memory() if isinstance(v, np.ndarray) and v.dtype != object else v
+                batch = {k: (v if isinstance(v, torch.Tensor) else torch.from_numpy(v)).pin_memory()
+                         if isinstance(v, (np.ndarray, torch.Tensor)) and getattr(v, "dtype", None) != object else v
                          for k, v in batch.items()}
+            else:
+                batch = _to_numpy(batch)
             yield self._advance(batch)
-
 
     def _start_method(self) -> str:
         if self.multiprocessing_context is not None:
@@ -173,26 +229,21 @@ class _RayFetcher:
 class RayLoader(_Loader):
     """Rows fetched by a pool of Ray actors (any node of the cluster), delivered in plan order.
 
-    `ray.init` is the caller's business (`ray.init(address="auto")` on a cluster); when Ray is not
-    initialised, a local instance is started.
+    Ray is joined by `connect_ray`: a Ray already initialised here, else `address` or the
+    RAY_ADDRESS environment variable, else a local instance (with one log line saying so).
     """
 
     def __init__(self, lake, plan, rank=0, world_size=1, steps=None, num_actors: int = 2,
-                 num_cpus_per_actor: float = 1.0, max_in_flight: int | None = None):
+                 num_cpus_per_actor: float = 1.0, max_in_flight: int | None = None, address: str | None = None):
         super().__init__(lake, plan, rank, world_size, steps)
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise KilovlaError("the Ray loader needs Ray: pip install 'kilovla[rl]'") from None
+        import_ray("the Ray loader")
         self.num_actors = num_actors
         self.num_cpus_per_actor = num_cpus_per_actor
         self.max_in_flight = max_in_flight or 2 * num_actors
+        self.address = address
 
     def __iter__(self) -> Iterator[dict]:
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(num_cpus=max(2, self.num_actors), include_dashboard=False, log_to_driver=False)
+        ray = connect_ray(self.address, num_cpus=max(2, self.num_actors), what="the Ray loader")
         lake_ref = ray.put(self.lake)
         actor_cls = ray.remote(num_cpus=self.num_cpus_per_actor)(_RayFetcher)
         actors = [actor_cls.remote(lake_ref) for _ in range(self.num_actors)]

@@ -191,6 +191,11 @@ class MetaWorldEnv(gym.Env):
         truncated = self._steps >= self.max_steps and not terminated
         return self._obs(state), float(reward), terminated, truncated, {"is_success": success, "task": self.task}
 
+    def set_rendering(self, on: bool) -> None:
+        """Render camera images in the observations that follow (on), or not: a caller that executes a
+        chunk of actions and only looks at the last observation skips rendering the ones between."""
+        self._render_images = on and bool(self.cameras)
+
     def render(self):
         return next(iter(self._render().values()))
 
@@ -210,6 +215,7 @@ class MetaWorldExpertPolicy:
 
     name = "scripted"
     action_dim, state_dim = ACTION_DIM, STATE_DIM
+    cameras = ()  # acts on the simulator's state alone
 
     def __init__(self, noise_std: float = 0.0, seed: int = 0):
         self.noise_std, self.seed = noise_std, seed

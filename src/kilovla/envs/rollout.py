@@ -4,6 +4,9 @@ Each env slot plays one episode at a time; when it ends, the slot starts the nex
 The policy is asked only for slots whose action queue is empty (action chunking: a chunk's first
 `n_action_steps` actions are executed before asking again), all such slots in one batch.
 Callbacks see every transition, which is how `collect` records datasets and `eval` records videos.
+Camera images are rendered only for observations someone looks at: the one a policy that takes
+images acts on (the last of a chunk) and every frame of the episodes `frames(episode)` names (a
+video, a dataset); rendering is most of a simulated step's cost on CPU.
 """
 
 from __future__ import annotations
@@ -29,9 +32,13 @@ class Episode:
 
 
 def stack_observations(observations: Sequence[dict], env_tasks: Sequence[str]) -> dict:
-    """Env observation dicts -> one batch: arrays stacked on axis 0, strings as lists."""
+    """Env observation dicts -> one batch: arrays stacked on axis 0, strings as lists; keys that not every
+    observation has (images an env did not render) are left out."""
     batch = {}
+    common = set.intersection(*(set(o) for o in observations))
     for key, value in observations[0].items():
+        if key not in common:
+            continue
         if isinstance(value, str):
             batch[key] = [o[key] for o in observations]
         else:
@@ -43,12 +50,18 @@ def stack_observations(observations: Sequence[dict], env_tasks: Sequence[str]) -
 def run_episodes(pool: EnvPool, policy, seeds: Sequence[int], *, n_action_steps: int | None = None,
                  on_step: Callable[[Episode, dict, np.ndarray, float, dict], None] | None = None,
                  on_end: Callable[[Episode, dict], None] | None = None,
-                 on_progress: Callable[[int], None] | None = None) -> list[Episode]:
+                 on_progress: Callable[[int], None] | None = None,
+                 frames: Callable[[Episode], bool] | None = None) -> list[Episode]:
     """Play one episode per seed; returns them in seed order.
 
     on_step(episode, obs, action, reward, info): obs is what the policy saw before `action`.
     on_end(episode, last_obs) after the last step of each episode.
+    frames(episode): whether the callbacks need that episode's camera images at every step (default:
+    all of them when on_step is given); others get images only where the policy acts.
     """
+    if frames is None:
+        frames = (lambda ep: True) if on_step is not None else (lambda ep: False)
+    policy_sees_images = getattr(policy, "cameras", None) != ()  # a policy that reads no camera declares cameras = ()
     tasks = [c.kwargs.get("task", "") for c in pool.configs]
     pending = deque(enumerate(seeds))
     done: list[Episode] = []
@@ -64,6 +77,8 @@ def run_episodes(pool: EnvPool, policy, seeds: Sequence[int], *, n_action_steps:
                 slots[slot] = Episode(i, seed, tasks[slot])
                 wanted[slot] = seed
                 queues[slot].clear()
+        pool.set_rendering([True if wanted[s] is not None and (policy_sees_images or frames(slots[s])) else None
+                            for s in range(pool.num_envs)])
         for slot, out in enumerate(pool.reset(wanted)):
             if out is not None:
                 obs[slot] = out[0]
@@ -71,7 +86,7 @@ def run_episodes(pool: EnvPool, policy, seeds: Sequence[int], *, n_action_steps:
     try:
         start(list(range(pool.num_envs)))
         _loop(pool, policy, slots, obs, queues, tasks, done, pending, start, n_action_steps, on_step, on_end,
-              on_progress)
+              on_progress, lambda s: frames(slots[s]) or (policy_sees_images and not queues[s]))
     except EnvCrashed as e:
         e.seeds = sorted(ep.seed for ep in slots.values())  # the episodes that were running
         raise
@@ -79,7 +94,7 @@ def run_episodes(pool: EnvPool, policy, seeds: Sequence[int], *, n_action_steps:
 
 
 def _loop(pool, policy, slots, obs, queues, tasks, done, pending, start, n_action_steps, on_step, on_end,
-          on_progress) -> None:
+          on_progress, render) -> None:
     while slots:
         need = [s for s in slots if not queues[s]]
         if need:
@@ -90,6 +105,7 @@ def _loop(pool, policy, slots, obs, queues, tasks, done, pending, start, n_actio
             for s, actions in zip(need, chunk):
                 queues[s].extend(actions[: n_action_steps or len(actions)])
         actions = [queues[s].popleft() if s in slots else None for s in range(pool.num_envs)]
+        pool.set_rendering([render(s) if s in slots else None for s in range(pool.num_envs)])
         results = pool.step(actions)
         finished = []
         for s, ep in list(slots.items()):

@@ -61,6 +61,8 @@ def _worker(conn, configs: list[EnvConfig]) -> None:
             elif cmd == "call":
                 name, args = arg
                 conn.send(("ok", [getattr(env.unwrapped, name)(*args) for env in envs]))
+            elif cmd == "render":
+                conn.send(("ok", [_set_rendering(env, on) for env, on in zip(envs, arg)]))
             elif cmd == "close":
                 for env in envs:
                     env.close()
@@ -68,6 +70,13 @@ def _worker(conn, configs: list[EnvConfig]) -> None:
                 return
         except BaseException as e:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+
+
+def _set_rendering(env, on: bool | None) -> None:
+    """Camera images in this env's next observations or not, where the env can skip them (None: leave as is)."""
+    switch = getattr(env.unwrapped, "set_rendering", None)
+    if on is not None and switch is not None:
+        switch(on)
 
 
 class EnvPool:
@@ -112,6 +121,8 @@ class EnvPool:
                 return [e.reset(seed=s) if s is not None else None for e, s in zip(envs, per_env)]
             if cmd == "step":
                 return [e.step(a) if a is not None else None for e, a in zip(envs, per_env)]
+            if cmd == "render":
+                return [_set_rendering(e, on) for e, on in zip(envs, per_env)]
             name, args = per_env
             return [getattr(e.unwrapped, name)(*args) for e in envs]
         for w, idx in enumerate(self._slices):
@@ -135,6 +146,10 @@ class EnvPool:
     def step(self, actions: Sequence[np.ndarray | None]) -> list:
         """(obs, reward, terminated, truncated, info) per env; None actions skip that env."""
         return self._run("step", list(actions))
+
+    def set_rendering(self, flags: Sequence[bool | None]) -> None:
+        """Per env: render camera images in the next observations (True), skip them (False), or leave it."""
+        self._run("render", list(flags))
 
     def call(self, method: str, *args) -> list:
         """`env.unwrapped.<method>(*args)` on every env."""

@@ -7,7 +7,8 @@ executing `n_action_steps` of each predicted action chunk. It returns the report
 The trainer calls the same function for in-training evaluation.
 
 A crashed env process does not end the evaluation: its task is reported with the error and the
-seed that was running, and the other tasks still run.
+seeds that were running, its unfinished episodes count as failures (`crashed_episodes`, so a crash
+never inflates a success rate), and the other tasks still run.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
         def on_step(ep, obs, action, reward, info):
             recorder.add(ep.index, obs)
 
+        finished = []
+
         def on_end(ep, last_obs):
+            finished.append(ep)
             recorder.add(ep.index, last_obs)
             recorder.finish(ep.index, ep.success)
             if progress is not None:
@@ -86,20 +90,24 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
         configs = [EnvConfig(env, {"task": task, **kwargs})] * min(batch_size, episodes)
         try:
             with EnvPool(configs, num_workers=num_workers) as pool:
-                done = run_episodes(pool, policy, seeds, n_action_steps=n_action_steps, on_step=on_step, on_end=on_end)
+                done = run_episodes(pool, policy, seeds, n_action_steps=n_action_steps, on_step=on_step, on_end=on_end,
+                                    frames=lambda ep: recorder.folder is not None and ep.index < videos)
         except EnvCrashed as e:
-            per_task[task] = {"success_rate": None, "episodes": 0, "mean_steps": None,
-                              "error": str(e), "seeds_running": e.seeds}
+            per_task[task] = {"success_rate": sum(ep.success for ep in finished) / episodes, "episodes": episodes,
+                              "mean_steps": float(np.mean([ep.steps for ep in finished])) if finished else None,
+                              "crashed_episodes": episodes - len(finished), "error": str(e),
+                              "seeds_running": e.seeds, "seeds": seeds}
             continue
         per_task[task] = {
             "success_rate": float(np.mean([e.success for e in done])),
             "episodes": len(done),
             "mean_steps": float(np.mean([e.steps for e in done])),
+            "crashed_episodes": 0,
             "seeds": seeds,
         }
-    rates = [r["success_rate"] for r in per_task.values() if r["success_rate"] is not None]
     report = {
-        "overall_success_rate": float(np.mean(rates)) if rates else None,
+        "overall_success_rate": float(np.mean([r["success_rate"] for r in per_task.values()])),
+        "crashed_episodes": sum(r["crashed_episodes"] for r in per_task.values()),
         "per_task": per_task,
         "env": env,
         "env_backend": _backend(env),
@@ -163,12 +171,13 @@ def write_report(out: Path, report: dict) -> None:
              f"{report['env_backend']}; seed {report['seed']}; {report['episodes_per_task']} episodes per task.", "",
              "| task | success rate | episodes | mean steps |", "|---|---|---|---|"]
     for task, r in report["per_task"].items():
-        if r["success_rate"] is None:
-            lines.append(f"| {task} | error: {r['error'].splitlines()[0]} | 0 | - |")
-        else:
-            lines.append(f"| {task} | {r['success_rate']:.1%} | {r['episodes']} | {r['mean_steps']:.1f} |")
-    overall = report["overall_success_rate"]
-    lines += ["", f"**Overall success rate: {'-' if overall is None else f'{overall:.1%}'}**", ""]
+        steps = "-" if r["mean_steps"] is None else f"{r['mean_steps']:.1f}"
+        crash = f" ({r['crashed_episodes']} crashed, counted as failures: {r['error'].splitlines()[0]})" \
+            if r["crashed_episodes"] else ""
+        lines.append(f"| {task} | {r['success_rate']:.1%}{crash} | {r['episodes']} | {steps} |")
+    lines += ["", f"**Overall success rate: {report['overall_success_rate']:.1%}**"
+                  + (f" ({report['crashed_episodes']} crashed episodes counted as failures)"
+                     if report["crashed_episodes"] else ""), ""]
     for name, text in (("report.json", json.dumps(report, indent=2)), ("report.md", "\n".join(lines))):
         tmp = out / f".{name}.{uuid.uuid4().hex[:8]}"
         tmp.write_text(text)

@@ -8,12 +8,20 @@ Two kinds of call:
   query segment i attends to key segment i only; `causal=True` adds the causal mask within a
   segment (query and key segments then have equal lengths). Backends:
 
-  | backend        | where     | how                                                     |
-  |----------------|-----------|---------------------------------------------------------|
-  | sdpa_segments  | CPU, CUDA | one SDPA call per segment; the exact varlen reference   |
-  | flex           | CPU, CUDA | flex_attention with a same-segment mask (eager on CPU)  |
-  | flash_attn     | CUDA      | flash_attn_varlen_func (FlashAttention-2)               |
-  | torch_varlen   | CUDA      | torch.nn.attention.varlen.varlen_attn (torch >= 2.9)    |
+  | backend        | where     | how                                                            |
+  |----------------|-----------|----------------------------------------------------------------|
+  | sdpa_segments  | CPU, CUDA | one SDPA call per segment; the exact varlen reference          |
+  | sdpa_masked    | CPU, CUDA | one SDPA call over the whole packed row, block-diagonal mask   |
+  | sdpa_batched   | CPU, CUDA | one SDPA call, segments stacked and padded to the longest      |
+  | flex           | CPU, CUDA | flex_attention with a same-segment mask (eager on CPU)         |
+  | flash_attn     | CUDA      | flash_attn_varlen_func (FlashAttention-2)                      |
+  | torch_varlen   | CUDA      | torch.nn.attention.varlen.varlen_attn (torch >= 2.9)           |
+
+`auto` (the models' default) picks per device: flash_attn, else torch_varlen on CUDA; on CPU
+`CPU_AUTO`, the fastest exact backend in `kilovla bench packing` (its `attention_backend_*` rows).
+There the per-segment loop pays a call (and a slice copy in backward) per sample, the masked call
+computes every off-diagonal block and throws it away, flex has no CPU backward; stacking the
+segments into one padded batch wastes only up to the longest segment, and wins.
 
 `resolve_backend(name, device)` checks availability once and falls back to `sdpa_segments` with a
 warning when the requested kernel cannot run here (a CUDA kernel on a CPU machine, a missing package).
@@ -36,8 +44,9 @@ log = logging.getLogger(__name__)
 
 # openpi's masked logit: large and negative but finite, so a fully masked row stays finite.
 BIG_NEG = -2.3819763e38
-VARLEN_BACKENDS = ("sdpa_segments", "flex", "flash_attn", "torch_varlen")
-BACKENDS = ("sdpa_dense", *VARLEN_BACKENDS)
+VARLEN_BACKENDS = ("sdpa_segments", "sdpa_masked", "sdpa_batched", "flex", "flash_attn", "torch_varlen")
+BACKENDS = ("auto", "sdpa_dense", *VARLEN_BACKENDS)
+CPU_AUTO = "sdpa_batched"  # measured: `kilovla bench packing`, rows attention_backend_*
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,14 @@ class VarlenSpec:
         cu_q = torch.cat([zero, q_lengths.cumsum(0).to(torch.int32)])
         cu_k = torch.cat([zero, k_lengths.cumsum(0).to(torch.int32)])
         return cls(cu_q, cu_k, int(q_lengths.max()), int(k_lengths.max()), causal)
+
+    @functools.cached_property
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(segment, position) of every query and every key; computed once, reused by every layer."""
+        seg_q, seg_k = _segment_ids(self.cu_q, int(self.cu_q[-1])), _segment_ids(self.cu_k, int(self.cu_k[-1]))
+        pos_q = torch.arange(len(seg_q), device=seg_q.device) - self.cu_q.long()[seg_q]
+        pos_k = torch.arange(len(seg_k), device=seg_k.device) - self.cu_k.long()[seg_k]
+        return seg_q, pos_q, seg_k, pos_k
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
@@ -87,13 +104,44 @@ def _segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
     return torch.searchsorted(cu[1:].long(), torch.arange(total, device=cu.device), right=True)
 
 
+def _masked(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
+    seg_q, pos_q, seg_k, pos_k = spec.slots
+    mask = seg_q[:, None] == seg_k[None, :]  # (Tq, Tk) block-diagonal
+    if spec.causal:
+        mask &= pos_q[:, None] >= pos_k[None, :]
+    rep = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], _repeat_kv(k.transpose(0, 1), rep, 0)[None],
+                                         _repeat_kv(v.transpose(0, 1), rep, 0)[None], attn_mask=mask[None, None],
+                                         scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def _batched(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
+    seg_q, pos_q, seg_k, pos_k = spec.slots
+    n = len(spec.cu_q) - 1
+
+    def stack(x, seg, pos, length):  # (T, H, D) -> (n, H, length, D), zeros past each segment's end
+        out = x.new_zeros(n, length, *x.shape[1:])
+        out[seg, pos] = x
+        return out.transpose(1, 2)
+
+    rep = q.shape[1] // k.shape[1]
+    k_len = (spec.cu_k[1:] - spec.cu_k[:-1]).long()
+    mask = (torch.arange(spec.max_k, device=q.device)[None, :] < k_len[:, None])[:, None, None, :]  # (n, 1, 1, Lk)
+    if spec.causal:
+        mask = mask & (torch.arange(spec.max_q, device=q.device)[:, None]
+                       >= torch.arange(spec.max_k, device=q.device)[None, :])
+    out = F.scaled_dot_product_attention(stack(q, seg_q, pos_q, spec.max_q),
+                                         _repeat_kv(stack(k, seg_k, pos_k, spec.max_k), rep, 1),
+                                         _repeat_kv(stack(v, seg_k, pos_k, spec.max_k), rep, 1), attn_mask=mask,
+                                         scale=scale)
+    return out.transpose(1, 2)[seg_q, pos_q]
+
+
 def _flex(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    seg_q = _segment_ids(spec.cu_q, q.shape[0])
-    seg_k = _segment_ids(spec.cu_k, k.shape[0])
-    pos_q = torch.arange(q.shape[0], device=q.device) - spec.cu_q.long()[seg_q]
-    pos_k = torch.arange(k.shape[0], device=k.device) - spec.cu_k.long()[seg_k]
+    seg_q, pos_q, seg_k, pos_k = spec.slots
     causal = spec.causal
 
     def same_segment(b, h, qi, ki):
@@ -131,13 +179,14 @@ def _torch_varlen(q, k, v, spec: VarlenSpec, scale: float) -> torch.Tensor:
     return varlen_attn(q, k, v, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k, **kwargs)
 
 
-_VARLEN = {"sdpa_segments": _segments, "flex": _flex, "flash_attn": _flash_attn, "torch_varlen": _torch_varlen}
+_VARLEN = {"sdpa_segments": _segments, "sdpa_masked": _masked, "sdpa_batched": _batched, "flex": _flex,
+           "flash_attn": _flash_attn, "torch_varlen": _torch_varlen}
 
 
 @functools.cache
 def _available(backend: str, device_type: str) -> str | None:
     """None if `backend` can run on this device, else why not."""
-    if backend in ("sdpa_dense", "sdpa_segments"):
+    if backend in ("sdpa_dense", "sdpa_segments", "sdpa_masked", "sdpa_batched"):
         return None
     if backend == "flex":
         try:
@@ -161,21 +210,34 @@ def _available(backend: str, device_type: str) -> str | None:
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:
-    """The varlen backend to use: `name` if it runs here, else sdpa_segments (with a warning)."""
+    """The varlen backend to use: `name` if it runs here, else sdpa_segments (with a warning);
+    `auto`: flash_attn, torch_varlen on CUDA, `CPU_AUTO` elsewhere."""
     if name not in BACKENDS:
         raise KilovlaError(f"attention backend must be one of {', '.join(BACKENDS)}, not {name!r}")
-    why = _available(name, torch.device(device).type)
+    device_type = torch.device(device).type
+    if name == "auto":
+        if device_type == "cuda":
+            return next((b for b in ("flash_attn", "torch_varlen") if _available(b, "cuda") is None), "sdpa_batched")
+        return CPU_AUTO
+    why = _available(name, device_type)
     if why is None:
         return name
-    log.warning("attention backend %s %s; falling back to sdpa_segments", name, why)
+    _warn_fallback(name, why)
     return "sdpa_segments"
+
+
+@functools.cache
+def _warn_fallback(name: str, why: str) -> None:
+    log.warning("attention backend %s %s; falling back to sdpa_segments", name, why)
 
 
 def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: VarlenSpec, scale: float,
                   backend: str = "sdpa_segments") -> torch.Tensor:
     """q (Tq, H, D), k/v (Tk, Hkv, D) -> (Tq, H, D); segment i of q sees segment i of k only
     (and, with spec.causal, only keys at or before its own position)."""
-    if backend == "sdpa_dense":
+    if backend == "auto":
+        backend = resolve_backend("auto", q.device)
+    elif backend == "sdpa_dense":  # a padded-path setting: its varlen twin is the exact per-segment loop
         backend = "sdpa_segments"
     return _VARLEN[backend](q, k, v, spec, scale)
 

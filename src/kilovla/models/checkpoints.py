@@ -1,24 +1,48 @@
-"""Checkpoint I/O: safetensors in and out, with key maps for the published layouts.
+"""Checkpoint I/O: safetensors in and out, every published file layout, loading without a second copy.
 
-kilovla's own keys are openpi's PyTorch port's (`paligemma_with_expert.paligemma.model...`,
-`action_in_proj`, ...). Foreign layouts map onto them:
+kilovla's own keys are openpi's PyTorch port's for pi0 / pi0.5 (``paligemma_with_expert...``,
+``action_in_proj``, ...) and NVIDIA's for GR00T N1.5 (``backbone.eagle_model.*``, ``action_head.*``).
+The published layouts map onto them (`detect_layout`, `map_keys`):
 
-- ``openpi``: the same keys.
-- ``lerobot``: LeRobot's pi0 / pi05 policies prefix every key with ``model.``; older pi05 exports
-  call the time MLP ``action_time_mlp_*`` and carry pi0's unused ``state_proj``.
-- both may store ``paligemma.lm_head.weight`` (tied to the token embedding; used to fill
-  ``embed_tokens`` when that is absent) and the action expert's unused ``lm_head``: accepted, dropped.
-- ``groot``: NVIDIA's GR00T N1.5 names (``backbone.eagle_model.*``, ``action_head.*``) are kilovla's;
-  the truncated LLM's unused ``lm_head`` is dropped.
+- ``kilovla``: ``kilovla train`` / ``VLAPolicy.save``; kilovla's keys, model.safetensors + policy.json.
+- ``openpi``: openpi's JAX -> PyTorch converter; unprefixed keys, bf16 by default, config.json.
+- ``lerobot``: LeRobot's pi0 / pi05 policies; every key prefixed ``model.``, config.json.
+- ``lerobot-groot``: LeRobot's GR00T policy; every key prefixed ``_groot_model.``.
+- ``groot``: Isaac-GR00T's ``save_pretrained`` (``nvidia/GR00T-N1.5-3B``); unprefixed, sharded,
+  backbone bf16, config.json + experiment_cfg/metadata.json.
 
-Loading is strict: missing keys, unexpected keys and shape mismatches are reported together in one
-`CheckpointError` that names the file, instead of a traceback from `load_state_dict`.
+Any of them may be one file or Hugging Face shards (``model.safetensors.index.json``). Known
+differences are mapped, everything else must match exactly:
+
+- tied embeddings: ``paligemma.lm_head.weight`` (openpi, LeRobot) or the Qwen ``lm_head.weight``
+  (LeRobot GR00T) fills a missing ``embed_tokens``, and is dropped otherwise;
+- never-used weights are dropped: the action expert's ``lm_head``, SigLIP's pooling ``head``;
+- pi0.5 from LeRobot: ``action_time_mlp_*`` -> ``time_mlp_*``, pi0's ``state_proj`` and the legacy
+  expert ``*_layernorm.weight`` / ``norm.weight`` (adaRMS has ``.dense`` instead) are dropped, as
+  LeRobot's own loader does; pi0: ``time_mlp_*`` -> ``action_time_mlp_*``.
+
+Loading is strict and planned from the file headers before any weight is read: missing,
+unexpected and misshapen keys come back together in one `CheckpointError` naming the checkpoint.
+Weights are then read tensor by tensor straight into the model's parameters (a model built on the
+meta device is materialised first), cast to the parameters' dtype: a 3B model never exists twice in
+memory, and a bf16 file gives an fp32 model when the model is fp32.
+
+Which entry point: `load_weights(model, path)` / `load_checkpoint` for any layout (streaming,
+strict); `open_init_checkpoint` for ``--policy.init_from`` (also refuses quantized folders);
+`read_safetensors` when a whole state dict is wanted (resuming kilovla's own training checkpoints).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import os
+import re
 import uuid
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,66 +50,328 @@ from torch import nn
 
 from kilovla.errors import KilovlaError
 
-LAYOUTS = ("kilovla", "openpi", "lerobot", "groot")
-_TIED_LM_HEAD = "paligemma_with_expert.paligemma.lm_head.weight"
-_EMBED = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
-_UNUSED = ("paligemma_with_expert.gemma_expert.lm_head.weight", "backbone.eagle_model.language_model.lm_head.weight")
+LAYOUTS = ("kilovla", "openpi", "lerobot", "lerobot-groot", "groot")
+_PREFIX = {"lerobot": "model.", "lerobot-groot": "_groot_model."}
+_PI_EMBED = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+_PI_TIED = "paligemma_with_expert.paligemma.lm_head.weight"
+_GROOT_EMBED = "backbone.eagle_model.language_model.model.embed_tokens.weight"
+_GROOT_TIED = "backbone.eagle_model.language_model.lm_head.weight"
+_PI_UNUSED = re.compile(r"paligemma_with_expert\.gemma_expert\.lm_head\.weight$")
+_GROOT_UNUSED = re.compile(r"backbone\.eagle_model\.vision_model\.vision_model\.head\.")
+_PI05_LEGACY = re.compile(r"paligemma_with_expert\.gemma_expert\.model\."
+                          r"(layers\.\d+\.(input|post_attention)_layernorm|norm)\.weight$")
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_FLOAT = ("F64", "F32", "F16", "BF16")
 
 
 class CheckpointError(KilovlaError):
     pass
 
 
-def detect_layout(keys) -> str:
+# -- reading safetensors headers and tensors ------------------------------------------------------------
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies: file, dtype name ("BF16"), shape, absolute byte range."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_header(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of a safetensors file from its header alone (8-byte length + JSON), checked."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header length out of range")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors: {e}") from None
+    out = {}
+    base = 8 + n
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: cannot read safetensors: bad header entry for {key!r}") from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: {key} has dtype {dtype}, which kilovla does not read")
+        if end - begin != math.prod(shape) * DTYPES[dtype].itemsize or base + end > size:
+            raise CheckpointError(f"{path}: {key} lies outside the file (truncated download?)")
+        out[key] = StoredTensor(path, dtype, shape, base + begin, base + end)
+    return out
+
+
+def _read_into(f, t: StoredTensor, dest: torch.Tensor) -> None:
+    """Read `t` from the open raw file `f` into `dest`, casting to dest's dtype; no full-size copy
+    when the dtypes match and dest is a contiguous CPU tensor."""
+    stored = DTYPES[t.dtype]
+    direct = stored == dest.dtype and dest.device.type == "cpu" and dest.is_contiguous()
+    buf = dest.view(-1).view(torch.uint8) if direct else torch.empty(t.end - t.start, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    f.seek(t.start)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise CheckpointError(f"{t.file}: ends inside a tensor (truncated?)")
+        done += n
+    if not direct:
+        dest.copy_(buf.view(stored).view(t.shape))
+
+
+# -- a checkpoint on disk ------------------------------------------------------------------------------
+@dataclass
+class Checkpoint:
+    """A checkpoint's files and tensors, found from a file or a folder (single file or shards)."""
+
+    path: Path  # as given: a file or a folder
+    root: Path  # the folder
+    files: list[Path]
+    tensors: dict[str, StoredTensor]
+    layout: str = "openpi"
+    dropped: list[str] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, path: str | Path, layout: str = "auto") -> Checkpoint:
+        path = Path(path)
+        files = _weight_files(path)
+        tensors: dict[str, StoredTensor] = {}
+        for f in files:
+            for key, t in read_header(f).items():
+                if key in tensors:
+                    raise CheckpointError(f"{path}: {key} is stored twice ({tensors[key].file.name}, {f.name})")
+                tensors[key] = t
+        root = path if path.is_dir() else path.parent
+        index = root / "model.safetensors.index.json"
+        if path.is_dir() and index.is_file():
+            named = json.loads(index.read_text()).get("weight_map", {})
+            absent = sorted(k for k in named if k not in tensors)
+            if absent:
+                raise CheckpointError(f"{index}: names {len(absent)} tensors its shards lack, e.g. {absent[0]}")
+        if layout == "auto":
+            layout = detect_layout(tensors, root if path.is_dir() else None)
+        if layout not in LAYOUTS:
+            raise KilovlaError(f"checkpoint layout must be one of {LAYOUTS}, not {layout!r}")
+        return cls(path, root, files, tensors, layout)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.end - t.start for t in self.tensors.values())
+
+    def dtypes(self) -> dict[str, int]:
+        """Stored dtype -> number of tensors."""
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t.dtype] = out.get(t.dtype, 0) + 1
+        return out
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint file or folder")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index: {e}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: names shards that are not there: {', '.join(missing)}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{single}: no such checkpoint file (nor model.safetensors.index.json with shards)")
+
+
+def detect_layout(keys: Iterable[str], folder: Path | None = None) -> str:
     keys = list(keys)
-    if keys and all(k.startswith("model.") for k in keys):
-        return "lerobot"
-    if any(k.startswith("backbone.eagle_model.") for k in keys):
+    if folder is not None and (folder / "policy.json").is_file():
+        return "kilovla"
+    for layout, prefix in _PREFIX.items():
+        if keys and all(k.startswith(prefix) for k in keys):
+            return layout
+    if any(k.startswith(("backbone.eagle_model.", "action_head.")) for k in keys):
         return "groot"
     return "openpi"
 
 
-def to_kilovla_keys(state: dict[str, torch.Tensor], layout: str, pi05: bool = True) -> dict[str, torch.Tensor]:
-    """Rename a foreign state dict to kilovla's keys (see the module docstring)."""
+# -- key maps -----------------------------------------------------------------------------------------
+def map_keys(stored: Iterable[str], layout: str, family: str) -> tuple[dict[str, str], list[str]]:
+    """Stored keys -> {kilovla key: stored key} and the stored keys dropped as known and unused.
+
+    `family`: "pi05", "pi0" or "groot" (the model's), which decides the renames (module docstring).
+    """
     if layout not in LAYOUTS:
         raise KilovlaError(f"checkpoint layout must be one of {LAYOUTS}, not {layout!r}")
-    out = {}
-    for key, value in state.items():
-        if layout == "lerobot":
-            key = key.removeprefix("model.")
-        if pi05 and key.startswith("action_time_mlp_"):
-            key = key.replace("action_time_mlp_", "time_mlp_")
-        if pi05 and key.startswith("state_proj."):
+    prefix = _PREFIX.get(layout, "")
+    mapping: dict[str, str] = {}
+    dropped: list[str] = []
+    tied = None
+    tied_name, unused = (_GROOT_TIED, _GROOT_UNUSED) if family == "groot" else (_PI_TIED, _PI_UNUSED)
+    for src in stored:
+        key = src.removeprefix(prefix) if prefix and src.startswith(prefix) else src
+        if key == tied_name:
+            tied = src
             continue
-        out[key] = value
-    if _EMBED not in out and _TIED_LM_HEAD in out:
-        out[_EMBED] = out[_TIED_LM_HEAD]
-    for key in (_TIED_LM_HEAD, *_UNUSED):
-        out.pop(key, None)
-    return out
+        if unused.match(key):
+            dropped.append(src)
+            continue
+        if family == "pi05":
+            if key.startswith("state_proj.") or _PI05_LEGACY.match(key):
+                dropped.append(src)
+                continue
+            if key.startswith("action_time_mlp_"):
+                key = key.replace("action_time_mlp_", "time_mlp_", 1)
+        elif family == "pi0" and key.startswith("time_mlp_"):
+            key = key.replace("time_mlp_", "action_time_mlp_", 1)
+        mapping[key] = src
+    embed = _GROOT_EMBED if family == "groot" else _PI_EMBED
+    if tied is not None:  # the tied LM head stands in for the embedding it shares storage with
+        if embed in mapping:
+            dropped.append(tied)
+        else:
+            mapping[embed] = tied
+    return mapping, dropped
 
 
-def check_fits(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: str) -> None:
-    """Every missing / unexpected / misshapen key of `state` against `own`, in one CheckpointError."""
+def model_family(model: nn.Module) -> str:
+    cfg = getattr(model, "config", None)
+    if hasattr(cfg, "pi05"):
+        return "pi05" if cfg.pi05 else "pi0"
+    return "groot"
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(x.shape) if hasattr(x, "shape") else tuple(x)
+
+
+def check_fits(own: Mapping, state: Mapping, source: str, hint: str = "") -> None:
+    """Every missing / unexpected / misshapen key of `state` against `own` (tensors or shapes), in one
+    CheckpointError."""
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
-    shapes = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-                    for k in set(own) & set(state) if tuple(state[k].shape) != tuple(own[k].shape))
+    shapes = sorted(f"{k}: checkpoint {_shape(state[k])} vs model {_shape(own[k])}"
+                    for k in set(own) & set(state) if _shape(state[k]) != _shape(own[k]))
     if missing or unexpected or shapes:
         parts = []
         for title, items in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", shapes)):
             if items:
                 shown = ", ".join(items[:8]) + (f" ... ({len(items)} in all)" if len(items) > 8 else "")
                 parts.append(f"{title}: {shown}")
-        raise CheckpointError(f"{source}: does not fit the model; " + "; ".join(parts))
+        raise CheckpointError(f"{source}: does not fit the model; " + "; ".join(parts) + hint)
 
 
-def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Strict load; every missing / unexpected / misshapen key reported at once."""
-    check_fits(model.state_dict(), state, source)
-    model.load_state_dict(state, strict=True, assign=any(p.is_meta for p in model.parameters()))
+def plan_load(model: nn.Module, checkpoint: Checkpoint, source: str | None = None) -> dict[str, StoredTensor]:
+    """{model key: stored tensor}, checked against the model from the headers alone."""
+    family = model_family(model)
+    mapping, checkpoint.dropped = map_keys(checkpoint.tensors, checkpoint.layout, family)
+    state = model.state_dict()
+    own = {k: v.shape for k, v in state.items()}
+    stored = {k: checkpoint.tensors[s].shape for k, s in mapping.items()}
+    ckpt_family = "groot" if checkpoint.layout in ("groot", "lerobot-groot") or any(
+        k.startswith("backbone.eagle_model.") for k in mapping) else "pi"
+    hint = ""
+    if (ckpt_family == "groot") != (family == "groot"):
+        hint = f" (a {checkpoint.layout} checkpoint of {'GR00T' if ckpt_family == 'groot' else 'pi0/pi0.5'}, " \
+               f"the model is {'GR00T' if family == 'groot' else family})"
+    check_fits(own, stored, source or str(checkpoint.path), hint)
+    plan = {k: checkpoint.tensors[mapping[k]] for k in own}
+    # A non-float tensor loads only into a tensor of its own dtype (an Fp8BlockLinear's FP8 payload).
+    odd = sorted({t.dtype for k, t in plan.items() if t.dtype not in _FLOAT and DTYPES.get(t.dtype) != state[k].dtype})
+    if odd:
+        raise CheckpointError(f"{source or checkpoint.path}: weights stored as {', '.join(odd)}; kilovla loads float "
+                              "weights (a quantized checkpoint needs `kilovla eval`, not loading as float)")
+    return plan
 
 
+# -- loading -------------------------------------------------------------------------------------------
+def materialize(model: nn.Module, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+    """Give a meta-device model real (uninitialised) storage on `device`, in `dtype` when given."""
+    if dtype is not None:
+        model.to(dtype)  # on meta: free
+    return model.to_empty(device=device)
+
+
+def load_weights(model: nn.Module, checkpoint: Checkpoint | str | Path, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, source: str | None = None, progress: bool = True) -> Checkpoint:
+    """Strictly load a checkpoint into `model`, tensor by tensor, each cast to its parameter's dtype.
+
+    A model on the meta device is materialised on `device` (default cpu) in `dtype` (default: as
+    built, float32) after the plan is checked, so a mismatch allocates nothing."""
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
+    plan = plan_load(model, ckpt, source)
+    if any(t.is_meta for t in model.state_dict().values()):
+        materialize(model, device or "cpu", dtype)
+    state = model.state_dict()
+    by_file: dict[Path, list[tuple[str, StoredTensor]]] = {}
+    for key, t in plan.items():
+        by_file.setdefault(t.file, []).append((key, t))
+    total = sum(t.end - t.start for t in plan.values())
+    with _load_progress(total, str(ckpt.path), progress and total > 256 * 2**20) as advance, torch.no_grad():
+        for path, items in by_file.items():
+            with open(path, "rb", buffering=0) as f:
+                for key, t in sorted(items, key=lambda kt: kt[1].start):
+                    _read_into(f, t, state[key])
+                    advance(t.end - t.start)
+    return ckpt
+
+
+def load_checkpoint(model: nn.Module, path: str | Path, layout: str = "auto") -> str:
+    """Load weights into `model` (materialised on the cpu if it is on the meta device); returns the layout.
+    A policy folder whose model.safetensors is absent but holds an FSDP run's `state/` shards is read
+    with torch.distributed.checkpoint."""
+    path = Path(path)
+    if path.is_dir() and not (path / "model.safetensors").exists() and (path / "state").is_dir():
+        load_sharded(model, path / "state")
+        return "kilovla"
+    return load_weights(model, Checkpoint.open(path, layout), source=str(path)).layout
+
+
+def open_init_checkpoint(path: str | Path) -> Checkpoint:
+    """`--policy.init_from`: a policy folder, an openpi export, a LeRobot or Isaac-GR00T folder, or a file.
+    A quantized policy folder is refused: training starts from float weights."""
+    path = Path(path).expanduser()
+    meta = path / "policy.json"
+    if meta.is_file():
+        try:
+            quantized = "quantization_config" in json.loads(meta.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{meta}: not a policy description: {e}") from None
+        if quantized:
+            raise CheckpointError(f"{path}: a quantized policy folder (policy.json has a quantization_config); "
+                                  "fine-tuning starts from float weights: use the folder it was quantized from")
+    return Checkpoint.open(path)
+
+
+@contextlib.contextmanager
+def _load_progress(total: int, label: str, enabled: bool):
+    """Yields advance(n_bytes); a rich bar with the transfer rate when enabled."""
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    with Progress(TextColumn("load"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TextColumn(label),
+                  transient=True) as bar:
+        task = bar.add_task("load", total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+# -- writing -------------------------------------------------------------------------------------------
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -101,12 +387,20 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: cannot read safetensors: {e}") from None
 
 
-def load_checkpoint(model: nn.Module, path: str | Path, layout: str = "auto") -> str:
-    """Load weights into `model`; returns the layout used."""
-    state = read_safetensors(path)
-    layout = detect_layout(state) if layout == "auto" else layout
-    load_state(model, to_kilovla_keys(state, layout, getattr(getattr(model, "config", None), "pi05", True)), str(path))
-    return layout
+def load_sharded(model: nn.Module, state_dir: str | Path) -> None:
+    """Weights from a torch.distributed.checkpoint folder (an FSDP run's checkpoint `state/`), read in
+    this one process; a model built on the meta device is materialised on the CPU first."""
+    import torch.distributed.checkpoint as dcp
+
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(state_dir), no_dist=True)
+    except Exception as e:  # noqa: BLE001  DCP reports missing or misshapen keys as a CheckpointException
+        raise CheckpointError(f"{state_dir}: does not fit the model: {str(e).strip()[:500]}") from None
 
 
 def save_safetensors(state: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
@@ -128,3 +422,32 @@ def save_safetensors(state: dict[str, torch.Tensor], path: str | Path, metadata:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def save_sharded(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], make: Callable[[str], torch.Tensor],
+                 folder: str | Path, max_shard_bytes: int = 5 * 10**9) -> list[Path]:
+    """Hugging Face's sharded layout: ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``.
+
+    `specs` gives each tensor's shape and dtype, `make(key)` the tensor itself, called one shard at
+    a time, so writing never holds more than a shard in memory. The index is written last."""
+    folder = Path(folder)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, (shape, dtype) in specs.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, keys in zip(names, shards):
+        save_safetensors({k: make(k) for k in keys}, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, name))
+    total = sum(math.prod(s) * d.itemsize for s, d in specs.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    tmp = folder / f".model.safetensors.index.json.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(index, indent=2))
+    os.replace(tmp, folder / "model.safetensors.index.json")
+    return [folder / n for n in names]

@@ -12,6 +12,11 @@ Flow matching in GR00T's convention (opposite to openpi): t = (0.999 - Beta(1.5,
 x_t = (1 - t) * noise + t * actions, target velocity = actions - noise, the DiT sees
 floor(t * 1000); sampling integrates from t = 0 (noise) to 1 in `num_inference_steps` Euler steps.
 
+With `image_token_id` set (GR00T N1.5's Eagle prompt, `tokenize.eagle_prompt_ids`) the language
+tokens are the whole chat template and each camera's tokens replace its run of ``<IMG_CONTEXT>``
+placeholders, as Eagle does; without it (byte-tokenised models trained from scratch) the camera
+tokens come first and the language after.
+
 Padded and packed paths as in pi0.5 (`config.packing`): the packed one runs the causal LM and the
 VL self-attention as varlen calls over real tokens, and the DiT's cross-attention as a varlen call
 from each sample's 49 action-head tokens to that sample's VL tokens. The padded path masks padding
@@ -72,8 +77,13 @@ class GrootConfig:
     max_language_tokens: int = 200
     language_padding: str = "max_length"
     packing: bool = False
-    attention_backend: str = "sdpa_dense"
+    attention_backend: str = "auto"  # varlen kernel of the packed path (models/attention.py)
     num_inference_steps: int = 4
+    # NVIDIA fine-tunes with 0.2 in the DiT and the VL self-attention (diffusers' attention-output,
+    # feed-forward and final dropout); 0 trains from scratch deterministically.
+    dropout: float = 0.0
+    # Eagle's <IMG_CONTEXT> id (151669 in N1.5): camera features go where the prompt has these.
+    image_token_id: int | None = None
 
     def __post_init__(self):
         if self.vl_self_attention_heads * self.vl_self_attention_head_dim != self.llm.width:
@@ -91,6 +101,18 @@ class GrootConfig:
     @property
     def action_head_tokens(self) -> int:
         return 1 + self.future_tokens + self.action_horizon
+
+
+def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
+    return x.view(*x.shape[:-1], n, d)
+
+
+def _attend(q, k, v, spec: VarlenSpec | None, mask: torch.Tensor | None, backend: str) -> torch.Tensor:
+    """q/k/v (B, L, H, D) with an additive mask (or none), or packed (T, H, D) with a VarlenSpec."""
+    scale = q.shape[-1] ** -0.5
+    if spec is not None:
+        return attend_varlen(q, k, v, spec, scale, backend)
+    return attend_dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale).transpose(1, 2)
 
 
 # -- Eagle backbone ------------------------------------------------------------------------------------
@@ -123,25 +145,38 @@ class _SiLUMLP(GatedMLP):
 
 
 class _QwenLayer(nn.Module):
-    def __init__(self, c: DecoderConfig):
+    """One causal Qwen3 layer; an FSDP unit of its own."""
+
+    def __init__(self, c: DecoderConfig, rope_theta: float):
         super().__init__()
+        self.c, self.rope_theta = c, rope_theta
         self.input_layernorm, self.post_attention_layernorm = _QwenNorm(c.width), _QwenNorm(c.width)
         self.self_attn = _QwenAttention(c)
         self.mlp = _SiLUMLP(c.width, c.mlp_dim)
 
+    def forward(self, x, positions, spec: VarlenSpec | None, mask: torch.Tensor | None, backend: str):
+        """x (B, L, W) with an additive mask, or packed (T, W) with a causal VarlenSpec."""
+        c, a = self.c, self.self_attn
+        h = self.input_layernorm(x)
+        q = apply_rope(a.q_norm(_heads(a.q_proj(h), c.heads, c.head_dim)), positions, self.rope_theta)
+        k = apply_rope(a.k_norm(_heads(a.k_proj(h), c.kv_heads, c.head_dim)), positions, self.rope_theta)
+        v = _heads(a.v_proj(h), c.kv_heads, c.head_dim)
+        x = x + a.o_proj(_attend(q, k, v, spec, mask, backend).flatten(-2))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class _QwenModel(nn.Module):
-    def __init__(self, c: DecoderConfig):
+    def __init__(self, c: DecoderConfig, rope_theta: float):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.width)
-        self.layers = nn.ModuleList(_QwenLayer(c) for _ in range(c.depth))
+        self.layers = nn.ModuleList(_QwenLayer(c, rope_theta) for _ in range(c.depth))
         self.norm = _QwenNorm(c.width)
 
 
 class _QwenForCausalLM(nn.Module):
-    def __init__(self, c: DecoderConfig):
+    def __init__(self, c: DecoderConfig, rope_theta: float):
         super().__init__()
-        self.model = _QwenModel(c)
+        self.model = _QwenModel(c, rope_theta)
 
 
 class _EagleModel(nn.Module):
@@ -149,7 +184,7 @@ class _EagleModel(nn.Module):
         super().__init__()
         self.vision_model = VisionTower(cfg.vision)
         self.mlp1 = nn.Sequential(nn.Linear(cfg.vision.width, cfg.llm.width))
-        self.language_model = _QwenForCausalLM(cfg.llm)
+        self.language_model = _QwenForCausalLM(cfg.llm, cfg.rope_theta)
 
 
 class _Backbone(nn.Module):
@@ -160,29 +195,40 @@ class _Backbone(nn.Module):
 
 # -- action head -------------------------------------------------------------------------------------
 class _Attention(nn.Module):
-    """diffusers' Attention names: to_q, to_k, to_v, to_out.0 (all with bias)."""
+    """diffusers' Attention names: to_q, to_k, to_v, to_out.0 (all with bias), to_out.1 its dropout."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, kv_dim: int | None = None):
+    def __init__(self, dim: int, heads: int, head_dim: int, kv_dim: int | None = None, dropout: float = 0.0):
         super().__init__()
         inner = heads * head_dim
         self.heads, self.head_dim = heads, head_dim
         self.to_q = nn.Linear(dim, inner)
         self.to_k = nn.Linear(kv_dim or dim, inner)
         self.to_v = nn.Linear(kv_dim or dim, inner)
-        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(dropout)])
+
+    def forward(self, x, kv, spec: VarlenSpec | None, mask: torch.Tensor | None, backend: str) -> torch.Tensor:
+        """Padded x (B, L, D) with a mask; with a VarlenSpec x is packed (T, D) or (B, L, D) read as B*L rows."""
+        h, d = self.heads, self.head_dim
+        lead = x.shape[:-1]
+        if spec is not None:
+            x = x.reshape(-1, x.shape[-1])
+        out = _attend(_heads(self.to_q(x), h, d), _heads(self.to_k(kv), h, d), _heads(self.to_v(kv), h, d),
+                      spec, mask, backend)
+        return self.to_out[1](self.to_out[0](out.flatten(-2))).view(*lead, -1)
 
 
 class _FeedForward(nn.Module):
-    """diffusers' FeedForward with GELU(tanh): net.0.proj, net.2."""
+    """diffusers' FeedForward with GELU(tanh) and final dropout: net.0.proj, net.1 (dropout), net.2, net.3."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, dropout: float = 0.0):
         super().__init__()
         proj = nn.Module()
         proj.proj = nn.Linear(dim, 4 * dim)
-        self.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(4 * dim, dim)])
+        self.net = nn.ModuleList([proj, nn.Dropout(dropout), nn.Linear(4 * dim, dim), nn.Dropout(dropout)])
 
     def forward(self, x):
-        return self.net[2](F.gelu(self.net[0].proj(x), approximate="tanh"))
+        h = self.net[1](F.gelu(self.net[0].proj(x), approximate="tanh"))
+        return self.net[3](self.net[2](h))
 
 
 class _AdaLayerNorm(nn.Module):
@@ -197,20 +243,31 @@ class _AdaLayerNorm(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, dim: int, heads: int, head_dim: int, kv_dim: int | None, ada: bool):
+    """A transformer block of the VL self-attention stack (LayerNorm, self-attention) or of the DiT
+    (AdaLayerNorm on the flow time, cross-attention to the VL tokens when `kv_dim` is set); an FSDP unit."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, kv_dim: int | None, ada: bool, dropout: float = 0.0):
         super().__init__()
         self.ada = ada
         self.norm1 = _AdaLayerNorm(dim) if ada else nn.LayerNorm(dim, eps=1e-5)
-        self.attn1 = _Attention(dim, heads, head_dim, kv_dim)
+        self.attn1 = _Attention(dim, heads, head_dim, kv_dim, dropout)
         self.norm3 = nn.LayerNorm(dim, eps=1e-5, elementwise_affine=not ada)
-        self.ff = _FeedForward(dim)
+        self.ff = _FeedForward(dim, dropout)
+
+    def forward(self, x, temb=None, context=None, spec: VarlenSpec | None = None, mask: torch.Tensor | None = None,
+                backend: str = "sdpa_segments"):
+        """Self-attention over x, or cross-attention from x to `context`; `spec`/`mask` say who sees whom."""
+        h = self.norm1(x, temb) if self.ada else self.norm1(x)
+        x = x + self.attn1(h, h if context is None else context, spec, mask, backend)
+        return x + self.ff(self.norm3(x))
 
 
 class _VLSelfAttention(nn.Module):
     def __init__(self, cfg: GrootConfig):
         super().__init__()
         self.transformer_blocks = nn.ModuleList(
-            _Block(cfg.llm.width, cfg.vl_self_attention_heads, cfg.vl_self_attention_head_dim, None, ada=False)
+            _Block(cfg.llm.width, cfg.vl_self_attention_heads, cfg.vl_self_attention_head_dim, None, ada=False,
+                   dropout=cfg.dropout)
             for _ in range(cfg.vl_self_attention_depth))
 
 
@@ -237,7 +294,7 @@ class _DiT(nn.Module):
         d = cfg.dit
         self.timestep_encoder = _TimestepEncoder(d.width)
         self.transformer_blocks = nn.ModuleList(
-            _Block(d.width, d.heads, d.head_dim, cfg.llm.width if i % 2 == 0 else None, ada=True)
+            _Block(d.width, d.heads, d.head_dim, cfg.llm.width if i % 2 == 0 else None, ada=True, dropout=cfg.dropout)
             for i in range(d.depth))
         self.norm_out = nn.LayerNorm(d.width, eps=1e-6, elementwise_affine=False)
         self.proj_out_1 = nn.Linear(d.width, 2 * d.width)
@@ -314,40 +371,13 @@ class GrootModel(nn.Module):
     def eagle(self) -> _EagleModel:
         return self.backbone.eagle_model
 
-    # -- attention helpers -------------------------------------------------------------------------
     def _backend(self, device) -> str:
         return resolve_backend(self.config.attention_backend, device)
 
-    @staticmethod
-    def _heads(x, n, d):
-        return x.view(*x.shape[:-1], n, d)
-
-    def _attend(self, attn: _Attention, x, kv, spec: VarlenSpec | None, mask: torch.Tensor | None, backend: str):
-        """diffusers-style attention on padded (B, L, D) with an additive mask, or packed (T, D) varlen."""
-        h, d = attn.heads, attn.head_dim
-        q, k, v = self._heads(attn.to_q(x), h, d), self._heads(attn.to_k(kv), h, d), self._heads(attn.to_v(kv), h, d)
-        if spec is None:
-            out = attend_dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, d**-0.5).transpose(1, 2)
-        else:
-            out = attend_varlen(q, k, v, spec, d**-0.5, backend)
-        return attn.to_out[0](out.flatten(-2))
-
     # -- backbone ----------------------------------------------------------------------------------
     def _llm(self, x, positions, spec: VarlenSpec | None, mask: torch.Tensor | None, backend: str):
-        c = self.config.llm
         for layer in self.eagle.language_model.model.layers:
-            h = layer.input_layernorm(x)
-            a = layer.self_attn
-            q = apply_rope(a.q_norm(self._heads(a.q_proj(h), c.heads, c.head_dim)), positions, self.config.rope_theta)
-            k = apply_rope(a.k_norm(self._heads(a.k_proj(h), c.kv_heads, c.head_dim)), positions, self.config.rope_theta)
-            v = self._heads(a.v_proj(h), c.kv_heads, c.head_dim)
-            if spec is None:
-                out = attend_dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, c.head_dim**-0.5)
-                out = out.transpose(1, 2)
-            else:
-                out = attend_varlen(q, k, v, spec, c.head_dim**-0.5, backend)
-            x = x + a.o_proj(out.flatten(-2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, positions, spec, mask, backend)
         return self.eagle.language_model.model.norm(x)
 
     def _embed_images(self, images):
@@ -356,14 +386,30 @@ class GrootModel(nn.Module):
                                f"{self.config.vision.image_size}x{self.config.vision.image_size}")
         return self.eagle.mlp1(self.eagle.vision_model(images))
 
+    def _place_images(self, text: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None,
+                      images: torch.Tensor) -> torch.Tensor:
+        """Eagle's prompt: the i-th present image's tokens replace the i-th run of placeholders (in
+        sample order, then camera order). text (..., W) embeddings of tokens (...); images (N, P, W)."""
+        slots = tokens == self.config.image_token_id
+        if valid is not None:
+            slots &= valid
+        if int(slots.sum()) != images.shape[0] * images.shape[1]:
+            raise KilovlaError(f"the prompts hold {int(slots.sum())} image placeholders, the batch has "
+                               f"{images.shape[0]} images of {images.shape[1]} tokens")
+        return text.masked_scatter(slots[..., None], images.to(text.dtype))
+
     def _vl_padded(self, batch: PaddedBatch, backend: str) -> _VL:
         cfg = self.config
         batch = batch.select_cameras(cfg.enabled_cameras)
         if cfg.language_padding == "longest":
             batch = batch.trim_language()
         img = self._embed_images(batch.images.flatten(0, 1))
-        x, valid = padded_prefix(img, batch.image_masks, self.eagle.language_model.model.embed_tokens(batch.tokens),
-                                 batch.token_mask)
+        text = self.eagle.language_model.model.embed_tokens(batch.tokens)
+        if cfg.image_token_id is None:
+            x, valid = padded_prefix(img, batch.image_masks, text, batch.token_mask)
+        else:
+            present = img.view(*batch.image_masks.shape, *img.shape[1:])[batch.image_masks]
+            x, valid = self._place_images(text, batch.tokens, batch.token_mask, present), batch.token_mask
         positions = valid.long().cumsum(1) - 1
         n = valid.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
@@ -372,23 +418,25 @@ class GrootModel(nn.Module):
         x = self.action_head.vlln(x)
         keys = additive((valid[:, None, :] & valid[:, :, None]))
         for block in self.action_head.vl_self_attention.transformer_blocks:
-            x = x + self._attend(block.attn1, block.norm1(x), block.norm1(x), None, keys, backend)
-            x = x + block.ff(block.norm3(x))
+            x = block(x, mask=keys, backend=backend)
         return _VL(x, mask=valid)
 
     def _vl_packed(self, batch: PackedBatch, backend: str) -> _VL:
         b = batch.batch_size
         img = self._embed_images(batch.images) if len(batch.images) else batch.state.new_zeros(0, 1, self.config.llm.width)
-        x, lengths, positions = pack_prefix(img, batch.image_sample,
-                                            self.eagle.language_model.model.embed_tokens(batch.tokens),
-                                            batch.token_sample, b)
+        text = self.eagle.language_model.model.embed_tokens(batch.tokens)
+        if self.config.image_token_id is None:
+            x, lengths, positions = pack_prefix(img, batch.image_sample, text, batch.token_sample, b)
+        else:
+            x = self._place_images(text, batch.tokens, None, img)
+            lengths = torch.bincount(batch.token_sample, minlength=b)
+            positions = torch.arange(len(x), device=x.device) - torch.repeat_interleave(lengths.cumsum(0) - lengths,
+                                                                                       lengths)
         x = self._llm(x, positions, VarlenSpec.from_lengths(lengths, lengths, causal=True), None, backend)
         x = self.action_head.vlln(x)
         spec = VarlenSpec.from_lengths(lengths, lengths)
         for block in self.action_head.vl_self_attention.transformer_blocks:
-            h = block.norm1(x)
-            x = x + self._attend(block.attn1, h, h, spec, None, backend)
-            x = x + block.ff(block.norm3(x))
+            x = block(x, spec=spec, backend=backend)
         return _VL(x, lengths=lengths)
 
     def encode(self, batch: PaddedBatch | PackedBatch) -> _VL:
@@ -417,20 +465,13 @@ class GrootModel(nn.Module):
             cross_mask = None
             cross_spec = VarlenSpec.from_lengths(torch.full_like(vl.lengths, n), vl.lengths)
         for i, block in enumerate(head.model.transformer_blocks):
-            h = block.norm1(x, temb)
-            if i % 2 == 0:  # cross-attention to the VL tokens
-                if cross_spec is None:
-                    out = self._attend(block.attn1, h, vl.x, None, cross_mask, backend)
-                else:
-                    out = self._attend(block.attn1, h.reshape(b * n, -1), vl.x, cross_spec, None, backend).view(b, n, -1)
-            else:  # self-attention among the 49 action-head tokens of a sample (never padded)
-                out = self._attend(block.attn1, h, h, None, None, backend)
-            x = x + out
-            x = x + block.ff(block.norm3(x))
+            if i % 2:  # self-attention among the 49 action-head tokens of a sample (never padded)
+                x = block(x, temb)
+            else:  # cross-attention to the VL tokens
+                x = block(x, temb, vl.x, spec=cross_spec, mask=cross_mask, backend=backend)
         shift, scale = head.model.proj_out_1(F.silu(temb)).chunk(2, dim=-1)
-        x = head.model.norm_out(x) * (1 + scale[:, None]) + shift[:, None]
-        out = head.action_decoder(head.model.proj_out_2(x), embodiment)
-        return out[:, -horizon:]
+        x = head.model.norm_out(x[:, -horizon:]) * (1 + scale[:, None]) + shift[:, None]  # per token: decode actions only
+        return head.action_decoder(head.model.proj_out_2(x), embodiment)
 
     def sample_time(self, n: int, device) -> torch.Tensor:
         beta = torch.distributions.Beta(torch.tensor(1.5, device=device), torch.tensor(1.0, device=device))
@@ -455,15 +496,34 @@ class GrootModel(nn.Module):
         v = self.velocity(self.encode(batch), batch.state, x_t, t, self._embodiment(batch))
         return flow_loss(v, target, loss_weight(batch, target))
 
+    def velocity_field(self, batch: PaddedBatch | PackedBatch):
+        """The VL features are computed once; returns `field(x, t) -> v` in openpi's convention (noise at
+        t = 1, actions at t = 0, t of shape (B,)), so samplers serve both families, and the VL features
+        averaged over real tokens (B, F) for a value head. GR00T's own time runs the other way:
+        t_groot = 1 - t and its velocity (actions - noise) is the negative of openpi's."""
+        vl = self.encode(batch)  # once: the VL features do not depend on the flow time
+        emb = self._embodiment(batch)
+
+        def field(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return -self.velocity(vl, batch.state, x, 1.0 - t, emb)
+
+        if vl.lengths is None:
+            real = vl.mask.to(vl.x.dtype)
+            pooled = (vl.x * real[..., None]).sum(1) / real.sum(1, keepdim=True)
+        else:
+            sample = torch.repeat_interleave(torch.arange(len(vl.lengths), device=vl.x.device), vl.lengths)
+            pooled = torch.zeros(len(vl.lengths), vl.x.shape[-1], dtype=vl.x.dtype, device=vl.x.device)
+            pooled = pooled.index_add(0, sample, vl.x) / vl.lengths[:, None]
+        return field, pooled
+
     @torch.no_grad()
     def sample_actions(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Euler-integrate GR00T's flow from noise (t = 0) to actions (t = 1) in `num_inference_steps`."""
         cfg = self.config
         b = batch.state.shape[0]
         x = torch.randn(b, cfg.action_horizon, cfg.max_action_dim, device=batch.state.device) if noise is None else noise
-        vl = self.encode(batch)  # once: the VL features do not depend on the flow time
-        emb = self._embodiment(batch)
+        field, _ = self.velocity_field(batch)
         dt = 1.0 / cfg.num_inference_steps
         for step in range(cfg.num_inference_steps):
-            t = torch.full((b,), step * dt, device=x.device)
-            x = x + dt * self.velocity(vl, batch.state, x, t, emb)
+            x = x - dt * field(x, torch.full((b,), 1.0 - step * dt, device=x.device))
         return x

@@ -1,8 +1,9 @@
 """Gemma-style decoder weights with HF module names (layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
 post_attention_layernorm, mlp.{gate,up,down}_proj}, norm), so PaliGemma / Gemma checkpoints load by name.
 
-The forward pass lives with the model family (pi0's prefix and action expert share every attention
-call, so no decoder runs alone); this file only holds the weights and the per-stream projections.
+No decoder runs alone: pi0's prefix and action expert share every attention call. A `DecoderLayer`'s
+forward is one stream's half of such a layer, with the attention itself passed in (`attend`); the
+model family composes the two halves (models/pi05.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kilovla.models.layers import AdaRMSNorm, GatedMLP, RMSNorm
+from kilovla.models.layers import AdaRMSNorm, GatedMLP, RMSNorm, apply_rope, gated_residual
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,11 +39,35 @@ class SelfAttentionProjections(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, cond_dim: int | None = None):
         super().__init__()
+        self.cfg = cfg
         norm = (lambda: AdaRMSNorm(cfg.width, cond_dim)) if cond_dim else (lambda: RMSNorm(cfg.width))
         self.input_layernorm = norm()
         self.self_attn = SelfAttentionProjections(cfg)
         self.post_attention_layernorm = norm()
         self.mlp = GatedMLP(cfg.width, cfg.mlp_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cond: torch.Tensor | None, attend,
+                keys_only: bool = False) -> tuple[torch.Tensor, ...]:
+        """norm -> q, k, v (RoPE at `positions`) -> `attend(q, k, v)` -> output projection, MLP, with
+        adaRMS gates when `cond` is given. x (..., T, W).
+
+        `attend(q, k, v) -> (out, *carry)`: this stream's attention output (..., T, heads, head_dim),
+        then whatever the attention call computed besides (in pi0, the other stream's layer runs
+        inside it). Returns (x, *carry), so the carry is an output of this forward like x.
+        keys_only: compute k and v only (q is None) and return x unchanged, for a stream nothing reads
+        after this layer except through its keys and values.
+        """
+        cfg, attn = self.cfg, self.self_attn
+        h, gate = self.input_layernorm(x, cond)
+        lead = h.shape[:-1]
+        q = None if keys_only else apply_rope(attn.q_proj(h).view(*lead, cfg.heads, cfg.head_dim), positions)
+        k = apply_rope(attn.k_proj(h).view(*lead, cfg.kv_heads, cfg.head_dim), positions)
+        out, *carry = attend(q, k, attn.v_proj(h).view(*lead, cfg.kv_heads, cfg.head_dim))
+        if keys_only:
+            return (x, *carry)
+        x = gated_residual(x, attn.o_proj(out.flatten(-2)), gate)
+        h, gate = self.post_attention_layernorm(x, cond)
+        return (gated_residual(x, self.mlp(h), gate), *carry)
 
 
 class Decoder(nn.Module):

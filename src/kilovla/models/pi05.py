@@ -41,7 +41,7 @@ from kilovla.errors import KilovlaError
 from kilovla.models.attention import BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen, prefix_lm_mask, resolve_backend
 from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix, padded_prefix
 from kilovla.models.language import Decoder, DecoderConfig
-from kilovla.models.layers import apply_rope, gated_residual, sincos_time_embedding
+from kilovla.models.layers import sincos_time_embedding
 from kilovla.models.vision import ViTConfig, VisionTower
 
 OPENPI_CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
@@ -61,7 +61,7 @@ class Pi05Config:
     max_language_tokens: int = 200
     language_padding: str = "max_length"  # or "longest" (dynamic padding)
     packing: bool = False
-    attention_backend: str = "sdpa_dense"
+    attention_backend: str = "auto"  # varlen kernel of the packed path (models/attention.py)
     num_inference_steps: int = 10
 
     def __post_init__(self):
@@ -181,42 +181,35 @@ class Pi05Model(nn.Module):
         return torch.cat([self.state_proj(state)[:, None], actions], dim=1), None
 
     # -- the shared layer loop ----------------------------------------------------------------------
-    def _qkv(self, layer, h: torch.Tensor, positions: torch.Tensor, cfg: DecoderConfig, with_query: bool = True):
-        attn = layer.self_attn
-        lead = h.shape[:-1]
-        q = apply_rope(attn.q_proj(h).view(*lead, cfg.heads, cfg.head_dim), positions) if with_query else None
-        k = apply_rope(attn.k_proj(h).view(*lead, cfg.kv_heads, cfg.head_dim), positions)
-        v = attn.v_proj(h).view(*lead, cfg.kv_heads, cfg.head_dim)
-        return q, k, v
-
-    @staticmethod
-    def _finish(layer, x, attn_out, gate, cond):
-        out = layer.self_attn.o_proj(attn_out.flatten(-2))
-        x = gated_residual(x, out, gate)
-        h, gate2 = layer.post_attention_layernorm(x, cond)
-        return gated_residual(x, layer.mlp(h), gate2)
-
     def _layer(self, i: int, x_pre, x_suf, pre: _Stream | None, suf: _Stream | None, attention):
         """One mixture-of-transformers layer; returns the new streams and the prefix's (k, v).
 
+        The two streams meet only in attention: `attention(i, qkv_pre, qkv_suf) -> (out_pre, out_suf)`
+        computes both at once. So the expert layer's forward runs inside the attention call of the LM
+        layer's forward, and the LM layer's forward returns both streams: a paired LM/expert layer is
+        one forward call with every result as its output, one unit for whatever wraps a module's
+        forward (FSDP gathers its parameters before and frees them after, and again for backward).
         Nothing reads the prefix stream after the last layer (only its keys and values matter), so
-        the last layer computes no prefix queries, attention output or MLP.
+        the last LM layer computes no queries, attention output or MLP.
         """
         lp, ls = self.vlm.language_model.layers[i], self.expert.layers[i]
-        last = i == self.config.lm.depth - 1
-        qkv_p = qkv_s = gate_p = gate_s = None
-        if pre is not None:
-            h, gate_p = lp.input_layernorm(x_pre, None)
-            qkv_p = self._qkv(lp, h, pre.positions, self.config.lm, with_query=not last)
-        if suf is not None:
-            h, gate_s = ls.input_layernorm(x_suf, suf.cond)
-            qkv_s = self._qkv(ls, h, suf.positions, self.config.expert)
-        out_p, out_s = attention(i, qkv_p, qkv_s)
-        if pre is not None and not last:
-            x_pre = self._finish(lp, x_pre, out_p, gate_p, None)
-        if suf is not None:
-            x_suf = self._finish(ls, x_suf, out_s, gate_s, suf.cond)
-        return x_pre, x_suf, None if qkv_p is None else qkv_p[1:]
+        if pre is None:  # the suffix alone, attending to cached prefix keys and values
+            (x_suf,) = ls(x_suf, suf.positions, suf.cond, lambda q, k, v: (attention(i, None, (q, k, v))[1],))
+            return None, x_suf, None
+
+        def attend_prefix(q, k, v):
+            if suf is None:
+                return attention(i, (q, k, v), None)[0], None, k, v
+
+            def attend_both(qs, ks, vs):
+                out_pre, out_suf = attention(i, (q, k, v), (qs, ks, vs))
+                return out_suf, out_pre
+
+            new_suf, out_pre = ls(x_suf, suf.positions, suf.cond, attend_both)
+            return out_pre, new_suf, k, v
+
+        x_pre, x_suf, k, v = lp(x_pre, pre.positions, None, attend_prefix, keys_only=i == self.config.lm.depth - 1)
+        return x_pre, x_suf, (k, v)
 
     def _layers(self, pre: _Stream | None, suf: _Stream | None, attention, collect_kv: bool = False):
         """Run both streams through every layer; `attention(i, qkv_pre, qkv_suf) -> (out_pre, out_suf)`.
@@ -403,25 +396,37 @@ class Pi05Model(nn.Module):
         return flow_loss(v_t, u_t, loss_weight(batch, u_t))
 
     # -- inference -------------------------------------------------------------------------------------
+    def velocity_field(self, batch: PaddedBatch):
+        """The prefix runs once; returns `field(x, t) -> v` (openpi's convention: noise at t = 1, actions
+        at t = 0; t of shape (B,)) reusing its keys and values, and pooled prefix features (B, F): the
+        last layer's keys and values averaged over the real prefix tokens (for a value head)."""
+        x_pre, mask, positions, n = self._padded_layout(batch, self.config.chunk_size)
+        _, cache = self._layers(_Stream(x_pre, positions[:, :n]), None, self._dense_attention(mask, n), collect_kv=True)
+        attention = self._dense_attention(mask, n, cached=cache)
+
+        def field(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            suffix, cond = self.embed_suffix(batch.state, x, t)
+            suf = _Stream(suffix, positions[:, n:], None if cond is None else cond[:, None])
+            out, _ = self._layers(None, suf, attention)
+            return self.action_out_proj(out[:, self.config.suffix_extra:])
+
+        real = (mask[:, 0, 0, :n] == 0).to(x_pre.dtype)  # the prefix tokens a prefix token may see: the real ones
+        k, v = cache[-1]
+        pooled = (torch.cat([k, v], dim=-1).flatten(-2) * real[..., None]).sum(1) / real.sum(1, keepdim=True)
+        return field, pooled
+
     @torch.no_grad()
     def sample_actions(self, batch: PaddedBatch, noise: torch.Tensor | None = None, use_cache: bool = True) -> torch.Tensor:
         """Euler-integrate the flow from noise (t = 1) to actions (t = 0): (B, chunk, max_action_dim)."""
         cfg = self.config
         b = batch.batch_size
-        horizon = cfg.chunk_size
-        x = torch.randn(b, horizon, cfg.max_action_dim, device=batch.state.device) if noise is None else noise
+        x = torch.randn(b, cfg.chunk_size, cfg.max_action_dim, device=batch.state.device) if noise is None else noise
         if not use_cache:
             return self._sample_uncached(batch, x)
-        x_pre, mask, positions, n = self._padded_layout(batch, horizon)
-        _, cache = self._layers(_Stream(x_pre, positions[:, :n]), None, self._dense_attention(mask, n),
-                                   collect_kv=True)
+        field, _ = self.velocity_field(batch)
         dt = -1.0 / cfg.num_inference_steps
         for step in range(cfg.num_inference_steps):
-            t = torch.full((b,), 1.0 + step * dt, device=x.device)
-            suffix, cond = self.embed_suffix(batch.state, x, t)
-            suf = _Stream(suffix, positions[:, n:], None if cond is None else cond[:, None])
-            out, _ = self._layers(None, suf, self._dense_attention(mask, n, cached=cache))
-            x = x + dt * self.action_out_proj(out[:, cfg.suffix_extra:])
+            x = x + dt * field(x, torch.full((b,), 1.0 + step * dt, device=x.device))
         return x
 
     def _sample_uncached(self, batch: PaddedBatch, x: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,13 @@
 
 A policy checkpoint is a folder (the trainer's checkpoints are such folders)::
 
-    model.safetensors   weights (kilovla keys)
-    policy.json         preset + config overrides, camera mapping, state keys, dims, normalisation stats
-                        (+ a `quantization_config` when `kilovla quantize` wrote it: FP8 layers, see quant/fp8.py)
+    model.safetensors   weights (kilovla keys); an FSDP run's intermediate checkpoints hold `state/`
+                        (torch.distributed.checkpoint shards) instead
+    policy.json         preset + config overrides, camera mapping, state keys, dims, normalisation stats,
+                        tokenizer, image processing, where training started from (`init_from`), and
+                        in a `kilovla quantize` folder its `quantization_config` (FP8 layers, quant/fp8.py)
+    tokenizer/          the tokenizer files when the policy uses a real tokenizer (`VLAPolicy.save`;
+                        trainer checkpoints record the tokenizer's absolute path instead)
 
 Pre- and post-processing are the `Processor`'s, the same the trainer uses.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -28,9 +33,12 @@ from kilovla.models.processor import PolicyMeta, Processor
 
 
 class VLAPolicy:
-    def __init__(self, model: Pi05Model | GrootModel, meta: PolicyMeta, device: str | torch.device = "cpu"):
+    """`root`: the policy folder, where a relative tokenizer path in `meta` points."""
+
+    def __init__(self, model: Pi05Model | GrootModel, meta: PolicyMeta, device: str | torch.device = "cpu",
+                 root: str | Path | None = None):
         self.model, self.meta, self.device = model.to(device).eval(), meta, torch.device(device)
-        self.processor = Processor(model.config, meta)
+        self.processor = Processor(model.config, meta, root)
         self.name = meta.preset
         self.action_dim, self.state_dim, self.state_keys = meta.action_dim, meta.state_dim, list(meta.state_keys)
         self.cameras = tuple(k.removeprefix("observation.images.") for k in meta.camera_map)
@@ -47,8 +55,19 @@ class VLAPolicy:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         save_safetensors(self.model.state_dict(), folder / "model.safetensors")
+        meta = self.meta
+        tokenizer = getattr(self.processor.tokenizer, "path", None)
+        if tokenizer is not None:  # the folder carries its tokenizer, so it runs wherever it is copied
+            dst = folder / "tokenizer" / tokenizer.name
+            if tokenizer.resolve() != dst.resolve():
+                dst.parent.mkdir(exist_ok=True)
+                if tokenizer.is_dir():
+                    shutil.copytree(tokenizer, dst, dirs_exist_ok=True)
+                else:
+                    shutil.copy2(tokenizer, dst)
+            meta = dataclasses.replace(meta, tokenizer=f"tokenizer/{tokenizer.name}")
         tmp = folder / f".policy.json.{uuid.uuid4().hex[:8]}"
-        tmp.write_text(json.dumps(dataclasses.asdict(self.meta), indent=2))
+        tmp.write_text(json.dumps(dataclasses.asdict(meta), indent=2))
         os.replace(tmp, folder / "policy.json")
         return folder
 
@@ -68,9 +87,9 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu") -> VLAPolicy
         raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
     model = build_model(meta.preset, device="meta", **meta.overrides)
     if quantization is None:
-        load_checkpoint(model, folder / "model.safetensors")
+        load_checkpoint(model, folder)  # model.safetensors, or an FSDP checkpoint's shards
     else:  # a `kilovla quantize` folder; quant builds on models, so it is imported only here
         from kilovla.quant.fp8 import load_quantized_weights
 
-        load_quantized_weights(model, quantization, folder / "model.safetensors", str(meta_path))
-    return VLAPolicy(model, meta, device)
+        load_quantized_weights(model, quantization, folder, str(meta_path))
+    return VLAPolicy(model, meta, device, root=folder)

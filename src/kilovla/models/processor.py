@@ -4,24 +4,29 @@ One processor serves training (`training_batch(row)` from the data layer's packe
 inference (`observation_batch(obs)` from env observations), so both see identical inputs:
 
 - cameras: `camera_map` sends "observation.images.<cam>" to a model camera slot; images (uint8 HWC,
-  any size) are resized to the model's resolution; slots without a camera stay blank and masked;
+  any size) are resized to the model's resolution (stretched, or openpi's resize-with-pad) and, in
+  training batches, augmented (`models/images.py`); slots without a camera stay blank and masked;
 - state: the `state_keys` features concatenated, normalised with the dataset stats (q01/q99 ->
-  [-1, 1], pi0.5's default, or mean/std), zero-padded to the model's max_state_dim;
-- language: the task, with the discretised state for pi0.5 when `state_in_prompt`, tokenised;
+  [-1, 1] for pi0.5, mean/std for pi0, min/max -> [-1, 1] for GR00T), zero-padded to max_state_dim;
+- language: the family's prompt (`models/tokenize.py`): openpi's pi0 / pi0.5 format (the discretised
+  state in the text when `state_in_prompt`) or GR00T's Eagle chat template with image placeholders,
+  tokenised with the policy's tokenizer ("byte", or a path to a real one);
 - actions (training): normalised, zero-padded to max_action_dim, `action_dim_mask` marks real dims.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from kilovla.errors import KilovlaError
 from kilovla.models.batch import PaddedBatch
-from kilovla.models.tokenize import ByteTokenizer, build_prompt, tokenize_batch
+from kilovla.models.images import RESIZE_MODES, ImageAugmentation, resize_images
+from kilovla.models.tokenize import (EAGLE_IMAGE_TOKEN, PAD, eagle_prompt_ids, load_tokenizer, openpi_prompt_ids,
+                                     pad_prompts, truncate)
 
 
 @dataclass
@@ -33,10 +38,14 @@ class PolicyMeta:
     state_dim: int = 0
     action_dim: int = 0
     stats: dict = field(default_factory=dict)  # per feature: {"q01": [...], "q99": [...], "mean": ..., "std": ...}
-    normalization: str = "quantile"  # or "mean_std"
+    normalization: str = "quantile"  # or "mean_std", "min_max"
     state_in_prompt: bool = False
     n_action_steps: int | None = None
     embodiment_id: int = 0  # GR00T: which per-embodiment encoders to use
+    tokenizer: str = "byte"  # or a path: absolute, or relative to the policy folder
+    image_resize: str = "stretch"  # or "pad" (openpi's resize_with_pad)
+    augmentation: dict = field(default_factory=dict)  # ImageAugmentation fields; empty: none
+    init_from: dict | None = None  # {"path", "layout"} of the checkpoint training started from
 
 
 CONSTANT = 1e-4  # a feature dimension narrower than this carries nothing: it normalises to 0
@@ -55,11 +64,23 @@ def _normalizer(stats: dict, mode: str):
         sd = np.where(const, 1.0, sd).astype(np.float32)
         return ((lambda x: np.where(const, 0.0, (x - mu) / sd).astype(np.float32)),
                 (lambda y: np.where(const, mu, y * sd + mu).astype(np.float32)))
-    raise KilovlaError(f"normalization must be quantile or mean_std, not {mode!r}")
+    if mode == "min_max":  # GR00T: [min, max] -> [-1, 1], a constant dimension -> 0
+        lo, hi = np.asarray(stats["min"], np.float32), np.asarray(stats["max"], np.float32)
+        const = hi - lo < CONSTANT
+        scale = np.where(const, 1.0, hi - lo).astype(np.float32)
+        return ((lambda x: np.where(const, 0.0, 2 * (x - lo) / scale - 1).astype(np.float32)),
+                (lambda y: np.where(const, lo, (y + 1) / 2 * scale + lo).astype(np.float32)))
+    raise KilovlaError(f"normalization must be one of {NORMALIZATIONS}, not {mode!r}")
+
+
+NORMALIZATIONS = ("quantile", "mean_std", "min_max")
+STATS_FOR = {"quantile": ("q01", "q99"), "mean_std": ("mean", "std"), "min_max": ("min", "max")}
 
 
 class Processor:
-    def __init__(self, model_config, meta: PolicyMeta):
+    """`root`: the policy folder a relative `meta.tokenizer` path is read from."""
+
+    def __init__(self, model_config, meta: PolicyMeta, root: str | Path | None = None):
         self.cfg, self.meta = model_config, meta
         bad = [slot for slot in meta.camera_map.values() if slot not in model_config.cameras]
         if bad:
@@ -72,14 +93,46 @@ class Processor:
                                f"{model_config.max_state_dim}/{model_config.max_action_dim}")
         self._state_norm = [_normalizer(meta.stats[k], meta.normalization)[0] for k in meta.state_keys]
         self._action_norm, self._action_unnorm = _normalizer(meta.stats["action"], meta.normalization)
-        self.tokenizer = ByteTokenizer()
+        spec = meta.tokenizer
+        if spec != "byte" and root is not None and not Path(spec).is_absolute():
+            spec = str(Path(root) / spec)
+        self.tokenizer = load_tokenizer(spec)
+        self.augmentation = ImageAugmentation.from_dict(meta.augmentation)
+        if meta.image_resize not in RESIZE_MODES:
+            raise KilovlaError(f"image_resize must be one of {RESIZE_MODES}, not {meta.image_resize!r}")
+        self.image_token_id = getattr(model_config, "image_token_id", None)
+        self._check_tokenizer()
 
-    def prompt(self, task: str, state: np.ndarray | None = None) -> str:
-        return build_prompt(task, state if self.meta.state_in_prompt else None)
+    def _check_tokenizer(self) -> None:
+        cfg, tok = self.cfg, self.tokenizer
+        vocab = cfg.lm.vocab_size if hasattr(cfg, "lm") else cfg.llm.vocab_size
+        if tok.vocab_size > vocab:
+            raise KilovlaError(f"the {tok.kind} tokenizer {getattr(tok, 'path', '') or ''} has {tok.vocab_size} "
+                               f"tokens, the model's embedding {vocab}")
+        if self.image_token_id is None:
+            return
+        if tok.kind != "qwen3":
+            raise KilovlaError(f"{self.meta.preset} builds Eagle chat prompts with <IMG_CONTEXT> placeholders: it needs "
+                               f"a Qwen3 tokenizer (--policy.tokenizer=PATH), not the {tok.kind} tokenizer")
+        if tok.token_id(EAGLE_IMAGE_TOKEN) != self.image_token_id:
+            raise KilovlaError(f"{tok.path}: {EAGLE_IMAGE_TOKEN} is token {tok.token_id(EAGLE_IMAGE_TOKEN)}, the model "
+                               f"expects {self.image_token_id} (config image_token_id)")
+        if self.meta.state_in_prompt:
+            raise KilovlaError("GR00T reads the state through its state encoder; state_in_prompt is pi0.5's")
+
+    def prompt_ids(self, task: str, state: np.ndarray | None = None) -> tuple[list[int], int]:
+        """The prompt's token ids and how many of them are image placeholders (GR00T's Eagle template)."""
+        if self.image_token_id is not None:
+            n = len(self.meta.camera_map)
+            ids = eagle_prompt_ids(self.tokenizer, task, n, self.cfg.vision.tokens, self.image_token_id)
+            return ids, n * self.cfg.vision.tokens
+        return openpi_prompt_ids(self.tokenizer, task, state if self.meta.state_in_prompt else None), 0
 
     def token_count(self, task: str) -> int:
-        """Language tokens of a task's prompt (without the state, whose length is constant)."""
-        return len(self.tokenizer.encode(self.prompt(task)))
+        """Language tokens of a task's prompt, without the discretised state (the token layout adds an
+        upper bound for it) and without image placeholders (counted as camera tokens)."""
+        ids, placeholders = self.prompt_ids(task, np.zeros(0, np.float32))
+        return len(ids) - placeholders
 
     def _state(self, data: dict) -> np.ndarray:
         parts = []
@@ -89,7 +142,8 @@ class Processor:
             parts.append(norm(np.asarray(data[key], np.float32)))
         return np.concatenate(parts, axis=-1)
 
-    def observation_batch(self, data: dict) -> PaddedBatch:
+    def observation_batch(self, data: dict, rngs: list[np.random.Generator] | None = None) -> PaddedBatch:
+        """Observations -> a model batch; with `rngs` (one per sample) images are augmented for training."""
         cfg = self.cfg
         state = self._state(data)
         b = len(state)
@@ -103,21 +157,33 @@ class Processor:
             if frames.ndim == 5:  # a time window on the camera: the current frame is the last
                 frames = frames[:, -1]
             t = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float() / 255.0
+            t = resize_images(t, size, self.meta.image_resize)
+            if rngs is not None and self.augmentation.enabled:
+                t = self.augmentation.apply(t, slot, rngs)
+            else:
+                t = self.augmentation.inference(t, slot)
             j = cfg.cameras.index(slot)
-            images[:, j] = t if t.shape[-1] == size and t.shape[-2] == size else F.interpolate(
-                t, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+            images[:, j] = t
             present[:, j] = True
-        prompts = [self.prompt(task, s) for task, s in zip(data["task"], state)]
-        tokens, mask = tokenize_batch(self.tokenizer, prompts, cfg.max_language_tokens)
+        ids = []
+        for task, s in zip(data["task"], state):
+            prompt, placeholders = self.prompt_ids(task, s)
+            ids.append(truncate(prompt, cfg.max_language_tokens, keep_extra=placeholders))
+        tokens, mask = pad_prompts(ids, PAD)
         padded_state = torch.zeros(b, cfg.max_state_dim)
         padded_state[:, : state.shape[1]] = torch.from_numpy(state)
         return PaddedBatch(images=images, image_masks=present, camera_names=cfg.cameras, tokens=tokens,
                            token_mask=mask, state=padded_state,
                            embodiment_id=torch.full((b,), self.meta.embodiment_id, dtype=torch.long))
 
-    def training_batch(self, row: dict) -> PaddedBatch:
-        """A packed row of the data layer (actions with a time window) -> a model batch with targets."""
-        batch = self.observation_batch(row)
+    def training_batch(self, row: dict, seed: int = 0) -> PaddedBatch:
+        """A packed row of the data layer (actions with a time window) -> a model batch with targets.
+
+        Image augmentation draws per sample from (seed, step, sample id), like the flow noise."""
+        step = int(row.get("step", 0))
+        ids = row.get("sample_index", range(len(row["task"])))
+        rngs = [np.random.default_rng([seed, step, int(i), 1]) for i in ids]
+        batch = self.observation_batch(row, rngs=rngs)
         actions = np.asarray(row["action"], np.float32)
         if actions.ndim != 3:
             raise KilovlaError("training rows need an action window: set delta_timestamps for 'action'")

@@ -1,67 +1,327 @@
-"""Prompts and tokenizers.
+"""Tokenizers and the families' prompt formats.
 
-`ByteTokenizer` (tests, tiny models): one token per UTF-8 byte after BOS, no files needed.
-`SentencePieceTokenizer` loads PaliGemma's tokenizer model from a local path (never from a hub).
+Which tokenizer:
 
-pi0.5's prompt writes the discretised state into the text (openpi):
-"Task: pick up the bowl, State: 12 200 31;\\nAction: "; pi0 and pi0.5-on-LIBERO use the task alone.
+- `ByteTokenizer`: one token per UTF-8 byte after BOS, no files. For models trained from scratch
+  (the tiny presets, the demo).
+- `SentencePieceTokenizer`: PaliGemma's SentencePiece model (pi0 / pi0.5), from a local
+  ``*.model`` file.
+- `QwenTokenizer`: Qwen3's byte-level BPE (GR00T N1.5's Eagle backbone), from a ``tokenizer.json``
+  or from the ``vocab.json`` + ``merges.txt`` (+ added tokens) that Isaac-GR00T ships.
+
+Nothing is ever downloaded: `find_tokenizer` looks at ``--policy.tokenizer`` first, then next to the
+checkpoint a run starts from, and says what it looked for when nothing is there.
+
+Prompt formats, exactly as the families build them:
+
+- pi0 (openpi): BOS + the cleaned task, then a separately encoded "\\n" (the start-of-answer token).
+- pi0.5 with state (openpi): BOS + "Task: {task}, State: {bins};\\nAction: ", the state normalised to
+  [-1, 1] and cut into 256 bins: ``[-1.0, 0.0, 1.0] -> "0 128 255"``.
+- GR00T N1.5 (Eagle 2.5 chat template, Qwen3 tokens, no BOS)::
+
+      <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\n
+      <image 1><img>{<IMG_CONTEXT> x 256}</img><image 2><img>...</img>{task}<|im_end|>\\n<|im_start|>assistant\\n
+
+  (one line here; no line breaks in between). The model puts each camera's features where its
+  ``<IMG_CONTEXT>`` run is (`GrootConfig.image_token_id`).
+
+Prompts longer than the model's language budget are cut at the end, as openpi does, with one warning
+per process that gives the counts.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
 
+log = logging.getLogger(__name__)
+
 PAD, BOS = 0, 1
 BYTE_VOCAB_SIZE = 258  # pad, bos, 256 bytes
+TOKENIZER_KINDS = ("byte", "paligemma", "qwen3")
+
+
+class Tokenizer(Protocol):
+    kind: str
+    vocab_size: int
+
+    def encode(self, text: str, bos: bool = True) -> list[int]: ...
 
 
 class ByteTokenizer:
+    kind = "byte"
     vocab_size = BYTE_VOCAB_SIZE
+    path = None
 
-    def encode(self, text: str) -> list[int]:
-        return [BOS] + [b + 2 for b in text.encode("utf-8")]
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return ([BOS] if bos else []) + [b + 2 for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - 2 for i in ids if i >= 2).decode("utf-8", errors="replace")
 
 
 class SentencePieceTokenizer:
+    """PaliGemma's tokenizer (Gemma's 257152-token SentencePiece model): ``paligemma_tokenizer.model``."""
+
+    kind = "paligemma"
+
     def __init__(self, path: str | Path):
         try:
             import sentencepiece
         except ImportError:
             raise KilovlaError("a SentencePiece tokenizer needs `pip install sentencepiece`") from None
-        if not Path(path).is_file():
+        self.path = Path(path)
+        if not self.path.is_file():
             raise KilovlaError(f"{path}: tokenizer model not found")
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.path))
+        except (RuntimeError, OSError) as e:
+            raise KilovlaError(f"{path}: not a SentencePiece model: {e}") from None
         self.vocab_size = self._sp.vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return [self._sp.bos_id()] + self._sp.encode(text)
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return self._sp.encode(text, add_bos=bos)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+
+# transformers' Qwen2 conversion of vocab.json + merges.txt into a fast tokenizer.
+_QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+class QwenTokenizer:
+    """Qwen3's byte-level BPE with its added tokens (``<|im_start|>``, ``<IMG_CONTEXT>``, ...).
+
+    `path`: a ``tokenizer.json``, or a folder holding one, or a folder with ``vocab.json`` +
+    ``merges.txt`` and the added tokens in ``tokenizer_config.json`` / ``added_tokens.json``
+    (Isaac-GR00T's ``gr00t/model/backbone/eagle2_hg_model``). Qwen adds no BOS.
+    """
+
+    kind = "qwen3"
+
+    def __init__(self, path: str | Path):
+        try:
+            import tokenizers
+        except ImportError:
+            raise KilovlaError("a Qwen tokenizer needs `pip install tokenizers`") from None
+        path = Path(path)
+        if path.is_dir() and (path / "tokenizer.json").is_file():
+            path = path / "tokenizer.json"
+        self.path = path
+        try:
+            if path.is_file():
+                self._tok = tokenizers.Tokenizer.from_file(str(path))
+            elif path.is_dir() and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+                self._tok = _qwen_from_vocab_merges(path)
+            else:
+                raise KilovlaError(f"{path}: no tokenizer.json, nor vocab.json + merges.txt")
+        except KilovlaError:
+            raise
+        except Exception as e:  # tokenizers reports a malformed file as a plain Exception
+            raise KilovlaError(f"{path}: not a Qwen tokenizer: {e}") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int:
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise KilovlaError(f"{self.path}: the tokenizer has no {token!r} token (not an Eagle/Qwen3 tokenizer?)")
+        return i
+
+
+def _qwen_from_vocab_merges(folder: Path):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    vocab = json.loads((folder / "vocab.json").read_text())
+    merges = [tuple(line.split(" ")) for line in (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+              if line and not line.startswith("#version")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, continuing_subword_prefix="",
+                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    added: dict[int, tuple[str, bool]] = {}
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        for i, entry in json.loads(config.read_text()).get("added_tokens_decoder", {}).items():
+            added[int(i)] = (entry["content"], bool(entry.get("special", True)))
+    extra = folder / "added_tokens.json"
+    if extra.is_file():
+        for content, i in json.loads(extra.read_text()).items():
+            added.setdefault(int(i), (content, True))
+    # Added tokens take the next free ids in the order added: add them by id so each lands on its own.
+    for i in sorted(added):
+        content, special = added[i]
+        token = AddedToken(content, special=special, normalized=False)
+        (tok.add_special_tokens if special else tok.add_tokens)([token])
+        if tok.token_to_id(content) != i:
+            raise KilovlaError(f"{folder}: added token {content!r} should have id {i}, gets "
+                               f"{tok.token_to_id(content)} (vocab.json has {len(vocab)} entries)")
+    return tok
+
+
+def load_tokenizer(spec: str | Path) -> ByteTokenizer | SentencePieceTokenizer | QwenTokenizer:
+    """"byte", a SentencePiece ``.model`` file, or a Qwen ``tokenizer.json`` / tokenizer folder."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    path = Path(spec)
+    if not path.exists():
+        raise KilovlaError(f"{path}: tokenizer not found")
+    if path.is_file() and path.suffix == ".model":
+        return SentencePieceTokenizer(path)
+    return QwenTokenizer(path)
+
+
+# Where a published checkpoint or its user keeps the tokenizer, relative to the checkpoint folder.
+_CANDIDATES = {
+    "paligemma": ("paligemma_tokenizer.model", "tokenizer.model", "tokenizer/paligemma_tokenizer.model",
+                  "tokenizer/tokenizer.model", "assets/paligemma_tokenizer.model"),
+    "qwen3": ("tokenizer.json", "tokenizer/tokenizer.json", "eagle2_hg_model", "tokenizer"),
+}
+
+
+def find_tokenizer(kind: str, explicit: str | None, near: list[Path] = (), preset: str = "") -> str:
+    """The tokenizer a policy uses, as "byte" or an absolute path.
+
+    `explicit` (``--policy.tokenizer``) wins; else a ``kind`` tokenizer is looked for in the folders
+    `near` (the checkpoint training starts from); a family that needs one and finds none stops here.
+    """
+    if kind not in TOKENIZER_KINDS:
+        raise KilovlaError(f"tokenizer kind must be one of {TOKENIZER_KINDS}, not {kind!r}")
+    if explicit:
+        if explicit == "byte":
+            return "byte"
+        path = Path(explicit).expanduser()
+        if not path.exists():
+            raise KilovlaError(f"--policy.tokenizer={explicit}: no such file or folder")
+        return str(path.resolve())
+    if kind == "byte":
+        return "byte"
+    looked = []
+    for folder in near:
+        folder = Path(folder)
+        folder = folder if folder.is_dir() else folder.parent
+        recorded = _recorded_tokenizer(folder)
+        if recorded is not None:
+            return recorded
+        for rel in _CANDIDATES[kind]:
+            candidate = folder / rel
+            looked.append(str(candidate))
+            if candidate.is_file() or (candidate.is_dir() and ((candidate / "tokenizer.json").is_file()
+                                                                or (candidate / "vocab.json").is_file())):
+                return str(candidate.resolve())
+    what = "PaliGemma's SentencePiece model (paligemma_tokenizer.model)" if kind == "paligemma" else \
+        "Qwen3's tokenizer.json (or Isaac-GR00T's eagle2_hg_model folder)"
+    where = f"; looked for {', '.join(looked)}" if looked else ""
+    raise KilovlaError(f"{preset or 'this policy'} needs {what}: pass --policy.tokenizer=PATH or put it next to "
+                       f"the checkpoint in --policy.init_from (nothing is downloaded){where}")
+
+
+def _recorded_tokenizer(folder: Path) -> str | None:
+    """The tokenizer a kilovla policy folder's policy.json names (relative to the folder or absolute)."""
+    meta = folder / "policy.json"
+    try:
+        spec = json.loads(meta.read_text()).get("tokenizer", "byte") if meta.is_file() else "byte"
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    if spec == "byte":
+        return None
+    path = folder / spec
+    if not path.exists():
+        raise KilovlaError(f"{meta}: its tokenizer {spec} is not there; pass --policy.tokenizer=PATH")
+    return str(path.resolve())
+
+
+# -- prompts -----------------------------------------------------------------------------------------
+def clean_task(task: str) -> str:
+    """openpi's cleaning: strip, underscores and newlines to spaces (no lower-casing)."""
+    return task.strip().replace("_", " ").replace("\n", " ")
 
 
 def discretize_state(state: np.ndarray, bins: int = 256) -> list[int]:
-    """State normalised to [-1, 1] -> bin indices, as openpi writes it into the prompt."""
+    """State normalised to [-1, 1] -> bin indices, as openpi writes it into the prompt:
+    ``np.digitize`` on 256 bins of width 1/128, no clipping (below -1 gives -1, from 1 - 1/128 on 255)."""
     edges = np.linspace(-1, 1, bins + 1)[:-1]
-    return (np.digitize(np.clip(state, -1, 1), edges) - 1).tolist()
+    return (np.digitize(np.asarray(state), edges) - 1).tolist()
 
 
 def build_prompt(task: str, state: np.ndarray | None = None) -> str:
-    task = task.strip().replace("_", " ")
+    """The text of pi0's prompt (task + "\\n") or pi0.5's with discretised state."""
+    task = clean_task(task)
     if state is None:
         return task + "\n"
     return f"Task: {task}, State: {' '.join(map(str, discretize_state(state)))};\nAction: "
 
 
-def tokenize_batch(tokenizer, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> tokens (B, L) and mask (B, L), L = the longest prompt (<= max_length; longer ones are cut)."""
-    ids = [tokenizer.encode(p)[:max_length] for p in prompts]
+def openpi_prompt_ids(tokenizer, task: str, state: np.ndarray | None = None) -> list[int]:
+    """openpi's `PaligemmaTokenizer.tokenize`: pi0 encodes the newline separately; pi0.5 the whole string."""
+    if state is None:
+        return tokenizer.encode(clean_task(task), bos=True) + tokenizer.encode("\n", bos=False)
+    return tokenizer.encode(build_prompt(task, state), bos=True)
+
+
+EAGLE_SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+EAGLE_END = "<|im_end|>\n<|im_start|>assistant\n"
+EAGLE_IMAGE_TOKEN = "<IMG_CONTEXT>"
+
+
+def eagle_prompt_ids(tokenizer, task: str, n_images: int, tokens_per_image: int, image_token_id: int) -> list[int]:
+    """GR00T N1.5's prompt: the Eagle 2.5 chat template with a run of `tokens_per_image` image
+    placeholders per camera. The instruction is used as given (Isaac-GR00T's default)."""
+    # The pieces meet at special tokens, which the tokenizer splits on before anything else: encoding
+    # them one by one gives the ids of the whole string without encoding 256 placeholders per camera.
+    ids, head = [], EAGLE_SYSTEM
+    for k in range(1, n_images + 1):
+        ids += tokenizer.encode(head + f"<image {k}><img>", bos=False) + [image_token_id] * tokens_per_image
+        head = "</img>"
+    return ids + tokenizer.encode((head if n_images else EAGLE_SYSTEM) + task + EAGLE_END, bos=False)
+
+
+_warned_truncation = False
+
+
+def truncate(ids: list[int], budget: int, keep_extra: int = 0) -> list[int]:
+    """Cut a prompt to `budget` tokens (+ `keep_extra` image placeholders that do not count), at the end
+    as openpi does; the first cut of the process is reported with its counts."""
+    global _warned_truncation
+    limit = budget + keep_extra
+    if len(ids) <= limit:
+        return ids
+    if not _warned_truncation:
+        _warned_truncation = True
+        log.warning("a prompt of %d language tokens is longer than max_language_tokens=%d: its last %d tokens are "
+                    "cut (reported once; raise max_language_tokens to keep them)", len(ids) - keep_extra, budget,
+                    len(ids) - limit)
+    return ids[:limit]
+
+
+def pad_prompts(ids: list[list[int]], pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> tokens (B, L) and mask (B, L), right-padded to the longest prompt."""
     length = max(len(i) for i in ids)
-    tokens = torch.full((len(ids), length), PAD, dtype=torch.long)
+    tokens = torch.full((len(ids), length), pad_id, dtype=torch.long)
     mask = torch.zeros(len(ids), length, dtype=torch.bool)
     for row, seq in enumerate(ids):
-        tokens[row, : len(seq)] = torch.tensor(seq)
+        tokens[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         mask[row, : len(seq)] = True
     return tokens, mask
+
+
+def tokenize_batch(tokenizer, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain prompts -> tokens (B, L) and mask (B, L), L = the longest prompt (<= max_length)."""
+    return pad_prompts([truncate(tokenizer.encode(p), max_length) for p in prompts])

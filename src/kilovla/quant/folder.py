@@ -15,7 +15,6 @@ failure midway leaves nothing behind, and an existing DIR is never touched.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import shutil
@@ -54,7 +53,7 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     `dataset` (held-out LeRobot data) adds the action MSE and the layers' output SQNR; `evaluation`
     (policy -> `evaluate` report) adds the closed-loop comparison.
     """
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.models.policy import VLAPolicy, load_checkpoint_policy
 
     source, out = Path(source), Path(out)
     if out.exists():
@@ -68,7 +67,7 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _write_folder(tmp, model, baseline.meta, config, list(weight_sqnr))
+        _write_folder(tmp, VLAPolicy(model, baseline.meta, root=source), config, list(weight_sqnr))
         quantized = load_checkpoint_policy(tmp, device=device)  # what is on disk is what gets measured
         set_kernel(quantized.model, kernel)
         report = _report(source, out, tmp, baseline, quantized, config, weight_sqnr, dataset=dataset, samples=samples,
@@ -81,15 +80,19 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     return report
 
 
-def _write_folder(folder: Path, model: torch.nn.Module, meta, config: Fp8Config, layers: list[str]) -> None:
+def _write_folder(folder: Path, policy, config: Fp8Config, layers: list[str]) -> None:
+    """A policy folder as `VLAPolicy.save` writes it (tokenizer files included), then the kept layers
+    re-stored in `config.dtype` and the `quantization_config` added to policy.json."""
     from kilovla.models.checkpoints import save_safetensors
 
+    policy.save(folder)
     kept = _DTYPES[config.dtype]
-    fp8_keys = {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)
+    fp8_keys = {f"{n}.{b}" for n, m in policy.model.named_modules() if isinstance(m, Fp8BlockLinear)
                 for b in ("weight", "weight_scale_inv")}
-    state = {k: v if k in fp8_keys or not v.is_floating_point() else v.to(kept) for k, v in model.state_dict().items()}
+    state = {k: v if k in fp8_keys or not v.is_floating_point() else v.to(kept)
+             for k, v in policy.model.state_dict().items()}
     save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt", "quant_method": "fp8"})
-    fields = dataclasses.asdict(meta)
+    fields = json.loads((folder / "policy.json").read_text())
     fields["quantization_config"] = quantization_config(config, layers)
     (folder / "policy.json").write_text(json.dumps(fields, indent=2))
 

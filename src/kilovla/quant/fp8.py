@@ -48,9 +48,11 @@ ACTIVATIONS = ("1x128", "none")
 # projections of the language model and of the action expert (pi0 / pi0.5), of the truncated LLM
 # and of the DiT (GR00T). Everything else (vision tower, adaRMS / AdaLayerNorm, projectors, time
 # MLPs, embeddings, GR00T's per-embodiment encoders and its VL self-attention) stays as it is.
+_PI_LAYERS = (r"^paligemma_with_expert\.(paligemma\.model\.language_model|gemma_expert\.model)"
+              r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
 FAMILY_DEFAULTS = {
-    "pi05": (r"^paligemma_with_expert\.(paligemma\.model\.language_model|gemma_expert\.model)"
-             r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$"),
+    "pi05": _PI_LAYERS,
+    "pi0": _PI_LAYERS,
     "groot": (r"^(backbone\.eagle_model\.language_model\.model\.layers\.\d+"
               r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
               r"|action_head\.model\.transformer_blocks\.\d+\.(attn1\.(to_[qkv]|to_out\.0)|ff\.net\.(0\.proj|2)))$"),
@@ -353,17 +355,6 @@ def set_kernel(model: nn.Module, kernel: str) -> None:
 
 
 # -- which layers ----------------------------------------------------------------------------------
-def model_family(model: nn.Module) -> str:
-    from kilovla.models.groot import GrootModel
-    from kilovla.models.pi05 import Pi05Model
-
-    if isinstance(model, Pi05Model):
-        return "pi05"
-    if isinstance(model, GrootModel):
-        return "groot"
-    raise KilovlaError(f"no default FP8 layer selection for {type(model).__name__}; pass --include")
-
-
 def select_layers(model: nn.Module, include: str | None = None, exclude: str | None = None) -> list[str]:
     """Names of the Linear layers to quantize.
 
@@ -371,6 +362,8 @@ def select_layers(model: nn.Module, include: str | None = None, exclude: str | N
     Linear (a norm's 1-D weight, a conv's 4-D kernel, an embedding table read by index, a stack of
     per-embodiment matrices) cannot be blocked and stops with a message naming it.
     """
+    from kilovla.models.checkpoints import model_family
+
     pattern = include if include is not None else FAMILY_DEFAULTS[model_family(model)]
     inc = re.compile(pattern)
     exc = re.compile(exclude) if exclude else None
@@ -443,12 +436,11 @@ def prepare_quantized(model: nn.Module, qconfig: dict, source: str) -> None:
 
 def load_quantized_weights(model: nn.Module, qconfig: dict, path, source: str) -> None:
     """Load a quantized policy folder's weights: FP8 layers as stored, the kept layers (stored in
-    `kept_dtype`) up-cast to float32, the dtype kilovla computes in."""
+    `kept_dtype`) up-cast to the model's float32, the dtype kilovla computes in."""
     from kilovla.models.checkpoints import load_checkpoint
 
     prepare_quantized(model, qconfig, source)
-    load_checkpoint(model, path)
-    model.float()
+    load_checkpoint(model, path)  # reads each tensor into the model's own dtype: FP8 as FP8, the rest float32
 
 
 def checkpoint_bytes(model: nn.Module, layers: list[str], block: int = 128, kept_bytes: int = 2) -> dict[str, int]:

@@ -5,18 +5,28 @@
         policy.json          preset, cameras, stats, dims  / `kilovla eval --policy` takes it
         ema.safetensors      EMA weights (when enabled)
         optimizer.pt         optimizer and LR-scheduler state
-        trainer_state.json   step, plan state (a few integers), metrics of the step
+        state/               FSDP runs instead: model + optimizer as torch.distributed.checkpoint shards
+        trainer_state.json   step, plan state (a few integers), world size, LR-scheduler state
         rng.pt               torch / numpy / python RNG states
         config.yaml          the resolved training config
         stats.json           the dataset's normalisation stats
     run_dir/checkpoints/latest     the name of the newest complete checkpoint
 
-A checkpoint is written into a hidden temporary folder and renamed into place, and `latest` moves
-only after that: a crash or a full disk mid-save leaves the previous checkpoint intact.
+Unsharded runs (one process, DDP) write full tensors from rank 0. FSDP runs write `state/` with
+torch.distributed.checkpoint: each rank writes its own shards, so no rank holds the whole model, and
+a run resumes on any world size (DCP reshards on load). The last checkpoint of an FSDP run also gets
+model.safetensors, gathered on rank 0, so the policy folder a run ends with is one plain file; the
+policy loader reads `state/` where model.safetensors is absent.
+
+A checkpoint is written into a hidden temporary folder and renamed into place; an older folder of
+the same step is swapped out atomically (`exchange`), and `latest` moves only after that: a crash or
+a full disk mid-save leaves the previous checkpoint intact.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import random
@@ -28,44 +38,105 @@ import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
-from kilovla.models.checkpoints import read_safetensors, save_safetensors
+from kilovla.models.checkpoints import check_fits, read_safetensors, save_safetensors
+from kilovla.train import distributed
+
+STATE_DIR = "state"
 
 
-def save(folder: Path, *, model_state: dict, ema_state: dict | None, optimizer_state: dict, scheduler_state: dict,
-         trainer_state: dict, policy_meta: dict, config_yaml: str, stats: dict, keep: int = 3) -> Path:
+def step_of(folder: Path) -> int:
+    return int(folder.name.removeprefix("step_"))
+
+
+def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, trainer_state: dict,
+         policy_meta: dict, config_yaml: str, stats: dict, keep: int = 3, full_weights: bool = True) -> Path:
+    """Every rank calls this (the state dicts of a sharded model are collectives). `full_weights`:
+    also write model.safetensors when the model is sharded (the run's last checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
     folder = Path(folder)
     root = folder.parent
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+    sharded = distributed.is_sharded(model)
+    tmp = root / f".{folder.name}.tmp"  # the same name on every rank: they all write into it
+    what = f"checkpoint {folder.name}"
     try:
-        tmp.mkdir()
-        save_safetensors(model_state, tmp / "model.safetensors")
-        if ema_state is not None:
-            save_safetensors(ema_state, tmp / "ema.safetensors")
-        torch.save({"optimizer": optimizer_state, "scheduler": scheduler_state}, tmp / "optimizer.pt")
-        torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-                   tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
-        (tmp / "policy.json").write_text(json.dumps(policy_meta, indent=2))
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / "stats.json").write_text(json.dumps(stats))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-        latest_tmp = root / f".latest.{uuid.uuid4().hex[:8]}"
-        latest_tmp.write_text(folder.name)
-        os.replace(latest_tmp, root / "latest")
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        distributed.barrier(world, what)
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if sharded:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+                     checkpoint_id=str(tmp / STATE_DIR))
+            model_state = get_model_state_dict(model, options=full) if full_weights else None
+        else:
+            model_state = get_model_state_dict(model, options=full)
+            optim_state = get_optimizer_state_dict(model, optimizer, options=full)
+        if world.is_main:
+            if model_state is not None:
+                save_safetensors(model_state, tmp / "model.safetensors")
+            if ema is not None:
+                save_safetensors({**model_state, **{k: v.cpu() for k, v in ema.items()}}, tmp / "ema.safetensors")
+            if not sharded:
+                torch.save({"optimizer": optim_state}, tmp / "optimizer.pt")
+            torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+                       tmp / "rng.pt")
+            state = {**trainer_state, "scheduler": scheduler.state_dict(), "sharded": sharded}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            (tmp / "policy.json").write_text(json.dumps(policy_meta, indent=2))
+            (tmp / "config.yaml").write_text(config_yaml)
+            (tmp / "stats.json").write_text(json.dumps(stats))
+            put_in_place(tmp, folder)
+            point_latest(root, folder)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
         last = latest(root)
         raise KilovlaError(f"cannot write checkpoint {folder}: {e}; "
                            f"{'the last good checkpoint ' + str(last) + ' is intact' if last else 'no earlier checkpoint'}") from None
-    _prune(root, keep)
+    distributed.barrier(world, what)
+    if world.is_main:
+        prune(root, keep)
     return folder
 
 
-def _prune(root: Path, keep: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+def put_in_place(tmp: Path, folder: Path) -> None:
+    """Rename `tmp` to `folder`; an existing `folder` is swapped out in one atomic exchange and then removed."""
+    if not folder.exists():
+        os.replace(tmp, folder)
+        return
+    if _exchange(tmp, folder):
+        shutil.rmtree(tmp, ignore_errors=True)  # now holds the old checkpoint
+        return
+    old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")  # no renameat2: two renames
+    os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def point_latest(root: Path, folder: Path) -> None:
+    tmp = root / f".latest.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(folder.name)
+    os.replace(tmp, root / "latest")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux's renameat2(RENAME_EXCHANGE); False where unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def prune(root: Path, keep: int) -> None:
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=step_of)
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -78,40 +149,55 @@ def latest(root: Path) -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def resolve(resume: str, run_dir: Path) -> Path | None:
-    """'auto' -> the run's latest checkpoint (None if there is none); else the given folder."""
+def resolve(resume: str, run_dir: Path, marker: str = "trainer_state.json") -> Path | None:
+    """'auto' -> the run's latest checkpoint (None if there is none); else the given folder, which must
+    hold `marker` (trainer_state.json for supervised runs, rl_state.json for RL runs)."""
     if resume == "auto":
-        return latest(run_dir / "checkpoints")
+        return latest(Path(run_dir) / "checkpoints")
     folder = Path(resume)
-    if not (folder / "trainer_state.json").is_file():
-        raise KilovlaError(f"{folder}: not a kilovla training checkpoint (no trainer_state.json)")
+    if not (folder / marker).is_file():
+        raise KilovlaError(f"{folder}: not a kilovla checkpoint of this kind (no {marker})")
     return folder
 
 
-def load(folder: Path, model, ema: dict | None, optimizer, scheduler) -> dict:
+def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world) -> dict:
     """Restore weights, EMA, optimizer, scheduler and RNG into a (possibly sharded) model; returns the
-    trainer state. Every rank reads the files itself."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+    trainer state. A `state/` checkpoint is read shard by shard (any world size); a full one is read by
+    rank 0 and broadcast into a sharded model, or read by every rank otherwise."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    from kilovla.models.checkpoints import check_fits
+    folder = Path(folder)
+    trainer_state = json.loads((folder / "trainer_state.json").read_text())
+    if (folder / STATE_DIR).is_dir():
+        import torch.distributed.checkpoint as dcp
 
-    weights = read_safetensors(folder / "model.safetensors")
-    # Sharded parameters report their local shard's shape; compare against the full shapes.
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-    check_fits(full, weights, str(folder / "model.safetensors"))
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, weights, options=options)
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        try:
+            dcp.load(state, checkpoint_id=str(folder / STATE_DIR))
+        except Exception as e:  # noqa: BLE001  DCP reports a mismatch as a CheckpointException of every rank
+            raise KilovlaError(f"{folder / STATE_DIR}: does not fit the model: {str(e).strip()[:500]}") from None
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    else:
+        sharded = distributed.is_sharded(model)
+        reader = world.is_main or not sharded
+        weights = read_safetensors(folder / "model.safetensors") if reader else {}
+        if reader:  # a sharded parameter (DTensor) reports its full shape
+            check_fits(model.state_dict(), weights, str(folder / "model.safetensors"))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
+        set_model_state_dict(model, weights, options=options)
+        optim = torch.load(folder / "optimizer.pt", weights_only=False)["optimizer"] if reader else {}
+        set_optimizer_state_dict(model, optimizer, optim, options=options)
     if ema is not None and (folder / "ema.safetensors").is_file():
         for k, v in read_safetensors(folder / "ema.safetensors").items():
             if k in ema:
                 ema[k].copy_(v)
-    states = torch.load(folder / "optimizer.pt", weights_only=False)
-    set_optimizer_state_dict(model, optimizer, states["optimizer"], options=options)
-    scheduler.load_state_dict(states["scheduler"])
+    scheduler.load_state_dict(trainer_state["scheduler"])
     rng = torch.load(folder / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
-    return json.loads((folder / "trainer_state.json").read_text())
+    return trainer_state
 

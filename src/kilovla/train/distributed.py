@@ -1,16 +1,37 @@
 """Process groups and parallelism, applied to a plain model from outside.
 
 `init()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK): gloo on CPU, NCCL on CUDA; a
-plain `python -m kilovla train` is world size 1 and needs no process group.
-`parallelize(model, cfg, world)`: DDP with bucketed all-reduce, or FSDP2 (`fully_shard` on every
-decoder layer, then the root) for models that do not fit one device.
+plain `python -m kilovla train` is world size 1 and needs no process group. Every collective has a
+timeout (`parallel.timeout_s`); one that does not complete ends the run with a message naming the
+rank and what it was doing (`CollectiveTimeout`), never a silent hang.
+
+`parallelize(model, strategy, world)`:
+
+- ``ddp``: DistributedDataParallel, bucketed all-reduce. Not `static_graph`: a step accumulates over
+  several packed rows with `no_sync`, and a static graph assumes every backward all-reduces (it
+  dies at the first `no_sync` row). No `find_unused_parameters`: the models freeze what they never
+  use, so every trainable parameter gets a gradient in every backward.
+- ``fsdp``: FSDP2, one unit per transformer layer (`layer_units`: ViT blocks; each paired LM/expert
+  layer of pi0/pi0.5; GR00T's Qwen layers, VL self-attention and DiT blocks), then the root for what
+  is left (embeddings, projections, norms). A unit's parameters are gathered for its forward and
+  backward only, so at most a layer or two are whole at a time. bf16 parameters with fp32 gradient
+  reduction on CUDA when training in bf16.
+
+`gradient_sync(model, sync)` is the one switch for accumulation: DDP's `no_sync`, FSDP2's
+`set_requires_gradient_sync`; the trainer turns it off for every row of a step but the last.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from dataclasses import dataclass
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,19 +42,27 @@ from kilovla.errors import KilovlaError
 log = logging.getLogger(__name__)
 
 
+class CollectiveTimeout(KilovlaError):
+    """A collective did not complete in time: a peer died, hangs, or is still busy elsewhere."""
+
+    exit_code = 1
+
+
 @dataclass(frozen=True)
 class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    timeout_s: float = 1800.0
+    control: object = field(default=None, compare=False)  # a gloo group for barriers that name the missing rank
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init() -> World:
+def init(timeout_s: float = 1800.0) -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -41,9 +70,14 @@ def init() -> World:
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return World(rank, size, local, device)
+    control = None
+    if size > 1:
+        timeout = timedelta(seconds=timeout_s)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        # monitored_barrier (which names the ranks that did not arrive) exists on gloo only.
+        control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
+    return World(rank, size, local, device, timeout_s, control)
 
 
 def shutdown() -> None:
@@ -51,14 +85,36 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+# -- parallelism -----------------------------------------------------------------------------------
+def layer_units(model: nn.Module) -> list[list[nn.Module]]:
+    """The transformer layers of a model, in forward order, each a list of modules that run as one
+    forward call (a pi0 LM layer runs its paired expert layer inside its own forward)."""
+    from kilovla.models.groot import GrootModel
+    from kilovla.models.pi05 import Pi05Model
+
+    if isinstance(model, Pi05Model):
+        vit = model.vlm.vision_tower.vision_model.encoder.layers
+        pairs = zip(model.vlm.language_model.layers, model.expert.layers)
+        return [[b] for b in vit] + [[lm, expert] for lm, expert in pairs]
+    if isinstance(model, GrootModel):
+        head = model.action_head
+        blocks = [*model.eagle.vision_model.vision_model.encoder.layers, *model.eagle.language_model.model.layers,
+                  *head.vl_self_attention.transformer_blocks, *head.model.transformer_blocks]
+        return [[b] for b in blocks]
+    raise KilovlaError(f"no FSDP layer plan for {type(model).__name__}")
+
+
 def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb: int = 25,
-                gradient_as_bucket_view: bool = True, static_graph: bool = True,
-                find_unused_parameters: bool = False) -> nn.Module:
+                gradient_as_bucket_view: bool = True, static_graph: bool = False,
+                find_unused_parameters: bool = False, bf16: bool = False) -> nn.Module:
+    """Wrap `model` for `world`; returns what the training step calls (the model itself under FSDP)."""
     if world.size == 1:
         return model
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        if static_graph:
+            log.warning("DDP with static_graph=True: it breaks with accumulation over several rows per step (no_sync)")
         if find_unused_parameters:
             log.warning("DDP with find_unused_parameters=True: an extra graph traversal every step")
         return DistributedDataParallel(
@@ -67,22 +123,114 @@ def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb:
             static_graph=static_graph, find_unused_parameters=find_unused_parameters)
     if strategy == "fsdp":
         try:
-            from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
         except ImportError:
             raise KilovlaError("FSDP2 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard)") from None
-        # One FSDP unit at the root: parameters, gradients and optimizer state are sharded at rest and
-        # gathered for the forward. Per-layer units would gather one layer at a time, but FSDP2
-        # gathers on a unit's forward(), and the mixture-of-transformers loop calls the layers'
-        # projections directly rather than each layer's forward().
-        fully_shard(model)
+        # The models never modify a module's output in place, which is all this warning is about.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        kwargs = {}
+        if bf16 and world.device.type == "cuda":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        units = layer_units(model)
+        for i, unit in enumerate(units):
+            # The last unit's parameters are needed again at once by backward: keep them gathered.
+            fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=i < len(units) - 1, **kwargs)
+        fully_shard(model, **kwargs)
         if hasattr(model, "sample_actions"):
             register_fsdp_forward_method(model, "sample_actions")
         return model
     raise KilovlaError(f"parallel.strategy must be ddp or fsdp, not {strategy!r}")
 
 
+def is_sharded(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool):
+    """Reduce gradients across ranks in this backward (`sync`), or only accumulate them locally."""
+    if hasattr(model, "no_sync") and not sync:  # DDP
+        with model.no_sync():
+            yield
+        return
+    if is_sharded(model):
+        model.set_requires_gradient_sync(sync)
+    yield
+
+
+# -- collectives with a deadline ---------------------------------------------------------------------
+def collective_failure(error: BaseException, world: World, what: str) -> CollectiveTimeout | None:
+    """A CollectiveTimeout naming the rank and `what`, if `error` came from a collective; else None."""
+    if world.size == 1:
+        return None
+    text = str(error)
+    markers = ("Timed out", "timed out", "Timeout", "Connection closed by peer", "Connection reset",
+               "monitoredBarrier", "NCCL", "Gloo", "gloo")
+    if not isinstance(error, getattr(dist, "DistError", ())) and not any(m in text for m in markers):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return CollectiveTimeout(f"rank {world.rank}: {what}: a collective did not complete within "
+                             f"{world.timeout_s:g} s, or a peer left ({first[:300]})")
+
+
+def barrier(world: World, what: str, timeout_s: float | None = None) -> None:
+    """All ranks meet here; rank 0 names the ranks that did not arrive within the timeout."""
+    if world.size == 1:
+        return
+    timeout = timedelta(seconds=timeout_s or world.timeout_s)
+    try:
+        dist.monitored_barrier(group=world.control, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as e:
+        raise CollectiveTimeout(f"rank {world.rank}: {what}: not every rank arrived within "
+                                f"{timeout.total_seconds():g} s, or a peer left ({str(e).strip().splitlines()[0][:300]})") from None
+
+
+class Watchdog:
+    """Ends the process when one phase of the run (a step, a checkpoint, an evaluation) takes longer
+    than its deadline: a backstop for hangs that raise nothing (an NCCL collective whose peer is gone).
+
+        dog = Watchdog(world); dog.arm("step 12", 600); ...; dog.disarm()
+    """
+
+    def __init__(self, world: World, grace_s: float = 30.0):
+        self.world, self.grace_s = world, grace_s
+        self._what: str | None = None
+        self._deadline = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if world.size > 1:
+            self._thread = threading.Thread(target=self._watch, name="kilovla-watchdog", daemon=True)
+            self._thread.start()
+
+    def arm(self, what: str, timeout_s: float) -> None:
+        with self._lock:
+            self._what, self._deadline = what, time.monotonic() + timeout_s + self.grace_s
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._what = None
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            with self._lock:
+                what, late = self._what, self._what is not None and time.monotonic() > self._deadline
+            if late:
+                print(f"error: rank {self.world.rank}: {what} did not complete within its deadline "
+                      f"(parallel.timeout_s={self.world.timeout_s:g}); a peer is gone or hangs. Ending the run.",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
 
 
 def all_reduce_sum(value: float, world: World) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -29,18 +30,29 @@ def mfu(params: int, tokens_per_s: float, device) -> float | None:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, enabled: bool = True):
+    """Appends to run_dir/metrics.jsonl. `resume_step`: a run continuing from the checkpoint of that
+    step first drops what the interrupted run logged after it, so no step appears twice."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True, resume_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self._tb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None:
+                self._truncate_after(resume_step)
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
             except ImportError:
                 log.info("tensorboard is not installed; metrics go to %s only", self.path)
+
+    def _truncate_after(self, step: int) -> None:
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
 
     def log(self, record: dict) -> None:
         if not self.enabled:

@@ -4,8 +4,9 @@
     torchrun --nnodes N --nproc-per-node G -m kilovla train --config run.yaml
 
 One optimizer step per global batch. Each rank gets its packed rows of the step from the plan
-(the same global batch whatever the world size) and accumulates gradients over them (`no_sync`
-until the last row). The loss of a row is the sum of its samples' losses scaled by
+(the same global batch whatever the world size, the same number of rows on every rank) and
+accumulates gradients over them; only the last row's backward reduces across ranks
+(`distributed.gradient_sync`: DDP's no_sync, FSDP2's set_requires_gradient_sync). The loss of a row is the sum of its samples' losses scaled by
 world_size / global_batch_size, so the averaged gradient is the mean over the global batch however
 samples fall into rows and ranks; flow-matching noise and time are drawn per sample from
 (seed, step, sample id), so they do not depend on the split either. That is what makes runs
@@ -14,10 +15,9 @@ resumable on another world size and a 2-process run equal to a 1-process one.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import statistics
@@ -26,17 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 
 from kilovla import config as config_mod
 from kilovla.data import DataLake, GlobalBatchPlan, LakeSource, PlanConfig, TokenLayout, build_loader
 from kilovla.data.lerobot import DatasetMeta
 from kilovla.errors import KilovlaError
+from kilovla.models.attention import resolve_backend
+from kilovla.models.checkpoints import load_weights, open_init_checkpoint, plan_load
 from kilovla.models.groot import GrootConfig, GrootModel
-from kilovla.models.presets import build_model, preset
-from kilovla.models.processor import PolicyMeta, Processor
+from kilovla.models.presets import build_model, policy_defaults, preset
+from kilovla.models.processor import STATS_FOR, PolicyMeta, Processor
+from kilovla.models.tokenize import find_tokenizer
 from kilovla.train import checkpoint as ckpt
+from kilovla.train.optim import OptimConfig, build_optimizer, clip_gradients
 from kilovla.train import distributed
 from kilovla.train.metrics import MetricsLogger, mfu, plot_learning_curve
 
@@ -56,14 +59,19 @@ class PolicyConfig:
     overrides: dict = field(default_factory=dict)  # model config fields, e.g. {"packing": true}
     camera_map: dict = field(default_factory=dict)  # empty: dataset cameras in order -> enabled model slots
     state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
-    normalization: str = "quantile"
-    state_in_prompt: bool = False
+    # Unset (None) fields take the preset's fine-tuning defaults (models/presets.py, POLICY_DEFAULTS).
+    normalization: str | None = None  # quantile, mean_std, min_max
+    state_in_prompt: bool | None = None
     n_action_steps: int | None = None
-    embodiment_id: int = 0
+    embodiment_id: int | None = None
     # "recompute": exact stats over every frame of the training data (the default: LeRobot's stats.json
     # averages per-episode quantiles, which collapses features that are constant within an episode,
     # like a goal position, to zero width); "dataset": meta/stats.json as stored.
     stats: str = "recompute"
+    init_from: str | None = None  # a checkpoint to fine-tune: policy folder, openpi, LeRobot or Isaac-GR00T
+    tokenizer: str | None = None  # "byte" or a path; unset: the preset's kind, found next to init_from
+    image_resize: str | None = None  # stretch, pad
+    augmentation: dict | None = None  # ImageAugmentation fields ({} turns the preset's off)
 
 
 @dataclass
@@ -74,22 +82,13 @@ class BatchConfig:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = 3e-4
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
-    clip_grad_norm: float = 1.0
-
-
-@dataclass
 class ParallelConfig:
-    strategy: str = "ddp"  # or fsdp
+    strategy: str = "ddp"  # or fsdp (one FSDP2 unit per transformer layer)
     bucket_cap_mb: int = 25
     gradient_as_bucket_view: bool = True
-    static_graph: bool = True
+    static_graph: bool = False  # True breaks accumulation over several rows per step (see train/distributed.py)
     find_unused_parameters: bool = False
+    timeout_s: float = 1800.0  # a collective (or a step) that takes longer ends the run, naming rank and step
 
 
 @dataclass
@@ -113,6 +112,7 @@ class EvalConfig:
     batch_size: int = 5
     resolution: int = 64
     max_steps: int | None = None
+    timeout_s: float = 3600.0  # how long the other ranks wait for rank 0's evaluation
 
 
 @dataclass
@@ -129,8 +129,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ema_decay: float | None = None
-    freeze_vision: bool = False
-    freeze_vlm: bool = False
+    freeze_vision: bool | None = None  # unset: the preset's (GR00T N1.5 freezes its backbone)
+    freeze_vlm: bool | None = None
     expert_only: bool = False
     gradient_checkpointing: bool = False
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16
@@ -139,12 +139,27 @@ class TrainConfig:
 
 
 # -- setup ---------------------------------------------------------------------------------------------
+def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
+    """Fill what the run leaves unset from the preset's fine-tuning defaults; find the tokenizer."""
+    d, p = policy_defaults(cfg.policy.preset), cfg.policy
+    pick = lambda mine, default: default if mine is None else mine  # noqa: E731
+    near = [Path(p.init_from).expanduser()] if p.init_from else []
+    policy = dataclasses.replace(
+        p, normalization=pick(p.normalization, d.normalization),
+        state_in_prompt=pick(p.state_in_prompt, d.state_in_prompt), embodiment_id=pick(p.embodiment_id, d.embodiment_id),
+        image_resize=pick(p.image_resize, d.image_resize), augmentation=pick(p.augmentation, d.augmentation.to_dict()),
+        tokenizer=find_tokenizer(d.tokenizer, p.tokenizer, near, p.preset))
+    return dataclasses.replace(cfg, policy=policy, freeze_vision=pick(cfg.freeze_vision, d.freeze_vision),
+                               freeze_vlm=pick(cfg.freeze_vlm, d.freeze_vlm))
+
+
 def _chunk(model_cfg) -> int:
     return getattr(model_cfg, "chunk_size", None) or model_cfg.action_horizon
 
 
-def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta]) -> PolicyMeta:
-    """How the policy reads this dataset: camera map, state keys, dims, stats; checked for fit."""
+def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta], init_from: dict | None = None) -> PolicyMeta:
+    """How the policy reads this dataset: camera map, state keys, dims, stats; checked for fit.
+    `cfg` has its defaults filled (`with_policy_defaults`)."""
     first = metas[0]
     problems = []
     for m in metas[1:]:
@@ -174,7 +189,7 @@ def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta]) -> Policy
     elif cfg.policy.stats == "dataset":
         stats_rel = "meta/stats.json"
         stats = first.files.read_json(stats_rel)
-        mode_keys = ("q01", "q99") if cfg.policy.normalization == "quantile" else ("mean", "std")
+        mode_keys = STATS_FOR.get(cfg.policy.normalization, ("mean", "std"))
         lacking = [k for k in needed if k not in stats or any(s not in stats[k] for s in mode_keys)]
         if lacking:
             raise KilovlaError(f"{first.files.path(stats_rel)}: no {'/'.join(mode_keys)} stats for {lacking} "
@@ -187,32 +202,26 @@ def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta]) -> Policy
                       state_keys=list(cfg.policy.state_keys), state_dim=state_dim, action_dim=action_dim,
                       stats={k: stats[k] for k in needed}, normalization=cfg.policy.normalization,
                       state_in_prompt=cfg.policy.state_in_prompt, n_action_steps=cfg.policy.n_action_steps,
-                      embodiment_id=cfg.policy.embodiment_id)
+                      embodiment_id=cfg.policy.embodiment_id, tokenizer=cfg.policy.tokenizer,
+                      image_resize=cfg.policy.image_resize, augmentation=dict(cfg.policy.augmentation),
+                      init_from=init_from)
 
 
-def _freeze(model, cfg: TrainConfig) -> None:
+def apply_freeze(model, *, freeze_vision: bool = False, freeze_vlm: bool = False,
+                 gradient_checkpointing: bool = False) -> None:
+    """Stop gradients to the vision tower (and its projector) or the whole VLM; switch on recompute."""
     groot = isinstance(model, GrootModel)
-    if cfg.freeze_vision:
+    if freeze_vision:
         parts = [model.eagle.vision_model, model.eagle.mlp1] if groot else [model.vlm.vision_tower, model.vlm.multi_modal_projector]
         for p in parts:
             p.requires_grad_(False)
-    if cfg.freeze_vlm or cfg.expert_only:
+    if freeze_vlm:
         (model.backbone if groot else model.paligemma_with_expert.paligemma).requires_grad_(False)
-    if cfg.gradient_checkpointing:
+    if gradient_checkpointing:
         if groot:
             log.warning("gradient checkpointing is implemented for pi0/pi0.5; GR00T trains without it")
         else:
             model.gradient_checkpointing = True
-
-
-def _lr_lambda(cfg: OptimConfig, steps: int):
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, steps - cfg.warmup_steps)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
 
 
 def _sample_noise(model_cfg, seed: int, step: int, sample_ids: np.ndarray, family_time) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,23 +237,70 @@ def _sample_noise(model_cfg, seed: int, step: int, sample_ids: np.ndarray, famil
 
 
 def _memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far: CUDA allocations, or the peak resident set on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return psutil.Process().memory_info().rss / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+
+
+class _Faults:
+    """Deterministic faults for the crash and hang tests, from the environment:
+    KILOVLA_FAULT_AFTER_STEP=N SIGKILLs the run after step N's checkpoint;
+    KILOVLA_FAULT_HANG=R:N makes rank R stop answering when step N begins."""
+
+    def __init__(self, rank: int):
+        self.kill_after = int(os.environ.get("KILOVLA_FAULT_AFTER_STEP", "-1"))
+        hang = os.environ.get("KILOVLA_FAULT_HANG", "")
+        r, _, n = hang.partition(":")
+        self.hang_at = int(n) if hang and int(r) == rank else -1
+
+    def step_begins(self, step: int) -> None:
+        if step == self.hang_at:
+            time.sleep(10**6)
+
+    def step_done(self, step: int) -> None:
+        if step == self.kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dump_gradients(model, trainable_names: list[str], step: int, world) -> None:
+    """KILOVLA_DUMP_GRADS=DIR: the full gradient of every trainable parameter before the optimizer step,
+    as DIR/step_NNNNNN.safetensors (rank 0), for the equivalence tests of accumulation and sharding."""
+    out = os.environ.get("KILOVLA_DUMP_GRADS")
+    if not out:
+        return
+    from kilovla.models.checkpoints import save_safetensors
+
+    grads = {}
+    for name, p in model.named_parameters():
+        if name in trainable_names:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a collective when sharded
+            grads[name] = g.detach().cpu().clone()
+    if world.is_main:
+        save_safetensors(grads, Path(out) / f"step_{step:06d}.safetensors")
 
 
 # -- the loop ------------------------------------------------------------------------------------------
 def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     t_start = time.perf_counter()
-    world = distributed.init()
+    world = distributed.init(cfg.parallel.timeout_s)
     run_dir = Path(cfg.run_dir)
     if not cfg.dataset.roots:
         raise KilovlaError("no dataset: set dataset.roots (a list of LeRobot dataset folders)")
     torch.manual_seed(cfg.seed)
+    cfg = with_policy_defaults(cfg)
     overrides = dict(cfg.policy.overrides)
     model_cfg = preset(cfg.policy.preset, **overrides)
+    init = None
+    if cfg.policy.init_from:  # checked against the model from the file headers, before any work
+        init = open_init_checkpoint(cfg.policy.init_from)
+        model = build_model(cfg.policy.preset, device="meta", **overrides)
+        plan_load(model, init)
     metas = [DatasetMeta(r) for r in cfg.dataset.roots]
-    meta = policy_meta(cfg, model_cfg, metas)
+    meta = policy_meta(cfg, model_cfg, metas,
+                       init_from={"path": str(init.path.resolve()), "layout": init.layout} if init else None)
     processor = Processor(model_cfg, meta)
     chunk = _chunk(model_cfg)
     weights = cfg.dataset.weights or [1.0] * len(metas)
@@ -259,21 +315,24 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=cfg.seed, global_batch_size=cfg.batch.global_batch_size,
                                                       global_batch_tokens=cfg.batch.global_batch_tokens,
                                                       token_budget=cfg.batch.token_budget))
-    model = build_model(cfg.policy.preset, device=world.device, seed=cfg.seed, **overrides)
-    _freeze(model, cfg)
+    if init is not None:  # materialised from the file tensor by tensor, in the model's (float32) dtype
+        load_weights(model, init, device=world.device, progress=cfg.progress and world.is_main)
+        log.info("initialised from %s (%s layout, stored %s)", init.path, init.layout, init.dtypes())
+    else:
+        model = build_model(cfg.policy.preset, device=world.device, seed=cfg.seed, **overrides)
+    apply_freeze(model, freeze_vision=cfg.freeze_vision, freeze_vlm=cfg.freeze_vlm or cfg.expert_only,
+                 gradient_checkpointing=cfg.gradient_checkpointing)
     if cfg.ema_decay and cfg.parallel.strategy == "fsdp" and world.size > 1:
         raise KilovlaError("ema_decay with parallel.strategy=fsdp is not supported yet; use ddp or drop the EMA")
-    # Shard before building the optimizer: FSDP2 replaces parameters with sharded ones.
-    ddp_model = distributed.parallelize(model, cfg.parallel.strategy, world,
-                                        bucket_cap_mb=cfg.parallel.bucket_cap_mb,
-                                        gradient_as_bucket_view=cfg.parallel.gradient_as_bucket_view,
-                                        static_graph=cfg.parallel.static_graph,
-                                        find_unused_parameters=cfg.parallel.find_unused_parameters)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    cuda = world.device.type == "cuda"
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
+    step_model = distributed.parallelize(model, cfg.parallel.strategy, world, bucket_cap_mb=cfg.parallel.bucket_cap_mb,
+                                         gradient_as_bucket_view=cfg.parallel.gradient_as_bucket_view,
+                                         static_graph=cfg.parallel.static_graph,
+                                         find_unused_parameters=cfg.parallel.find_unused_parameters, bf16=bf16)
+    trainable, optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.steps)
+    trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)  # a sharded (DTensor) parameter reports its full size
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.optim, cfg.steps))
     ema = ({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
            if cfg.ema_decay else None)
     start_step = 0
@@ -282,90 +341,120 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         saved = json.loads((folder / "policy.json").read_text())
         if saved.get("preset") != cfg.policy.preset:
             raise KilovlaError(f"{folder}: a checkpoint of {saved.get('preset')!r}, not of {cfg.policy.preset!r}")
-        state = ckpt.load(folder, model, ema, optimizer, scheduler)
+        state = ckpt.load(folder, model, ema, optimizer, scheduler, world)
         plan.load_state_dict(state["plan"])
         start_step = plan.step
+    backend = resolve_backend(model_cfg.attention_backend, world.device)
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
-    logger = MetricsLogger(run_dir, enabled=world.is_main)
+        log.info("attention backend: %s (%s on %s)", backend, model_cfg.attention_backend, world.device.type)
+        if cfg.progress:
+            print(f"kilovla train: {cfg.policy.preset}, {world.size} rank(s)"
+                  f"{f' ({cfg.parallel.strategy})' if world.size > 1 else ''}, attention {backend}"
+                  f"{f' ({model_cfg.attention_backend})' if backend != model_cfg.attention_backend else ''}, "
+                  f"{'bf16' if bf16 else 'fp32'}, from step {start_step}", flush=True)
+    logger = MetricsLogger(run_dir, enabled=world.is_main, resume_step=start_step if folder is not None else None)
     steps_left = cfg.steps - start_step
     if steps_left <= 0:
         return {"steps": start_step, "note": "nothing to do: the checkpoint is at the last step"}
     loader_kwargs = {"num_workers": cfg.loader.num_workers} if cfg.loader.engine == "torch" else {}
     loader = build_loader(cfg.loader.engine, lake, plan, rank=world.rank, world_size=world.size, steps=steps_left,
                           **loader_kwargs)
-    cuda = world.device.type == "cuda"
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=bf16)
     family_time = lambda beta: (0.999 - beta) / 0.999 if isinstance(model, GrootModel) else beta * 0.999 + 0.001  # noqa: E731
-    fault_after = int(os.environ.get("KILOVLA_FAULT_AFTER_STEP", "-1"))  # crash-resume tests kill the run here
+    faults = _Faults(world.rank)
+    watchdog = distributed.Watchdog(world)
     history: list[dict] = []
     progress = _Progress(cfg.steps, start_step, enabled=cfg.progress and world.is_main)
     model.train()
     step_loss = step_tokens = step_capacity = data_wait = 0.0
     step_ids: list[int] = []
+    step_rows = 0
+    phase = f"step {start_step + 1}"
     t_step = time.perf_counter()
     rows = iter(loader)
-    with progress:
-        while True:
-            t_wait = time.perf_counter()
-            try:
-                row = next(rows)
-            except StopIteration:
-                break
-            data_wait += time.perf_counter() - t_wait
-            step = row["step"]
-            global_n = len(plan.global_batch(step))
-            batch = processor.training_batch(row).to(world.device)
-            noise, t = _sample_noise(model_cfg, cfg.seed, step, row["sample_index"], family_time)
-            last = row["row"] == row["rows_in_step"] - 1
-            sync = contextlib.nullcontext() if last or world.size == 1 else ddp_model.no_sync()
-            with sync, autocast:
-                out = ddp_model(batch, noise=noise.to(world.device), time=t.to(world.device))
-                loss = out["per_sample"].sum() * (world.size / global_n)
-                loss.backward()
-            step_loss += float(out["per_sample"].detach().sum())
-            step_tokens += float(row["lengths"].sum())
-            step_capacity += cfg.batch.token_budget
-            step_ids += row["sample_index"].tolist()
-            if not last:
-                continue
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.clip_grad_norm))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if ema is not None:
-                with torch.no_grad():
-                    for n, p in model.named_parameters():
-                        if n in ema:
-                            ema[n].mul_(cfg.ema_decay).add_(p.detach(), alpha=1 - cfg.ema_decay)
-            elapsed = time.perf_counter() - t_step
-            total_loss = distributed.all_reduce_sum(step_loss, world) / global_n
-            tokens = distributed.all_reduce_sum(step_tokens, world)
-            capacity = distributed.all_reduce_sum(step_capacity, world)
-            record = {"kind": "train", "step": step + 1, "loss": total_loss, "lr": scheduler.get_last_lr()[0],
-                      "grad_norm": grad_norm, "samples_per_s": global_n / elapsed, "tokens_per_s": tokens / elapsed,
-                      "padding_fraction": 1 - tokens / capacity if capacity else 0.0,
-                      "data_wait_fraction": data_wait / elapsed, "step_time_s": elapsed,
-                      "peak_memory_mb": _memory_mb(world.device), "world_size": world.size}
-            if (util := mfu(n_trainable, tokens / elapsed / world.size, world.device)) is not None:
-                record["mfu"] = util
-            if cfg.log_sample_ids:
-                record["sample_ids"] = sorted(i for ids in distributed.all_gather_objects(step_ids, world) for i in ids)
-            logger.log(record)
-            history.append(record)
-            progress.update(step + 1, record)
-            done = step + 1
-            if done % cfg.checkpoint.every == 0 or done == cfg.steps:
-                _save(run_dir, done, model, ema, optimizer, scheduler, plan, meta, cfg, metas[0], world)
-            if cfg.eval.every and done % cfg.eval.every == 0 and world.is_main:
-                _evaluate(model, meta, cfg, done, logger, world, on_eval)
-            if done == fault_after:
-                os.kill(os.getpid(), signal.SIGKILL)
-            step_loss = step_tokens = step_capacity = data_wait = 0.0
-            step_ids = []
-            t_step = time.perf_counter()
+    try:
+        with progress:
+            while True:
+                t_wait = time.perf_counter()
+                try:
+                    row = next(rows)
+                except StopIteration:
+                    break
+                data_wait += time.perf_counter() - t_wait
+                step = row["step"]
+                if row["row"] == 0:
+                    phase = f"step {step + 1}"
+                    faults.step_begins(step + 1)
+                    watchdog.arm(phase, world.timeout_s)
+                global_n = len(plan.global_batch(step))
+                batch = processor.training_batch(row, seed=cfg.seed).to(world.device)
+                noise, t = _sample_noise(model_cfg, cfg.seed, step, row["sample_index"], family_time)
+                last = row["row"] == row["rows_in_step"] - 1
+                # Every row but the step's last only accumulates: one gradient reduction per step.
+                with distributed.gradient_sync(step_model, sync=last), autocast:
+                    out = step_model(batch, noise=noise.to(world.device), time=t.to(world.device))
+                    loss = out["per_sample"].sum() * (world.size / global_n)
+                    loss.backward()
+                step_loss += float(out["per_sample"].detach().sum())
+                step_tokens += float(row["lengths"].sum())
+                step_capacity += cfg.batch.token_budget
+                step_ids += row["sample_index"].tolist()
+                step_rows += 1
+                if not last:
+                    continue
+                _dump_gradients(model, trainable_names, step + 1, world)
+                grad_norm = clip_gradients(trainable, cfg.optim.clip_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if ema is not None:
+                    with torch.no_grad():
+                        for n, p in model.named_parameters():
+                            if n in ema:
+                                ema[n].mul_(cfg.ema_decay).add_(p.detach(), alpha=1 - cfg.ema_decay)
+                elapsed = time.perf_counter() - t_step
+                total_loss = distributed.all_reduce_sum(step_loss, world) / global_n
+                tokens = distributed.all_reduce_sum(step_tokens, world)
+                capacity = distributed.all_reduce_sum(step_capacity, world)
+                record = {"kind": "train", "step": step + 1, "loss": total_loss, "lr": scheduler.get_last_lr()[0],
+                          "grad_norm": grad_norm, "samples_per_s": global_n / elapsed, "tokens_per_s": tokens / elapsed,
+                          "padding_fraction": 1 - tokens / capacity if capacity else 0.0,
+                          "data_wait_fraction": data_wait / elapsed, "step_time_s": elapsed,
+                          "rows_per_rank": step_rows, "peak_memory_mb": _memory_mb(world.device),
+                          "world_size": world.size, "attention_backend": backend}
+                if (util := mfu(n_trainable, tokens / elapsed / world.size, world.device)) is not None:
+                    record["mfu"] = util
+                if cfg.log_sample_ids:
+                    record["sample_ids"] = sorted(i for ids in distributed.all_gather_objects(step_ids, world) for i in ids)
+                logger.log(record)
+                history.append(record)
+                progress.update(step + 1, record)
+                done = step + 1
+                if done % cfg.checkpoint.every == 0 or done == cfg.steps:
+                    phase = f"checkpoint at step {done}"
+                    watchdog.arm(phase, world.timeout_s)
+                    _save(run_dir, done, model, ema, optimizer, scheduler, plan, meta, cfg, metas[0], world,
+                          final=done == cfg.steps)
+                if cfg.eval.every and done % cfg.eval.every == 0:
+                    phase = f"evaluation at step {done}"
+                    watchdog.arm(phase, cfg.eval.timeout_s)
+                    _evaluate(model, meta, cfg, done, logger, world, on_eval)
+                watchdog.disarm()
+                faults.step_done(done)
+                step_loss = step_tokens = step_capacity = data_wait = 0.0
+                step_ids, step_rows = [], 0
+                t_step = time.perf_counter()
+    except KilovlaError:
+        raise
+    except Exception as e:
+        failure = distributed.collective_failure(e, world, phase)
+        if failure is not None:
+            raise failure from None
+        raise
+    finally:
+        watchdog.close()
     logger.close()
     summary = {}
     if world.is_main and history:
@@ -374,46 +463,54 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         summary = {"steps": history[-1]["step"], "samples_per_s": statistics.median(r["samples_per_s"] for r in tail),
                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in tail),
                    "padding_fraction": statistics.mean(r["padding_fraction"] for r in history),
+                   "data_wait_fraction": statistics.mean(r["data_wait_fraction"] for r in tail),
                    "final_loss": history[-1]["loss"], "checkpoint": str(ckpt.latest(run_dir / "checkpoints")),
+                   "attention_backend": backend,
                    "plot": str(plot) if plot else None, "wall_s": time.perf_counter() - t_start}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     distributed.shutdown()
     return summary
 
 
-def _save(run_dir, step, model, ema, optimizer, scheduler, plan, meta, cfg, first_meta, world) -> None:
+def _save(run_dir, step, model, ema, optimizer, scheduler, plan, meta, cfg, first_meta, world, final: bool) -> None:
     import dataclasses as dc
 
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=opts)  # collectives under FSDP: every rank calls
-    optim_state = get_optimizer_state_dict(model, optimizer, options=opts)
-    if not world.is_main:
-        return
-    ema_state = {**model_state, **{k: v.cpu() for k, v in ema.items()}} if ema is not None else None
-    ckpt.save(Path(run_dir) / "checkpoints" / f"step_{step:06d}", model_state=model_state, ema_state=ema_state,
-              optimizer_state=optim_state, scheduler_state=scheduler.state_dict(),
-              trainer_state={"step": step, "plan": plan.state_dict(), "world_size": world.size},
+    ckpt.save(Path(run_dir) / "checkpoints" / f"step_{step:06d}", model=model, optimizer=optimizer,
+              scheduler=scheduler, ema=ema, world=world,
+              trainer_state={"step": step, "plan": plan.state_dict(), "world_size": world.size,
+                             "strategy": cfg.parallel.strategy if world.size > 1 else "single"},
               policy_meta=dc.asdict(meta), config_yaml=config_mod.dump_yaml(cfg),
-              stats=first_meta.files.read_json("meta/stats.json"), keep=cfg.checkpoint.keep)
+              stats=first_meta.files.read_json("meta/stats.json"), keep=cfg.checkpoint.keep, full_weights=final)
 
 
 def _evaluate(model, meta, cfg, step, logger, world, on_eval) -> None:
+    """Closed-loop evaluation on rank 0 while the other ranks wait at a barrier. A sharded model is
+    gathered first (every rank takes part) into a plain copy on rank 0, so that no collective runs
+    while only rank 0 is busy."""
     from kilovla.eval.closed_loop import evaluate
     from kilovla.models.policy import VLAPolicy
 
-    policy = VLAPolicy(model, meta, world.device)
-    report = evaluate(policy, env=cfg.eval.env, tasks=list(cfg.eval.tasks), episodes=cfg.eval.episodes,
-                      batch_size=cfg.eval.batch_size, resolution=cfg.eval.resolution, max_steps=cfg.eval.max_steps,
-                      seed=cfg.seed)
-    model.train()
-    record = {"kind": "eval", "step": step, "success_rate": report["overall_success_rate"],
-              **{f"success/{t}": r["success_rate"] for t, r in report["per_task"].items()}}
-    logger.log(record)
-    if on_eval is not None:
-        on_eval(record)
+    eval_model = model
+    if distributed.is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if world.is_main:
+            eval_model = build_model(cfg.policy.preset, device="meta", **cfg.policy.overrides)
+            eval_model.load_state_dict(full, assign=True)
+    if world.is_main:
+        policy = VLAPolicy(eval_model, meta, world.device)
+        report = evaluate(policy, env=cfg.eval.env, tasks=list(cfg.eval.tasks), episodes=cfg.eval.episodes,
+                          batch_size=cfg.eval.batch_size, resolution=cfg.eval.resolution,
+                          max_steps=cfg.eval.max_steps, seed=cfg.seed)
+        model.train()
+        record = {"kind": "eval", "step": step, "success_rate": report["overall_success_rate"],
+                  "crashed_episodes": report.get("crashed_episodes", 0),
+                  **{f"success/{t}": r["success_rate"] for t, r in report["per_task"].items()}}
+        logger.log(record)
+        if on_eval is not None:
+            on_eval(record)
+    distributed.barrier(world, f"evaluation at step {step}", cfg.eval.timeout_s)
 
 
 class _Progress:

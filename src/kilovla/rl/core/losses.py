@@ -1,0 +1,84 @@
+"""RL losses and advantage estimators as pure functions of tensors (per-sample values; the caller
+sums them, so a streamed global batch can be normalised once).
+
+- `ppo_loss`: clipped surrogate, -min(r A, clip(r, 1-e, 1+e) A) with r = exp(logp - old_logp).
+- `decoupled_ppo_loss` (AReaL): three policies. The behaviour policy acted (its log-probs came with
+  the rollout), the proximal policy is the learner's policy when the sample is consumed (before this
+  update), the current one is being trained:
+      w = exp(prox - behav)  (detached; samples with w > behav_cap are masked out)
+      r = exp(logp - prox)
+      loss = -w * min(r A, clip(r, 1-e, 1+e) A)
+  When nothing is stale, prox = behav, w = 1 and it equals `ppo_loss`.
+- `value_loss`: clipped squared error of a value head, as in PPO2.
+- `gae`: generalised advantage estimation over a segment, bootstrapped from the value after it.
+- `group_advantages` (GRPO): (R - mean of the group) / (std of the group + eps) per rollout.
+
+>>> ppo_loss(torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([2.0]))[0]
+tensor([-2.])
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+             clip: float = 0.2) -> tuple[torch.Tensor, dict]:
+    """Per-sample clipped PPO loss (B,) and stats (clip fraction, approximate KL)."""
+    log_ratio = logp - old_logp
+    ratio = log_ratio.exp()
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
+    with torch.no_grad():
+        stats = {"clip_fraction": ((ratio - 1).abs() > clip).float().mean().item(),
+                 "approx_kl": ((ratio - 1) - log_ratio).mean().item()}
+    return -surrogate, stats
+
+
+def decoupled_ppo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
+                       advantages: torch.Tensor, clip: float = 0.2, behav_cap: float = 2.0) -> tuple[torch.Tensor, dict]:
+    """Per-sample decoupled PPO loss (B,): PPO against the proximal policy, weighted by how far the
+    behaviour policy was from it. Samples with weight above `behav_cap` contribute nothing."""
+    weight = (prox_logp - behav_logp).detach().exp()
+    keep = (weight <= behav_cap).to(logp.dtype)
+    per_sample, stats = ppo_loss(logp, prox_logp.detach(), advantages, clip)
+    stats["behav_weight_mean"] = weight.mean().item()
+    stats["behav_masked_fraction"] = 1.0 - keep.mean().item()
+    return per_sample * weight * keep, stats
+
+
+def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, clip: float = 0.2) -> torch.Tensor:
+    """Per-sample 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2)."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_value: torch.Tensor,
+        gamma: float = 0.99, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns (T,) of one segment of T steps.
+
+    rewards, values, dones (T,): dones[t] = the episode ended at step t (no bootstrap past it);
+    last_value: V of the state after the segment (ignored when it ended an episode).
+        delta_t = r_t + gamma * V_{t+1} * (1 - done_t) - V_t
+        A_t = delta_t + gamma * lam * (1 - done_t) * A_{t+1}
+    """
+    t_len = len(rewards)
+    advantages = torch.zeros_like(rewards)
+    next_value, next_adv = last_value, torch.zeros((), dtype=rewards.dtype)
+    for t in reversed(range(t_len)):
+        live = 1.0 - dones[t].to(rewards.dtype)
+        delta = rewards[t] + gamma * next_value * live - values[t]
+        next_adv = delta + gamma * lam * live * next_adv
+        advantages[t] = next_adv
+        next_value = values[t]
+    return advantages, advantages + values
+
+
+def group_advantages(returns: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: each rollout's return against the others of its group (rollouts from the same start)."""
+    out = torch.zeros_like(returns)
+    for g in groups.unique():
+        members = groups == g
+        r = returns[members]
+        std = r.std(unbiased=False) if len(r) > 1 else torch.zeros((), dtype=r.dtype)
+        out[members] = (r - r.mean()) / (std + eps)
+    return out

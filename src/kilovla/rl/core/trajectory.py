@@ -1,0 +1,71 @@
+"""Versioned trajectories: what an env sends the learner.
+
+A `Segment` is T consecutive policy steps of one env, admitted once by the staleness gate. Each
+step carries the policy version whose weights chose its action (its *behaviour version*), the
+stored denoising chain and its log-probability, the value estimate, the reward summed over the
+actions executed in the env, and whether an episode ended there (the env resets and the segment
+goes on). The observation after the last step (`next_obs`) lets the learner bootstrap the value.
+
+Segments have a fixed length, so a global batch of B segments is B * T samples, known before any
+arrives: the streaming learner can scale every micro-batch's loss right away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def stack(observations: list[dict]) -> dict:
+    """Per-step observation dicts -> one dict of arrays stacked on axis 0 (strings as lists)."""
+    out = {}
+    for key, value in observations[0].items():
+        out[key] = [o[key] for o in observations] if isinstance(value, str) else np.stack([o[key] for o in observations])
+    return out
+
+
+def index(obs: dict, rows) -> dict:
+    """Rows of a stacked observation dict."""
+    rows = np.asarray(rows)
+    return {k: [v[i] for i in rows] if isinstance(v, list) else v[rows] for k, v in obs.items()}
+
+
+def concat(observations: list[dict]) -> dict:
+    out = {}
+    for key, value in observations[0].items():
+        out[key] = [x for o in observations for x in o[key]] if isinstance(value, list) else \
+            np.concatenate([o[key] for o in observations])
+    return out
+
+
+@dataclass
+class Episode:
+    """An episode that ended inside a segment."""
+
+    task: str
+    seed: int
+    success: bool
+    steps: int  # env steps (actions executed)
+    return_: float
+
+
+@dataclass
+class Segment:
+    segment_id: tuple[int, int, int, int]  # (env worker, its incarnation, env slot, sequence): never consumed twice
+    ticket: int  # the staleness gate's admission ticket: global batch ticket // B consumes it (-1: sync mode)
+    start_version: int  # policy version when the staleness gate admitted it
+    obs: dict  # stacked over the T steps
+    chain: np.ndarray  # (T, K + 1, H, A)
+    stochastic: np.ndarray  # (T, K) bool
+    logp: np.ndarray  # (T,)
+    value: np.ndarray  # (T,)
+    reward: np.ndarray  # (T,)
+    done: np.ndarray  # (T,) bool: an episode ended at this step
+    version: np.ndarray  # (T,) behaviour version of each step
+    next_obs: dict  # the observation after the last step (one env, unstacked)
+    env_steps: int = 0  # actions executed in the env
+    episodes: list[Episode] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.reward)

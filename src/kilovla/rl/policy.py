@@ -1,0 +1,89 @@
+"""A VLA policy (pi0, pi0.5, GR00T N1.5) as an RL actor-critic.
+
+`ActorCritic` holds the VLA and a small value head. Acting samples a Flow-SDE chain (exact
+log-probabilities, `core/flow.py`); the value head reads the model's pooled prefix features,
+detached, so the critic never moves the VLA. `evaluate` recomputes the log-probability of stored
+chains and the values, differentiably, which is all the learner needs.
+
+Observations are what the envs return (LeRobot keys, stacked); the `Processor` the supervised
+trainer used turns them into model batches, so RL sees exactly what the policy was trained on.
+Only the actions the env executes count in the log-probability: the first `n_action_steps` chunk
+positions and the env's action dims.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from kilovla.models.policy import load_checkpoint_policy
+from kilovla.models.processor import PolicyMeta, Processor
+from kilovla.rl.core.flow import FlowSDE, chain_log_prob, sample_chain
+
+
+class ActorCritic(nn.Module):
+    def __init__(self, vla: nn.Module, meta: PolicyMeta, sde: FlowSDE, n_action_steps: int, value_hidden: int = 256):
+        super().__init__()
+        self.vla, self.meta, self.sde = vla, meta, sde
+        self.processor = Processor(vla.config, meta)
+        cfg = vla.config
+        self.horizon = getattr(cfg, "chunk_size", None) or cfg.action_horizon
+        self.n_action_steps = min(n_action_steps, self.horizon)
+        mask = torch.zeros(self.horizon, cfg.max_action_dim)
+        mask[: self.n_action_steps, : meta.action_dim] = 1.0
+        self.register_buffer("executed", mask, persistent=False)
+        features = self._feature_dim()
+        self.value_head = nn.Sequential(nn.Linear(features, value_hidden), nn.Tanh(), nn.Linear(value_hidden, 1))
+
+    def _feature_dim(self) -> int:
+        from kilovla.models.groot import GrootModel
+
+        cfg = self.vla.config
+        if isinstance(self.vla, GrootModel):
+            return cfg.llm.width
+        return 2 * cfg.lm.kv_heads * cfg.lm.head_dim
+
+    def batch(self, obs: dict):
+        return self.processor.observation_batch(obs).to(self.executed.device)
+
+    @torch.no_grad()
+    def act(self, obs: dict, generator: torch.Generator | None = None) -> dict[str, np.ndarray]:
+        """Stacked observations -> executed actions (B, n_action_steps, action_dim) in env units, the
+        chain, which steps were stochastic, its log-prob and the value."""
+        batch = self.batch(obs)
+        field, features = self.vla.velocity_field(batch)
+        cfg = self.vla.config
+        noise = torch.randn(batch.state.shape[0], self.horizon, cfg.max_action_dim, generator=generator)
+        chain, stochastic, logp = sample_chain(field, noise.to(self.executed.device), self.sde, self.executed, generator)
+        value = self.value_head(features.detach().float())[:, 0]
+        actions = self.processor.unnormalize_actions(chain[:, -1, : self.n_action_steps].float().cpu().numpy())
+        return {"actions": actions, "chain": chain.cpu().numpy(), "stochastic": stochastic.cpu().numpy(),
+                "logp": logp.cpu().numpy(), "value": value.cpu().numpy()}
+
+    @torch.no_grad()
+    def value(self, obs: dict) -> np.ndarray:
+        _, features = self.vla.velocity_field(self.batch(obs))
+        return self.value_head(features.detach().float())[:, 0].cpu().numpy()
+
+    def forward(self, obs: dict, chain: torch.Tensor, stochastic: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Differentiable log-probs (B,) of stored chains and values (B,): what the learner trains."""
+        field, features = self.vla.velocity_field(self.batch(obs))
+        logp = chain_log_prob(field, chain.to(self.executed.device), stochastic.to(self.executed.device), self.sde,
+                              self.executed)
+        return logp, self.value_head(features.detach().float())[:, 0]
+
+
+def load_actor_critic(policy_dir: str, sde: FlowSDE, n_action_steps: int | None = None, device: str = "cpu") -> ActorCritic:
+    """A policy folder (a supervised checkpoint, or an RL one with its value head) as an actor-critic."""
+    from pathlib import Path
+
+    from kilovla.models.checkpoints import read_safetensors
+
+    policy = load_checkpoint_policy(policy_dir, device=device)
+    steps = n_action_steps or policy.meta.n_action_steps or 1
+    model = ActorCritic(policy.model.train(), policy.meta, sde, steps).to(device)
+    head = Path(policy_dir) / "value_head.safetensors"
+    if head.is_file():
+        model.value_head.load_state_dict(read_safetensors(head))
+    return model

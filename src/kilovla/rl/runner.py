@@ -1,0 +1,530 @@
+"""`kilovla rl`: RL fine-tuning of a VLA policy folder, synchronous or fully asynchronous (RL-VLA3).
+
+    kilovla rl --config rl.yaml --mode async --policy demo-output/run/checkpoints/step_002500
+    kilovla rl --config rl.yaml --mode sync --resume auto
+    ray start --head; kilovla rl --config rl.yaml --ray-address auto   # on a cluster
+
+Both modes use the same workers, policy and algorithm (PPO with a value head and GAE, decoupled
+when rollouts may be stale), and one optimizer step per global batch of `batch_segments` segments:
+
+- ``sync`` (the honest baseline, RLinf's synchronous mode): every env steps in lock step (one
+  batched inference over all envs, then every env executes its chunk, in parallel); after
+  `segment_steps` steps the learner trains on the batch while the envs wait; then the weights go to
+  the inference server.
+- ``async`` (RL-VLA3): every env runs its own loop, the inference server batches whatever requests
+  arrive (`DynamicBatcher`), the learner trains each segment as it arrives and steps once the batch
+  is complete; rollout, inference and training overlap. `max_staleness` bounds how many versions a
+  rollout may run ahead (0: one version per batch, RL-VLA3's per-step weight sync).
+
+Env workers that crash or hang are replaced (their running segments are dropped and counted); a
+weight sync that does not finish within `weight_sync_timeout_s` ends the run with one line; a
+killed driver continues from its last checkpoint with `--resume`. Metrics per policy version go to
+run_dir/metrics.jsonl; the final policy is evaluated closed loop with the trainer's `evaluate`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kilovla import config as config_mod
+from kilovla.data.ray_cluster import connect_ray
+from kilovla.errors import KilovlaError
+from kilovla.rl.core.flow import FlowSDE
+from kilovla.rl.learner import AlgoConfig
+from kilovla.train import checkpoint as ckpt
+from kilovla.train.metrics import MetricsLogger
+
+log = logging.getLogger(__name__)
+TRAIN_SEED_BASE = 10_000_000  # training episodes use seeds far from the evaluation seeds
+STARTUP_S = 120.0  # a new env worker's grace period to start before it counts as hung
+
+
+@dataclass
+class EnvSection:
+    env: str = "metaworld"
+    tasks: list[str] = field(default_factory=lambda: ["reach-v3", "push-v3"])
+    workers: int = 2
+    envs_per_worker: int = 8
+    resolution: int = 64
+    cameras: list[str] = field(default_factory=lambda: ["scene", "wrist"])
+    max_steps: int = 150
+    latency: dict = field(default_factory=dict)  # LatencyModel fields, e.g. {distribution: lognormal, mean_s: 0.02}
+    reward_scale: float = 0.01  # times the simulator's (shaped) reward, summed over a chunk's actions
+    success_bonus: float = 1.0
+    timeout_s: float = 60.0  # an env step (or a worker) that takes longer is a hang: the worker is replaced
+
+
+@dataclass
+class RolloutSection:
+    segment_steps: int = 8  # policy steps per segment
+    n_action_steps: int | None = None  # actions executed per chunk (default: the policy's)
+    max_batch_size: int = 16  # dynamic batcher: B_max
+    max_wait_s: float = 0.0  # and T_max (0: run as soon as the model is free, with whatever is queued)
+    sde_steps: int | None = None  # denoising steps while acting (default: the model's)
+    noise_level: float = 0.5
+    stochastic: str = "one"
+
+
+@dataclass
+class LearnerSection:
+    batch_segments: int = 16  # segments per optimizer step (a global batch)
+    max_staleness: int = 0
+    ranks: int = 1  # learner processes (DDP)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 10
+    keep: int = 3
+
+
+@dataclass
+class EvalSection:
+    episodes: int = 10  # per task; 0: no final evaluation
+    tasks: list[str] = field(default_factory=list)  # default: the training tasks
+    batch_size: int = 10
+
+
+@dataclass
+class RLConfig:
+    run_dir: str = "runs/rl"
+    policy: str = ""  # a policy folder: a supervised checkpoint (or an RL one)
+    mode: str = "async"
+    seed: int = 0
+    steps: int = 50  # optimizer steps (policy versions)
+    env: EnvSection = field(default_factory=EnvSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    learner: LearnerSection = field(default_factory=LearnerSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    weight_sync: str = "auto"  # object_store, collective (NCCL on GPUs, gloo on CPU), auto: collective on CUDA
+    weight_sync_timeout_s: float = 120.0
+    inference_threads: int = 1
+    learner_threads: int = 1
+    progress: bool = True
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None, faults: dict | None = None,
+        time_budget_s: float | None = None) -> dict:
+    """Train; returns the summary (also run_dir/summary.json). `time_budget_s` ends the run (with its
+    final checkpoint) at the first policy version past that wall time; `faults` injects failures (tests)."""
+    import ray
+
+    if cfg.mode not in ("sync", "async"):
+        raise KilovlaError(f"mode must be sync or async, not {cfg.mode!r}")
+    if cfg.weight_sync not in ("auto", "object_store", "collective"):
+        raise KilovlaError(f"weight_sync must be auto, object_store or collective, not {cfg.weight_sync!r}")
+    run_dir = Path(cfg.run_dir)
+    folder = ckpt.resolve(resume, run_dir, "rl_state.json") if resume else None
+    policy_dir = str(folder) if folder is not None else cfg.policy
+    if not policy_dir or not (Path(policy_dir) / "policy.json").is_file():
+        raise KilovlaError(f"--policy {policy_dir or '(none)'}: not a policy folder (no policy.json)")
+    meta = json.loads((Path(policy_dir) / "policy.json").read_text())
+    if meta.get("quantization_config"):
+        raise KilovlaError(f"{policy_dir}: a quantized policy cannot be trained; start from the unquantized folder")
+    sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
+    n_envs = cfg.env.workers * cfg.env.envs_per_worker
+    if cfg.mode == "sync" and cfg.learner.batch_segments % n_envs:
+        raise KilovlaError(f"sync mode steps every env together: learner.batch_segments ({cfg.learner.batch_segments}) "
+                           f"must be a multiple of the number of envs ({n_envs})")
+    if cfg.learner.batch_segments % cfg.learner.ranks:
+        raise KilovlaError(f"learner.batch_segments ({cfg.learner.batch_segments}) must split evenly over "
+                           f"{cfg.learner.ranks} learner ranks")
+    state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
+    version = state.get("version", 0)
+
+    connect_ray(ray_address, num_cpus=max(2, os.cpu_count() or 2), what="kilovla rl")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
+    logger = MetricsLogger(run_dir, resume_step=version if folder is not None else None)
+    roles = _Roles(cfg, policy_dir, sde, n_action_steps, version, state, faults or {})
+    try:
+        if folder is not None:
+            ray.get([lw.load_state.remote(ray.put(torch.load(folder / "learner.pt", weights_only=False)))
+                     for lw in roles.learners])
+        roles.sync_weights(version)
+        loop = (_AsyncLoop if cfg.mode == "async" else _SyncLoop)(cfg, roles, logger, time_budget_s)
+        loop.run(version, state)
+        final = roles.checkpoint(loop.version, loop.counters(), keep=cfg.checkpoint.keep)
+        summary = {"mode": cfg.mode, "steps": loop.version, "checkpoint": str(final), **loop.summary()}
+    finally:
+        roles.shutdown()
+        logger.close()
+    if cfg.eval.episodes > 0:
+        summary["eval"] = _evaluate(final, cfg)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _sde(cfg: RLConfig, meta: dict) -> FlowSDE:
+    from kilovla.models.presets import preset
+
+    steps = cfg.rollout.sde_steps or preset(meta["preset"], **meta.get("overrides", {})).num_inference_steps
+    return FlowSDE(steps=steps, noise_level=cfg.rollout.noise_level, stochastic=cfg.rollout.stochastic)
+
+
+class _Roles:
+    """The actors of a run, their creation, replacement and weight sync."""
+
+    def __init__(self, cfg: RLConfig, policy_dir: str, sde: FlowSDE, n_action_steps: int, version: int, state: dict,
+                 faults: dict):
+        import ray
+
+        from kilovla.rl import workers
+
+        self.cfg, self.policy_dir, self.faults = cfg, policy_dir, faults
+        self.meta = json.loads((Path(policy_dir) / "policy.json").read_text())
+        self.server = workers.InferenceServer.remote(policy_dir, sde, n_action_steps, cfg.rollout.max_batch_size,
+                                                     cfg.rollout.max_wait_s, cfg.seed, cfg.inference_threads)
+        if faults.get("server"):
+            ray.get(self.server.inject.remote(faults["server"]))
+        ray.get(self.server.stats.remote())  # started: weight syncs are timed from here
+        self.collective = cfg.weight_sync == "collective" or (cfg.weight_sync == "auto" and torch.cuda.is_available())
+        self.buffer = workers.TrajectoryBuffer.remote(cfg.learner.max_staleness, cfg.learner.batch_segments, version)
+        ranks = cfg.learner.ranks
+        self.learners = [workers.LearnerWorker.remote(policy_dir, sde, n_action_steps, cfg.learner.algo,
+                                                      cfg.learner.batch_segments, cfg.rollout.segment_steps, cfg.steps,
+                                                      cfg.learner_threads) for _ in range(ranks)]
+        store = ray.get(self.learners[0].address.remote()) if ranks > 1 else None
+        ray.get([lw.start.remote(rank, ranks, store) for rank, lw in enumerate(self.learners)])
+        seeds = state.get("next_seeds") or {}
+        self.envs, self.next_seed, self._seen, self._checked, self.incarnation = [], {}, {}, 0.0, {}
+        for w in range(cfg.env.workers):
+            self.next_seed[w] = seeds.get(str(w), [TRAIN_SEED_BASE + cfg.seed * 1_000_000 + (w * cfg.env.envs_per_worker + e) * 10_000
+                                                   for e in range(cfg.env.envs_per_worker)])
+            self.envs.append(self._env_worker(w))
+        self.replaced = state.get("replaced_workers", 0)
+        self.started_from = state.get("started_from", policy_dir)  # the supervised policy the run began with
+        if self.collective:  # learner rank 0 and the server meet in a process group of their own
+            host, port = ray.get(self.learners[0].address.remote())
+            ray.get([self.learners[0].join_weight_channel.remote(host, port, cfg.weight_sync_timeout_s),
+                     self.server.join_weight_channel.remote(host, port, cfg.weight_sync_timeout_s)])
+
+    def _env_worker(self, w: int):
+        from kilovla.envs.vector import EnvConfig
+        from kilovla.rl import workers
+
+        env = self.cfg.env
+        configs = []
+        for e in range(env.envs_per_worker):
+            task = env.tasks[(w * env.envs_per_worker + e) % len(env.tasks)]
+            latency = {**env.latency, "seed": self.cfg.seed * 1000 + w * 100 + e} if env.latency else None
+            configs.append((EnvConfig(env.env, {"task": task, "resolution": env.resolution, "cameras": tuple(env.cameras),
+                                                "max_steps": env.max_steps}, latency), self.next_seed[w][e]))
+        fault = self.faults.get("env_workers", {}).get(w) if not self.faults.get("used", {}).get(w) else None
+        self._seen[w] = time.monotonic() + STARTUP_S  # building envs (imports, renderers) takes a while
+        self.incarnation[w] = self.incarnation.get(w, -1) + 1
+        return workers.EnvWorker.options(scheduling_strategy="SPREAD").remote(
+            w, self.incarnation[w], configs, self.cfg.rollout.segment_steps, env.reward_scale, env.success_bonus, fault)
+
+    def check_envs(self, force: bool = False) -> list[int]:
+        """Replace env workers that died or hang; returns the replaced worker ids. A worker hangs when one of
+        its env steps has run longer than `env.timeout_s`, or when it has not answered for that long
+        (a new worker gets `STARTUP_S` to build its envs first). Checks at most every 2 s unless forced."""
+        import ray
+
+        now = time.monotonic()
+        if not force and now - self._checked < 2.0:
+            return []
+        self._checked = now
+        refs = [w.heartbeat.remote() for w in self.envs]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+        replaced = []
+        for w, ref in enumerate(refs):
+            why = None
+            if ref in ready:
+                try:
+                    beat = ray.get(ref)
+                    self._seen[w] = now
+                    if beat["stuck_s"] > self.cfg.env.timeout_s:
+                        why = f"an env step has taken {beat['stuck_s']:.0f} s"
+                except ray.exceptions.RayActorError:
+                    why = "its process died"
+            elif now - self._seen[w] > self.cfg.env.timeout_s:
+                why = f"no answer for {now - self._seen[w]:.0f} s"
+            if why is None:
+                continue
+            log.warning("env worker %d is replaced (%s); its running segments are dropped", w, why)
+            ray.kill(self.envs[w], no_restart=True)
+            ray.get(self.buffer.drop_worker.remote(w, self.incarnation[w]))
+            self.faults.setdefault("used", {})[w] = True  # an injected fault happens once
+            for e in range(self.cfg.env.envs_per_worker):  # fresh episodes, never a seed already played
+                self.next_seed[w][e] += 1000
+            self.envs[w] = self._env_worker(w)
+            replaced.append(w)
+        self.replaced += len(replaced)
+        return replaced
+
+    def sync_weights(self, version: int) -> None:
+        """Send the learner's weights to the inference server; a sync that does not finish in time ends the run."""
+        import ray
+
+        if self.collective:
+            refs = [self.learners[0].send_weights.remote(), self.server.receive_weights.remote(version)]
+        else:
+            weights = self.learners[0].weights.remote()  # passed by reference: the driver never copies them
+            ray.wait([weights])  # the deadline covers the transfer, not the learner's step or start-up
+            refs = [self.server.set_weights.remote(weights, version)]
+        try:
+            ray.get(refs, timeout=self.cfg.weight_sync_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise KilovlaError(f"weight sync of policy version {version} to the inference server did not complete "
+                               f"within {self.cfg.weight_sync_timeout_s:g} s; ending the run") from None
+
+    def checkpoint(self, version: int, counters: dict, keep: int) -> Path:
+        """A policy folder (model.safetensors, policy.json, value_head.safetensors) plus what resumes the run."""
+        import ray
+
+        from kilovla.models.checkpoints import save_safetensors
+
+        learner_state = ray.get(self.learners[0].state.remote())
+        root = Path(self.cfg.run_dir) / "checkpoints"
+        folder = root / f"step_{version:06d}"
+        tmp = root / f".{folder.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        weights = learner_state["model"]
+        save_safetensors({k.removeprefix("vla."): v for k, v in weights.items() if k.startswith("vla.")},
+                         tmp / "model.safetensors")
+        save_safetensors({k.removeprefix("value_head."): v for k, v in weights.items() if k.startswith("value_head.")},
+                         tmp / "value_head.safetensors")
+        torch.save(learner_state, tmp / "learner.pt")
+        (tmp / "policy.json").write_text(json.dumps(self.meta, indent=2))
+        state = {"version": version, "started_from": self.started_from,
+                 "next_seeds": {str(w): s for w, s in self.next_seed.items()},
+                 "replaced_workers": self.replaced, **counters}
+        (tmp / "rl_state.json").write_text(json.dumps(state, indent=2))
+        (tmp / "config.yaml").write_text(config_mod.dump_yaml(self.cfg))
+        ckpt.put_in_place(tmp, folder)
+        ckpt.point_latest(root, folder)
+        ckpt.prune(root, keep)
+        return folder
+
+    def stats(self) -> dict:
+        import ray
+
+        out = {"inference": ray.get(self.server.stats.remote()), "buffer": ray.get(self.buffer.stats.remote()),
+               "learner_busy_fraction": ray.get(self.learners[0].busy_fraction.remote())}
+        beats = []
+        for worker in self.envs:
+            try:
+                beats.append(ray.get(worker.heartbeat.remote(), timeout=5))
+            except Exception:  # noqa: BLE001  a dying worker reports nothing; the health check replaces it
+                continue
+        out["env_busy_fraction"] = float(np.mean([b["busy_fraction"] for b in beats])) if beats else 0.0
+        out["env_nodes"] = sorted({b["node"] for b in beats})
+        return out
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.buffer.close.remote(), timeout=10)
+            for w in self.envs:
+                w.stop.remote()
+        except Exception:  # noqa: BLE001  shutting down after a failure: kill whatever is left
+            pass
+        for actor in [*self.envs, self.server, self.buffer, *self.learners]:
+            ray.kill(actor, no_restart=True)
+
+
+class _Loop:
+    """What both modes share: counters, metrics per version, checkpoints, the progress bar."""
+
+    def __init__(self, cfg: RLConfig, roles: _Roles, logger: MetricsLogger, time_budget_s: float | None = None):
+        self.cfg, self.roles, self.logger = cfg, roles, logger
+        self.deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+        self.version = 0
+        self.env_steps = self.episodes = self.successes = 0
+        self._window = {"t": time.monotonic(), "env_steps": 0, "episodes": 0, "successes": 0}
+        self.t_start = time.monotonic()
+        self.records: list[dict] = []
+        self.per_task: dict[str, tuple[int, int]] = {}  # task -> (episodes, successes) since the last record
+
+    def going(self) -> bool:
+        return self.version < self.cfg.steps and (self.deadline is None or time.monotonic() < self.deadline)
+
+    def counters(self) -> dict:
+        return {"env_steps": self.env_steps, "episodes": self.episodes, "successes": self.successes}
+
+    def _start(self, version: int, state: dict) -> None:
+        self.version = version
+        self.env_steps, self.episodes, self.successes = (state.get(k, 0) for k in ("env_steps", "episodes", "successes"))
+        self._window = {"t": time.monotonic(), **self.counters()}
+
+    def count(self, segments) -> None:
+        for s in segments:
+            self.env_steps += s.env_steps
+            self.episodes += len(s.episodes)
+            self.successes += sum(e.success for e in s.episodes)
+            for e in s.episodes:
+                done, won = self.per_task.get(e.task, (0, 0))
+                self.per_task[e.task] = (done + 1, won + int(e.success))
+
+    def stepped(self, learner_stats: dict, progress) -> None:
+        self.version = learner_stats["version"]
+        now = time.monotonic()
+        w = self._window
+        dt = now - w["t"]
+        episodes = self.episodes - w["episodes"]
+        stats = self.roles.stats()
+        inference = stats["inference"]
+        record = {"kind": "rl", "step": self.version, "mode": self.cfg.mode, "env_steps": self.env_steps,
+                  "env_steps_per_s": (self.env_steps - w["env_steps"]) / dt, "wall_s": now - self.t_start,
+                  "success_rate": (self.successes - w["successes"]) / episodes if episodes else None,
+                  "episodes": episodes, **{f"learner/{k}": v for k, v in learner_stats.items() if k != "version"},
+                  "busy/env": stats["env_busy_fraction"], "busy/inference": inference["busy_fraction"],
+                  "busy/learner": stats["learner_busy_fraction"], "batch_size_histogram": inference["batch_size_histogram"],
+                  "mean_batch_size": inference["mean_batch_size"], "queue_wait_p50_s": inference["queue_wait_p50_s"],
+                  "queue_wait_p99_s": inference["queue_wait_p99_s"],
+                  "staleness_histogram": stats["buffer"]["staleness_histogram"],
+                  "dropped_segments": stats["buffer"]["dropped_segments"], "replaced_workers": self.roles.replaced,
+                  **{f"success/{t}": won / done for t, (done, won) in sorted(self.per_task.items())}}
+        self.per_task = {}
+        self.logger.log(record)
+        self.records.append(record)
+        self._window = {"t": now, **self.counters()}
+        progress.update(self.version, record)
+        if self.version % self.cfg.checkpoint.every == 0 and self.version < self.cfg.steps:
+            self.roles.checkpoint(self.version, self.counters(), self.cfg.checkpoint.keep)
+
+    def summary(self) -> dict:
+        stats = self.roles.stats()
+        tail = self.records[len(self.records) // 4:] or self.records
+        return {"env_steps": self.env_steps, "episodes": self.episodes,
+                "success_rate": self.successes / self.episodes if self.episodes else None,
+                "env_steps_per_s": float(np.median([r["env_steps_per_s"] for r in tail])) if tail else None,
+                "wall_s": time.monotonic() - self.t_start, "replaced_workers": self.roles.replaced,
+                "env_nodes": len(stats["env_nodes"]),
+                **{k: v for k, v in stats["buffer"].items() if k in ("staleness_histogram", "dropped_segments")}}
+
+
+class _AsyncLoop(_Loop):
+    def run(self, version: int, state: dict) -> None:
+        import ray
+
+        self._start(version, state)
+        roles, cfg = self.roles, self.cfg
+        for w in roles.envs:
+            w.start.remote(roles.server, roles.buffer)
+        ranks, batch = len(roles.learners), cfg.learner.batch_segments
+        in_batch, pending = 0, []  # segments consumed towards this version; taken, not yet trained
+        with _Progress(cfg.steps, version, cfg.progress) as progress:
+            while self.going():
+                replaced = roles.check_envs()
+                for w in replaced:
+                    roles.envs[w].start.remote(roles.server, roles.buffer)
+                pending += ray.get(roles.buffer.take.remote(batch - in_batch - len(pending), 1.0))
+                n = len(pending) - len(pending) % ranks  # every rank trains the same number of segments
+                if n == 0:
+                    continue
+                ready, pending = pending[:n], pending[n:]
+                results = ray.get([lw.consume.remote(ready[r::ranks]) for r, lw in enumerate(roles.learners)])
+                self.count(ready)
+                in_batch += n
+                if results[0] is not None:
+                    roles.sync_weights(results[0]["version"])
+                    ray.get(roles.buffer.set_version.remote(results[0]["version"]))
+                    in_batch = 0
+                    self.stepped(results[0], progress)
+
+
+class _SyncLoop(_Loop):
+    def run(self, version: int, state: dict) -> None:
+        import ray
+
+        self._start(version, state)
+        roles, cfg = self.roles, self.cfg
+        ranks, seq = len(roles.learners), 0
+        with _Progress(cfg.steps, version, cfg.progress) as progress:
+            while self.going():
+                segments = []
+                while len(segments) < cfg.learner.batch_segments:
+                    try:
+                        segments += self._round(seq)
+                    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                        for w in roles.check_envs(force=True):  # a worker died or hangs: the round's steps are dropped
+                            log.warning("sync round restarted after env worker %d was replaced", w)
+                        continue
+                    seq += 1
+                shares = [segments[r::ranks] for r in range(ranks)]
+                results = ray.get([lw.consume.remote(share) for lw, share in zip(roles.learners, shares)])
+                self.count(segments)
+                roles.sync_weights(results[0]["version"])
+                self.stepped(results[0], progress)
+
+    def _round(self, seq: int) -> list:
+        """`segment_steps` lock-step steps of every env."""
+        import ray
+
+        from kilovla.rl.workers import sync_segment
+
+        roles = self.roles
+        steps = [[[] for _ in range(self.cfg.env.envs_per_worker)] for _ in roles.envs]
+        obs = ray.get([w.observe.remote() for w in roles.envs], timeout=self.cfg.env.timeout_s)
+        for _ in range(self.cfg.rollout.segment_steps):
+            flat = [o for per_worker in obs for o in per_worker]
+            outs = ray.get(roles.server.act_batch.remote(flat))
+            n = self.cfg.env.envs_per_worker
+            per_worker = [outs[w * n:(w + 1) * n] for w in range(len(roles.envs))]
+            results = ray.get([w.step_all.remote([o["actions"] for o in outs_w])
+                               for w, outs_w in zip(roles.envs, per_worker)], timeout=self.cfg.env.timeout_s)
+            for w in range(len(roles.envs)):
+                for e in range(n):
+                    steps[w][e].append((obs[w][e], per_worker[w][e], results[w][e]))
+            obs = ray.get([w.observe.remote() for w in roles.envs], timeout=self.cfg.env.timeout_s)
+        return [sync_segment((w, self.roles.incarnation[w], e, seq), self.version, steps[w][e], obs[w][e])
+                for w in range(len(roles.envs)) for e in range(self.cfg.env.envs_per_worker)]
+
+
+class _Progress:
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.enabled = enabled
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._p = Progress(TextColumn("rl"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                               TimeRemainingColumn())
+            self._task = self._p.add_task("rl", total=total, completed=start, info="")
+
+    def __enter__(self):
+        if self.enabled:
+            self._p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._p.__exit__(*exc)
+
+    def update(self, version: int, record: dict) -> None:
+        if self.enabled:
+            sr = record["success_rate"]
+            self._p.update(self._task, completed=version,
+                           info=f"{record['env_steps_per_s']:.0f} env-steps/s  success {'-' if sr is None else f'{sr:.0%}'}")
+
+
+def _evaluate(folder: Path, cfg: RLConfig) -> dict:
+    from kilovla.eval.closed_loop import evaluate, load_policy
+
+    report = evaluate(load_policy(str(folder)), env=cfg.env.env, tasks=list(cfg.eval.tasks or cfg.env.tasks),
+                      episodes=cfg.eval.episodes, batch_size=cfg.eval.batch_size, resolution=cfg.env.resolution,
+                      cameras=tuple(cfg.env.cameras), max_steps=cfg.env.max_steps, seed=cfg.seed,
+                      out_dir=Path(cfg.run_dir) / "eval")
+    return {"success_rate": report["overall_success_rate"],
+            "per_task": {t: r["success_rate"] for t, r in report["per_task"].items()}}
+
+
+def load(path: str | None, overrides: list[str]) -> RLConfig:
+    return config_mod.load_config(RLConfig, path, overrides)
+

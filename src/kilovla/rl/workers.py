@@ -1,0 +1,476 @@
+"""The RL-VLA3 roles as Ray actors: env workers, the inference server, the trajectory buffer, the learner.
+
+- `EnvWorker`: several envs in one process, each in its own thread running its own loop
+  (admission -> act -> execute the chunk in the env -> ... -> submit the segment), with no barrier
+  between envs. For the synchronous baseline the same worker also steps all its envs at once
+  (`observe` / `step_all`, the envs stepped in parallel threads) when the runner says so.
+- `InferenceServer`: a policy replica; `act(obs)` requests from every env go through a
+  `DynamicBatcher`, a background task runs each batch in one forward; `act_batch` is the synchronous
+  path (one forward over all envs). Weights arrive with a version (`set_weights`) between batches.
+- `TrajectoryBuffer`: the `StalenessGate` and the queue of finished segments; envs wait here for
+  admission, the runner takes segments for the learner, each segment id at most once.
+- `LearnerWorker`: a `Learner` (learner.py) in an actor; several form a DDP group (gloo on CPU, NCCL
+  on GPU) over a TCP store, each consuming its share of every global batch.
+
+Each role records how long it was busy, for the busy fractions in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import ray
+import torch
+
+from kilovla.rl.core.batcher import DynamicBatcher
+from kilovla.rl.core.flow import FlowSDE
+from kilovla.rl.core.staleness import StalenessGate
+from kilovla.rl.core.trajectory import Episode, Segment, stack
+
+
+class _Busy:
+    """Seconds spent working since creation (a role's busy fraction = busy / wall)."""
+
+    def __init__(self):
+        self.start, self.busy = time.monotonic(), 0.0
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.busy += seconds
+
+    def fraction(self) -> float:
+        return self.busy / max(1e-9, time.monotonic() - self.start)
+
+
+# -- env workers ----------------------------------------------------------------------------------------
+@ray.remote(num_cpus=0, max_concurrency=64)
+class EnvWorker:
+    """`envs` (EnvConfig, first seed) pairs; rewards: reward_scale * env reward + success_bonus on success.
+
+    Each env lives in its own thread from construction on: a renderer's GL context belongs to the
+    thread that made it, and the threads let one env's step (or injected latency) overlap another's.
+    """
+
+    def __init__(self, worker_id: int, incarnation: int, envs: list, segment_steps: int, reward_scale: float,
+                 success_bonus: float, fault: dict | None = None):
+        torch.set_num_threads(1)
+        # Software GL (llvmpipe) would start a render thread per core in every env's context: with
+        # several envs per process, one each is faster and leaves the cores to the rest of the run.
+        os.environ.setdefault("LP_NUM_THREADS", "1")
+        self.id, self.incarnation, self.segment_steps = worker_id, incarnation, segment_steps
+        self.reward_scale, self.success_bonus = reward_scale, success_bonus
+        self.configs = [c for c, _ in envs]
+        self.next_seed = [s for _, s in envs]
+        n = len(self.configs)
+        self.envs: list = [None] * n
+        self.obs: list[dict | None] = [None] * n
+        self.episode = [{"steps": 0, "return": 0.0, "seed": 0} for _ in range(n)]
+        self.fault = fault or {}
+        self.busy = _Busy()
+        self.env_steps = 0
+        self.in_step_since: list[float | None] = [None] * n  # a hang shows as a long env step
+        self._stop = threading.Event()
+        self._threads = [concurrent.futures.ThreadPoolExecutor(1) for _ in range(n)]
+        for f in [t.submit(self._build, i) for i, t in enumerate(self._threads)]:
+            f.result()
+
+    def _build(self, i: int) -> None:
+        self.envs[i] = self.configs[i].build()
+        self._reset(i)
+
+    def _reset(self, i: int) -> None:
+        seed = self.next_seed[i]
+        self.next_seed[i] += 1
+        self.obs[i] = self.envs[i].reset(seed=seed)[0]
+        self.episode[i] = {"steps": 0, "return": 0.0, "seed": seed}
+
+    def _execute(self, i: int, actions: np.ndarray) -> tuple[float, bool, list[Episode], int]:
+        """Run a chunk's actions in env i (stop at the episode's end);
+        -> reward, whether an episode ended, the episodes that ended, actions executed."""
+        t0 = time.monotonic()
+        self.in_step_since[i] = t0
+        self._inject(i)
+        reward, ended, finished, executed = 0.0, False, [], 0
+        rendering = getattr(self.envs[i].unwrapped, "set_rendering", None)
+        for k, action in enumerate(actions):
+            if rendering is not None:  # only the chunk's last observation is ever looked at: render just that
+                rendering(k == len(actions) - 1)
+            obs, r, terminated, truncated, info = self.envs[i].step(action)
+            success = bool(info.get("is_success", False))
+            reward += self.reward_scale * r + (self.success_bonus if success else 0.0)
+            ep = self.episode[i]
+            ep["steps"] += 1
+            ep["return"] += r
+            self.obs[i] = obs
+            executed += 1
+            if terminated or truncated:
+                finished.append(Episode(self.configs[i].kwargs.get("task", ""), ep["seed"], success, ep["steps"], ep["return"]))
+                if rendering is not None:
+                    rendering(True)
+                self._reset(i)
+                ended = True
+                break
+        with self.busy._lock:
+            self.env_steps += executed
+        self.busy.add(time.monotonic() - t0)
+        self.in_step_since[i] = None
+        return reward, ended, finished, executed
+
+    def _inject(self, i: int) -> None:
+        """Test faults: {"crash_after": n} ends this process, {"hang_after": n} stops answering."""
+        if self.env_steps >= self.fault.get("crash_after", 1 << 62):
+            os._exit(1)
+        if self.env_steps >= self.fault.get("hang_after", 1 << 62):
+            time.sleep(1 << 20)
+
+    # async mode: every env runs its own loop
+    def start(self, server, buffer) -> None:
+        for i, thread in enumerate(self._threads):
+            thread.submit(self._loop, i, server, buffer)
+
+    def _loop(self, i: int, server, buffer) -> None:
+        seq = 0
+        try:
+            while not self._stop.is_set():
+                admitted = ray.get(buffer.admit.remote((self.id, self.incarnation, i)))
+                if admitted is None:  # the run is over, or this worker has been replaced
+                    return
+                ticket, start = admitted
+                steps, episodes, executed = [], [], 0
+                for _ in range(self.segment_steps):
+                    obs = self.obs[i]
+                    out = ray.get(server.act.remote(obs))
+                    reward, ended, finished, n = self._execute(i, out["actions"])
+                    episodes += finished
+                    executed += n
+                    steps.append((obs, out, reward, ended))
+                segment = _segment((self.id, self.incarnation, i, seq), ticket, start, steps, self.obs[i], episodes,
+                                   executed)
+                seq += 1
+                ray.get(buffer.submit.remote(segment))
+        except ray.exceptions.RayActorError:
+            return  # the run is shutting its actors down
+
+    # sync mode: the runner steps every env at once
+    def observe(self) -> list[dict]:
+        return list(self.obs)
+
+    def step_all(self, actions: list[np.ndarray]) -> list[tuple[float, bool, list[Episode], int]]:
+        return [f.result() for f in [t.submit(self._execute, i, a) for i, (t, a) in enumerate(zip(self._threads, actions))]]
+
+    def heartbeat(self) -> dict:
+        """Env steps so far, the longest env step in progress (a hang), the busy fraction per env."""
+        now = time.monotonic()
+        stuck = max((now - t for t in self.in_step_since if t is not None), default=0.0)
+        return {"env_steps": self.env_steps, "stuck_s": stuck, "busy_fraction": self.busy.fraction() / max(1, len(self.envs)),
+                "node": ray.get_runtime_context().get_node_id()}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _segment(segment_id, ticket: int, start_version: int, steps: list, next_obs: dict, episodes: list[Episode],
+             env_steps: int) -> Segment:
+    obs, outs, rewards, ended = zip(*steps)
+    return Segment(segment_id=segment_id, ticket=ticket, start_version=start_version, obs=stack(list(obs)),
+                   chain=np.stack([o["chain"] for o in outs]), stochastic=np.stack([o["stochastic"] for o in outs]),
+                   logp=np.array([o["logp"] for o in outs], np.float32), value=np.array([o["value"] for o in outs], np.float32),
+                   reward=np.array(rewards, np.float32), done=np.array(ended, bool),
+                   version=np.array([o["version"] for o in outs]), next_obs=next_obs,
+                   env_steps=env_steps, episodes=episodes)
+
+
+def sync_segment(segment_id: tuple, start_version: int, steps: list, next_obs: dict) -> Segment:
+    """A segment of the synchronous mode from its per-step records (obs, out, (reward, ended, episodes, executed))."""
+    records = [(obs, out, r[0], r[1]) for obs, out, r in steps]
+    episodes = [ep for *_, r in steps for ep in r[2]]
+    return _segment(segment_id, -1, start_version, records, next_obs, episodes, sum(r[3] for *_, r in steps))
+
+
+# -- weight sync ----------------------------------------------------------------------------------------
+class WeightChannel:
+    """A two-member process group of its own (learner rank 0 sends, the inference server receives) over a
+    TCP store: NCCL between GPUs, gloo on CPU. The weights go as one flat buffer per dtype, received in
+    place into the server's parameters: no copy through the driver or the object store."""
+
+    def __init__(self, host: str, port: int, rank: int, timeout_s: float):
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
+        if torch.cuda.is_available():
+            self.pg = dist.ProcessGroupNCCL(store, rank, 2)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        self.timeout = timeout
+
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """The sender's values into every receiver's tensors (same shapes and dtypes on both sides)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self.pg.broadcast(flat, 0).wait(self.timeout)
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+
+# -- inference ----------------------------------------------------------------------------------------
+@ray.remote(num_cpus=0)
+class InferenceServer:
+    def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, max_batch_size: int, max_wait_s: float,
+                 seed: int, threads: int = 1):
+        from kilovla.rl.policy import load_actor_critic
+
+        torch.set_num_threads(threads)
+        self.model = load_actor_critic(policy_dir, sde, n_action_steps).eval()
+        self.batcher = DynamicBatcher(max_batch_size, max_wait_s)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = 0
+        self.busy = _Busy()
+        self._wake: asyncio.Event | None = None
+        self._task = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+        self._lock = asyncio.Lock()
+        self.fault = {}
+
+    def _forward(self, observations: list[dict]) -> list[dict]:
+        t0 = time.monotonic()
+        out = self.model.act(stack(observations), self.generator)
+        self.busy.add(time.monotonic() - t0)
+        return [{k: v[i] for k, v in out.items()} | {"version": self.version} for i in range(len(observations))]
+
+    async def act(self, obs: dict) -> dict:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._serve())
+        future = asyncio.get_running_loop().create_future()
+        self.batcher.put((obs, future), time.monotonic())
+        self._wake.set()
+        return await future
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = time.monotonic()
+            if not self.batcher.ready(now):
+                self._wake.clear()
+                deadline = self.batcher.deadline()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), None if deadline is None else max(0.0, deadline - now))
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            items = self.batcher.take(time.monotonic())
+            async with self._lock:  # weights never change inside a batch
+                try:
+                    results = await loop.run_in_executor(self._pool, self._forward, [o for o, _ in items])
+                except Exception as e:  # noqa: BLE001  every waiting env gets the error, none hangs
+                    for _, f in items:
+                        f.set_exception(e)
+                    continue
+            for (_, f), r in zip(items, results):
+                f.set_result(r)
+
+    async def act_batch(self, observations: list[dict]) -> list[dict]:
+        """The synchronous path: one forward over every env's observation, no batching wait."""
+        self.batcher.stats.batch_sizes[len(observations)] += 1
+        self.batcher.stats.waits.extend([0.0] * len(observations))
+        async with self._lock:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._forward, observations)
+
+    async def set_weights(self, weights: dict, version: int) -> int:
+        if self.fault.get("hang_weight_sync_at") == version:
+            await asyncio.sleep(1 << 20)
+        async with self._lock:
+            self.model.load_state_dict(weights)
+            self.version = version
+        return version
+
+    async def join_weight_channel(self, host: str, port: int, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self.channel = await loop.run_in_executor(self._pool, WeightChannel, host, port, 1, timeout_s)
+
+    async def receive_weights(self, version: int) -> int:
+        """The collective path of `set_weights`: the learner broadcasts, this replica receives in place."""
+        if self.fault.get("hang_weight_sync_at") == version:
+            await asyncio.sleep(1 << 20)
+        tensors = list(self.model.state_dict().values())
+        async with self._lock:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.channel.broadcast, tensors)
+            self.version = version
+        return version
+
+    def inject(self, fault: dict) -> None:
+        self.fault = fault
+
+    def stats(self) -> dict:
+        return {"busy_fraction": self.busy.fraction(), "version": self.version, **self.batcher.stats.summary()}
+
+
+# -- the trajectory buffer ----------------------------------------------------------------------------
+@ray.remote(num_cpus=0)
+class TrajectoryBuffer:
+    """The staleness gate and the finished segments. Envs wait in `admit`; the runner `take`s the
+    segments of the learner's current global batch (their tickets say which batch they belong to)."""
+
+    def __init__(self, max_staleness: int, batch_segments: int, version: int = 0):
+        self.gate = StalenessGate(max_staleness, batch_segments, consumed_batches=version)
+        self.version = version
+        self.running: dict[tuple, int] = {}  # (worker, incarnation, env) -> ticket of its running segment
+        self.replaced: set[tuple] = set()  # (worker, incarnation) of replaced workers: never admitted again
+        self.ready: dict[int, list[Segment]] = {}  # global batch -> its finished segments
+        self.seen: set[tuple] = set()
+        self.closed = False
+        self._changed = asyncio.Condition()
+        self.wait_s = 0.0
+
+    async def admit(self, env_key: tuple) -> tuple[int, int] | None:
+        """Wait until the gate lets this env start a segment: (ticket, version), or None when closed."""
+        t0 = time.monotonic()
+        async with self._changed:
+            ticket = None
+
+            gone = env_key[:2] in self.replaced
+
+            def admitted() -> bool:
+                nonlocal ticket
+                ticket = None if self.closed or gone else self.gate.try_admit(self.version)
+                return self.closed or gone or ticket is not None
+
+            await self._changed.wait_for(admitted)
+            self.wait_s += time.monotonic() - t0
+            if ticket is None:
+                return None
+            self.running[env_key] = ticket
+            return ticket, self.version
+
+    async def submit(self, segment: Segment) -> bool:
+        async with self._changed:
+            key = segment.segment_id[:3]
+            if segment.segment_id in self.seen or self.running.get(key) != segment.ticket:
+                return False  # from a replaced worker, or a duplicate: never consumed
+            self.seen.add(segment.segment_id)
+            self.gate.finish(self.running.pop(key))
+            self.ready.setdefault(self.gate.batch_of(segment.ticket), []).append(segment)
+            self._changed.notify_all()
+            return True
+
+    async def drop_worker(self, worker_id: int, incarnation: int) -> int:
+        """A replaced worker's running segments are lost (their tickets go to new segments), and it is never
+        admitted again, whatever it still sends before it is gone."""
+        async with self._changed:
+            self.replaced.add((worker_id, incarnation))
+            lost = [k for k in self.running if k[:2] == (worker_id, incarnation)]
+            for k in lost:
+                self.gate.drop(self.running.pop(k))
+            self._changed.notify_all()
+            return len(lost)
+
+    async def take(self, most: int, timeout: float) -> list[Segment]:
+        """Finished segments of the current global batch (at least one, at most `most`), or [] after `timeout`."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: bool(self.ready.get(self.version))), timeout)
+            except asyncio.TimeoutError:
+                return []
+            queue = self.ready[self.version]
+            out, self.ready[self.version] = queue[:most], queue[most:]
+        for s in out:
+            self.gate.consumed(self.version, s.version)
+        return out
+
+    async def set_version(self, version: int) -> None:
+        """The learner stepped and the inference servers act with `version`: new segments start at it."""
+        async with self._changed:
+            self.ready.pop(self.version, None)
+            self.version = version
+            self._changed.notify_all()
+
+    async def close(self) -> None:
+        async with self._changed:
+            self.closed = True
+            self._changed.notify_all()
+
+    def stats(self) -> dict:
+        return {"staleness_histogram": {str(k): v for k, v in sorted(self.gate.lags.items())},
+                "dropped_segments": self.gate.dropped, "accepted_segments": self.gate.accepted,
+                "running_segments": len(self.gate.running), "admission_wait_s": self.wait_s}
+
+
+# -- the learner ----------------------------------------------------------------------------------------
+@ray.remote(num_cpus=0)
+class LearnerWorker:
+    """One learner rank. `address()` then `start(...)` on every rank at once: ranks > 1 form a DDP group
+    whose TCP store lives on rank 0's node."""
+
+    def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, algo, segments_per_step: int,
+                 segment_steps: int, total_steps: int, threads: int = 1):
+        from kilovla.rl.policy import load_actor_critic
+
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        self.model = load_actor_critic(policy_dir, sde, n_action_steps).eval()  # eval: no dropout, as when acting
+        self.args = (algo, segments_per_step, segment_steps, total_steps)
+        self.busy = _Busy()
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port on it, for a process group's store."""
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+    def start(self, rank: int = 0, world_size: int = 1, store: tuple | None = None) -> None:
+        from kilovla.rl.learner import Learner
+        from kilovla.train import distributed
+
+        if world_size > 1:
+            import torch.distributed as dist
+
+            host, port = store
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
+        self.learner = Learner(self.model, *self.args[:3], self.args[3], distributed.World(rank=rank, size=world_size))
+
+    def consume(self, segments: list[Segment]) -> dict | None:
+        t0 = time.monotonic()
+        out = self.learner.consume(segments)
+        self.busy.add(time.monotonic() - t0)
+        return out
+
+    def weights(self) -> dict:
+        return self.learner.weights()
+
+    def join_weight_channel(self, host: str, port: int, timeout_s: float) -> None:
+        self.channel = WeightChannel(host, port, 0, timeout_s)
+
+    def send_weights(self) -> None:
+        self.channel.broadcast(list(self.learner.model.state_dict().values()))
+
+    def state(self) -> dict:
+        return {"model": self.learner.weights(), "optimizer": self.learner.optimizer.state_dict(),
+                "scheduler": self.learner.scheduler.state_dict(), "version": self.learner.version}
+
+    def load_state(self, state: dict) -> None:
+        self.learner.model.load_state_dict(state["model"])
+        self.learner.optimizer.load_state_dict(state["optimizer"])
+        self.learner.scheduler.load_state_dict(state["scheduler"])
+        self.learner.version = state["version"]
+
+    def busy_fraction(self) -> float:
+        return self.busy.fraction()
+

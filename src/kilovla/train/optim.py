@@ -1,0 +1,51 @@
+"""The optimizer side of training, shared by the supervised trainer and the RL learner.
+
+`build_optimizer(model, OptimConfig, steps)`: AdamW over the trainable parameters with linear warmup
+and cosine decay to `lr * min_lr_ratio`; `clip_gradients(params, max_norm)`: the global gradient
+norm (over all ranks, sharded or not), clipped when max_norm > 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    clip_grad_norm: float = 1.0  # <= 0: no clipping (the norm is still logged)
+
+
+def _lr_lambda(cfg: OptimConfig, steps: int):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, steps: int, extra_groups: list[dict] = ()):
+    """AdamW over the trainable parameters with warmup + cosine; -> (trainable, optimizer, scheduler).
+    `extra_groups`: more parameter groups with their own settings (the RL value head's learning rate).
+    Build it after `parallelize`: FSDP2 replaces the parameters with sharded ones."""
+    extra = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in extra_groups]
+    taken = {id(p) for g in extra for p in g["params"]}
+    main = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    optimizer = torch.optim.AdamW([{"params": main}, *extra], lr=cfg.lr, betas=tuple(cfg.betas),
+                                  weight_decay=cfg.weight_decay)
+    trainable = main + [p for g in extra for p in g["params"]]
+    return trainable, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg, steps))
+
+
+def clip_gradients(trainable: list[torch.Tensor], max_norm: float) -> float:
+    """The global gradient norm (over all ranks, sharded or not); clipped to `max_norm` when > 0."""
+    return float(torch.nn.utils.clip_grad_norm_(trainable, max_norm if max_norm > 0 else math.inf))

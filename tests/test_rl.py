@@ -1,0 +1,138 @@
+"""RL-VLA3 on Ray: both modes end to end, faults (crashed and hung env workers, a hung weight sync, a
+killed driver), DDP learners, and a two-node local cluster. Small: 32 px Meta-World, a tiny pi0.5."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kilovla.errors import KilovlaError
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """A tiny pi0.5 trained for a few steps on scripted reach demonstrations: a policy folder."""
+    from kilovla.config import load_config
+    from kilovla.envs.collect import collect
+    from kilovla.train.trainer import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("rlpolicy")
+    collect(root / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
+    cfg = load_config(TrainConfig, None, [
+        f"--run_dir={root / 'run'}", "--steps=3", f"--dataset.roots=[{root / 'mw'}]", "--batch.global_batch_size=8",
+        "--batch.token_budget=512", "--checkpoint.every=3", "--progress=false", "--policy.n_action_steps=4",
+        "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
+        "--policy.state_keys=[observation.state, observation.environment_state]"])
+    return train(cfg)["checkpoint"]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def _config(policy_dir, run_dir, *overrides):
+    from kilovla.rl import runner
+
+    return runner.load(None, [
+        f"--run_dir={run_dir}", f"--policy={policy_dir}", "--steps=3", "--env.tasks=[reach-v3]", "--env.workers=2",
+        "--env.envs_per_worker=2", "--env.resolution=32", "--env.max_steps=30", "--rollout.segment_steps=3",
+        "--learner.batch_segments=4", "--learner.algo.micro_batch=6", "--checkpoint.every=2", "--eval.episodes=2",
+        "--eval.batch_size=2", "--progress=false", *overrides])
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_async_run_replaces_a_crashed_and_a_hung_env_worker(policy_dir, local_ray, tmp_path):
+    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.rl import runner
+
+    cfg = _config(policy_dir, tmp_path / "run", "--learner.max_staleness=1", "--env.timeout_s=4")
+    faults = {"env_workers": {0: {"crash_after": 20}, 1: {"hang_after": 30}}}
+    summary = runner.run(cfg, faults=faults)
+    assert summary["steps"] == 3 and summary["replaced_workers"] == 2
+    assert summary["dropped_segments"] >= 1  # the segments that were running are dropped, never trained on
+    assert set(summary["staleness_histogram"]) <= {"0", "1"}  # max_staleness 1
+    records = _records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert {"env_steps_per_s", "success_rate", "busy/env", "busy/inference", "busy/learner", "batch_size_histogram",
+            "queue_wait_p50_s", "queue_wait_p99_s", "staleness_histogram", "learner/policy_loss"} <= set(records[-1])
+    final = Path(summary["checkpoint"])
+    assert (final / "value_head.safetensors").is_file()
+    assert load_checkpoint_policy(final).action_dim == 4  # an RL checkpoint is a policy folder
+    assert 0.0 <= summary["eval"]["success_rate"] <= 1.0
+
+
+def test_sync_mode_with_two_ddp_learners_and_collective_weight_sync(policy_dir, local_ray, tmp_path):
+    from kilovla.rl import runner
+
+    summary = runner.run(_config(policy_dir, tmp_path / "run", "--mode=sync", "--learner.ranks=2", "--steps=2",
+                                 "--eval.episodes=0", "--weight_sync=collective"))
+    records = _records(tmp_path / "run")
+    assert summary["steps"] == 2 and [r["step"] for r in records] == [1, 2]
+    assert records[-1]["mean_batch_size"] == 4  # one forward over all four envs per lock step
+    assert all(r["learner/grad_norm"] > 0 for r in records)
+    assert all(r["learner/logp_gap"] < 1e-4 for r in records)  # nothing stale: the learner rescores the chains exactly
+
+
+def test_a_hung_weight_sync_ends_the_run_with_one_message(policy_dir, local_ray, tmp_path):
+    from kilovla.rl import runner
+
+    cfg = _config(policy_dir, tmp_path / "run", "--weight_sync_timeout_s=3", "--eval.episodes=0")
+    with pytest.raises(KilovlaError, match="weight sync of policy version 1 to the inference server did not complete "
+                                           "within 3 s"):
+        runner.run(cfg, faults={"server": {"hang_weight_sync_at": 1}})
+
+
+def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "kilovla", "rl", "--mode", "async", "--policy", str(policy_dir),
+            f"--run_dir={run}", "--steps=5", "--env.tasks=[reach-v3]", "--env.workers=1", "--env.envs_per_worker=2",
+            "--env.resolution=32", "--env.max_steps=30", "--rollout.segment_steps=3", "--learner.batch_segments=2",
+            "--checkpoint.every=2", "--eval.episodes=0", "--progress=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    driver = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / "step_000002" / "rl_state.json").is_file():
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stderr.read().decode()[-2000:]
+        time.sleep(0.5)
+    os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray instance it started
+    driver.wait()
+    resumed = subprocess.run([*args, "--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads(resumed.stdout[resumed.stdout.index("{"):])["steps"] == 5
+    steps = [r["step"] for r in _records(run)]
+    assert steps[-3:] == [3, 4, 5] and steps.count(3) == 1  # continued after step 2; nothing logged twice
+
+
+def test_env_workers_spread_over_a_two_node_cluster(policy_dir, tmp_path):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from kilovla.rl import runner
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR")
+        summary = runner.run(_config(policy_dir, tmp_path / "run", "--steps=2", "--eval.episodes=0"))
+        assert summary["steps"] == 2 and summary["env_nodes"] == 2
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -1,0 +1,315 @@
+"""RL-VLA3's core without Ray: batcher (fake clock), staleness gate, streaming step, losses, flow log-probs."""
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kilovla.errors import KilovlaError
+from kilovla.rl.core.batcher import DynamicBatcher
+from kilovla.rl.core.flow import FlowSDE, chain_log_prob, sample_chain
+from kilovla.rl.core.losses import decoupled_ppo_loss, gae, group_advantages, ppo_loss
+from kilovla.rl.core.staleness import StalenessGate
+from kilovla.rl.core.streaming import StreamingStep
+
+
+# -- DynamicBatcher ------------------------------------------------------------------------------------
+def test_batcher_flushes_at_max_batch_size_or_when_the_oldest_request_has_waited_max_wait():
+    b = DynamicBatcher(max_batch_size=3, max_wait=0.010)
+    b.put("a", now=0.000)
+    assert not b.ready(0.009) and b.deadline() == pytest.approx(0.010)
+    b.put("b", now=0.004)
+    assert b.ready(0.010) and b.take(0.010) == ["a", "b"]  # deadline of the first arrival
+    for i, t in enumerate((0.020, 0.021, 0.022, 0.023)):
+        b.put(i, now=t)
+    assert b.ready(0.022)  # full before any deadline
+    assert b.take(0.022) == [0, 1, 2]  # never more than max_batch_size, oldest first
+    assert not b.ready(0.025) and b.deadline() == pytest.approx(0.033)  # the leftover keeps its own arrival time
+    assert b.stats.batch_sizes == {2: 1, 3: 1}
+    assert b.stats.waits[:2] == pytest.approx([0.010, 0.006])
+
+
+def test_batcher_clock_starts_at_the_first_arrival_after_an_idle_gap():
+    """RL-VLA3 starts the wait before the first get(): after a long idle gap the first arrival goes
+    alone. Here the wait starts at the arrival, so requests arriving just after it share its batch."""
+    b = DynamicBatcher(max_batch_size=8, max_wait=0.010)
+    assert not b.ready(100.0) and b.deadline() is None
+    b.put("first", now=100.0)
+    b.put("second", now=100.002)
+    assert not b.ready(100.005)
+    assert b.take(100.010) == ["first", "second"]
+
+
+def test_batcher_drains_the_backlog_greedily_when_the_model_frees_up():
+    b = DynamicBatcher(max_batch_size=16, max_wait=0.0)
+    b.put("x", now=0.0)
+    assert b.take(0.0) == ["x"]  # continuous batching: run at once
+    for i in range(5):  # queued while the model ran for 30 ms
+        b.put(i, now=0.001 + 0.005 * i)
+    assert b.ready(0.030) and b.take(0.030) == [0, 1, 2, 3, 4]
+
+
+def test_batcher_rejects_nonsense():
+    with pytest.raises(KilovlaError):
+        DynamicBatcher(0, 0.01)
+
+
+# -- StalenessGate -------------------------------------------------------------------------------------
+def test_gate_admits_what_the_next_versions_can_consume():
+    gate = StalenessGate(max_staleness=1, batch_segments=4)
+    tickets = [gate.try_admit(0) for _ in range(10)]
+    assert tickets == [0, 1, 2, 3, 4, 5, 6, 7, None, None]  # (eta + v + 1) * B = 8 at version 0
+    assert [gate.batch_of(t) for t in tickets[:8]] == [0] * 4 + [1] * 4
+    gate.finish(0)
+    assert gate.try_admit(0) is None  # finished but not consumed still counts
+    gate.drop(5)  # a lost segment gives its ticket back: batch 1 still gets 4 segments
+    assert gate.try_admit(0) == 5 and gate.dropped == 1
+    assert gate.capacity(1) == 4  # version 1 makes room for one more batch
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_no_consumed_sample_is_staler_than_max_staleness_under_random_schedules(eta):
+    """Envs start and finish segments at random (stragglers and crashes included); the learner consumes
+    the finished segments of its current batch in completion order and steps after B of them.
+    Every consumed step's lag stays <= eta, and nothing deadlocks."""
+    rng = np.random.default_rng(eta)
+    batch, envs = 4, 6
+    gate = StalenessGate(eta, batch)
+    version, consumed_in_batch = 0, 0
+    running: dict[int, dict] = {}  # env -> {"ticket": t, "versions": [...], "left": steps}
+    finished: list[dict] = []
+    for _ in range(6000):
+        event = rng.random()
+        if event < 0.4:  # an idle env tries to start a segment
+            free = [e for e in range(envs) if e not in running]
+            if free and (ticket := gate.try_admit(version)) is not None:
+                running[int(rng.choice(free))] = {"ticket": ticket, "versions": [], "left": int(rng.integers(1, 6))}
+        elif event < 0.85 and running:  # a running env takes a step; env 0 is slow
+            e = int(rng.choice(list(running)))
+            if e == 0 and rng.random() < 0.8:
+                continue
+            seg = running[e]
+            seg["versions"].append(version)
+            seg["left"] -= 1
+            if seg["left"] == 0:
+                gate.finish(seg["ticket"])
+                finished.append(running.pop(e))
+        elif event < 0.87 and running:  # an env crashes: its segment is dropped
+            gate.drop(running.pop(int(rng.choice(list(running))))["ticket"])
+        else:  # the learner consumes a finished segment of its current batch, if one has arrived
+            ready = [s for s in finished if gate.batch_of(s["ticket"]) == version]
+            if ready:
+                finished.remove(ready[0])
+                gate.consumed(version, ready[0]["versions"])  # raises if a lag exceeded eta
+                consumed_in_batch += 1
+                if consumed_in_batch == batch:
+                    version, consumed_in_batch = version + 1, 0
+    assert version > 20 and gate.dropped > 10
+    assert max(gate.lags) <= eta and sum(gate.lags.values()) > 100
+    if eta:
+        assert max(gate.lags) >= 1  # rollouts did run ahead
+
+
+def test_the_gate_refuses_a_sample_that_arrives_too_stale():
+    gate = StalenessGate(max_staleness=0, batch_segments=2)
+    with pytest.raises(KilovlaError, match="staleness 1 > max_staleness 0"):
+        gate.consumed(3, [2])
+
+
+# -- StreamingStep -------------------------------------------------------------------------------------
+def _regression(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(5, 1).double()
+    x, y = torch.randn(24, 5, generator=g, dtype=torch.float64), torch.randn(24, generator=g, dtype=torch.float64)
+    return model, x, y
+
+
+def test_streamed_micro_batches_give_the_full_batch_gradient_and_one_step():
+    model, x, y = _regression()
+    full = copy.deepcopy(model)
+    ((full(x)[:, 0] - y) ** 2).mean().backward()
+    expected = [p.grad.clone() for p in full.parameters()]
+
+    params = list(model.parameters())
+    seen_grads = []
+
+    class Recorder(torch.optim.SGD):
+        def step(self, closure=None):
+            seen_grads.append([p.grad.clone() for p in params])
+            return super().step(closure)
+
+    opt = Recorder(params, lr=0.1)
+    stream = StreamingStep(opt, global_batch=24, params=params)
+    order = np.random.default_rng(1).permutation(24)
+    outs = []
+    for rows in np.split(order, [3, 4, 11, 20]):  # uneven micro-batches, arbitrary arrival order
+        loss_sum = ((model(x[rows])[:, 0] - y[rows]) ** 2).sum()
+        outs.append(stream.backward(loss_sum, len(rows)))
+    assert outs[:-1] == [None] * 4 and outs[-1] is not None  # the optimizer stepped exactly once, at the end
+    assert len(seen_grads) == 1 and stream.steps == 1
+    for got, want in zip(seen_grads[0], expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_micro_batch_that_overruns_the_global_batch_is_refused():
+    model, x, y = _regression()
+    stream = StreamingStep(torch.optim.SGD(model.parameters(), lr=0.1), global_batch=4, params=list(model.parameters()))
+    with pytest.raises(KilovlaError, match="overruns the global batch"):
+        stream.completes(5)
+
+
+# -- losses --------------------------------------------------------------------------------------------
+def test_ppo_loss_by_hand():
+    logp, old, adv = torch.tensor([0.0, 0.5, -0.5]), torch.zeros(3), torch.tensor([1.0, 1.0, -1.0])
+    loss, stats = ppo_loss(logp, old, adv, clip=0.2)
+    r = np.exp([0.0, 0.5, -0.5])  # 1, 1.6487, 0.6065
+    expected = [-min(r[0], 1.0), -min(r[1], 1.2), -min(-r[2], -0.8)]
+    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float32))
+    assert stats["clip_fraction"] == pytest.approx(2 / 3)
+
+
+def test_decoupled_ppo_equals_ppo_when_nothing_is_stale():
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(6, generator=g, requires_grad=True)
+    behav, adv = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    logp = theta * 0.3 + behav  # current policy, a little away from the behaviour policy
+    a, _ = ppo_loss(logp, behav, adv)
+    b, stats = decoupled_ppo_loss(logp, behav.clone(), behav, adv)  # proximal = behaviour
+    torch.testing.assert_close(a, b)
+    ga, = torch.autograd.grad(a.sum(), theta, retain_graph=True)
+    gb, = torch.autograd.grad(b.sum(), theta)
+    torch.testing.assert_close(ga, gb)
+    assert stats["behav_weight_mean"] == pytest.approx(1.0)
+
+
+def test_decoupled_ppo_weights_stale_samples_and_masks_far_ones():
+    logp = torch.zeros(3, requires_grad=True)
+    prox = torch.zeros(3)
+    behav = torch.log(torch.tensor([0.8, 2.0, 0.25]))  # weights exp(prox - behav) = 1.25, 0.5, 4.0
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, torch.ones(3), behav_cap=2.0)
+    torch.testing.assert_close(loss, torch.tensor([-1.25, -0.5, 0.0]))
+    assert stats["behav_masked_fraction"] == pytest.approx(1 / 3)
+
+
+def test_gae_by_hand():
+    rewards, values = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, 0.4, 0.3])
+    dones = torch.tensor([False, True, False])  # the episode ends after step 1; step 2 starts a new one
+    adv, ret = gae(rewards, values, dones, torch.tensor(0.7), gamma=0.9, lam=0.8)
+    d2 = 2.0 + 0.9 * 0.7 - 0.3
+    d1 = 0.0 - 0.4  # no bootstrap across the episode's end
+    d0 = 1.0 + 0.9 * 0.4 - 0.5
+    expected = torch.tensor([d0 + 0.9 * 0.8 * d1, d1, d2])
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, expected + values)
+
+
+def test_group_advantages_by_hand():
+    returns = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0])
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    adv = group_advantages(returns, groups)
+    torch.testing.assert_close(adv[:2], torch.tensor([-1.0, 1.0]), atol=1e-5, rtol=0)  # mean 2, std 1
+    torch.testing.assert_close(adv[2:], torch.zeros(3))  # no spread, or a group of one: no signal
+
+
+# -- flow log-probabilities ----------------------------------------------------------------------------
+def test_flow_sde_noise_follows_pirl():
+    sde = FlowSDE(steps=4, noise_level=0.5)
+    x, v = torch.zeros(4, 1, 1), torch.zeros(4, 1, 1)
+    _, std = sde.transition(x, v, torch.arange(4))
+    torch.testing.assert_close(std.flatten(), torch.tensor([0.5, 0.4330, 0.25, 0.1443]), atol=1e-4, rtol=0)
+
+
+def _policy_model(name):
+    from kilovla.models.presets import build_model
+
+    model = build_model(name, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model.eval()
+
+
+def _obs_batch(cfg, seed=0):
+    from kilovla.models.batch import PaddedBatch
+    from kilovla.models.tokenize import ByteTokenizer, tokenize_batch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens, mask = tokenize_batch(ByteTokenizer(), ["pick the cube", "open the drawer", "push"], cfg.max_language_tokens)
+    s = cfg.vision.image_size
+    masks = torch.ones(3, len(cfg.cameras), dtype=torch.bool)
+    masks[:, -1] = False
+    return PaddedBatch(images=torch.rand(3, len(cfg.cameras), 3, s, s, generator=g), image_masks=masks,
+                       camera_names=cfg.cameras, tokens=tokens, token_mask=mask,
+                       state=torch.randn(3, cfg.max_state_dim, generator=g))
+
+
+@pytest.mark.parametrize("stochastic", ["one", "all"])
+@pytest.mark.parametrize("name", ["pi05-tiny", "pi0-tiny", "groot-tiny"])
+def test_a_stored_chain_is_rescored_exactly_and_the_ratio_moves_with_the_weights(name, stochastic):
+    model = _policy_model(name)
+    batch = _obs_batch(model.config)
+    cfg = model.config
+    horizon = getattr(cfg, "chunk_size", None) or cfg.action_horizon
+    mask = torch.zeros(horizon, cfg.max_action_dim)
+    mask[:5, :4] = 1  # executed: 5 actions of a 4-D env
+    sde = FlowSDE(steps=4, noise_level=0.5, stochastic=stochastic)
+    g = torch.Generator().manual_seed(3)
+    field, _ = model.velocity_field(batch)
+    chain, steps, logp = sample_chain(field, torch.randn(3, horizon, cfg.max_action_dim, generator=g), sde, mask, g)
+    assert chain.shape == (3, 5, horizon, cfg.max_action_dim)
+    assert steps.sum(1).tolist() == ([1, 1, 1] if stochastic == "one" else [4, 4, 4])
+    field, _ = model.velocity_field(batch)
+    rescored = chain_log_prob(field, chain, steps, sde, mask)
+    torch.testing.assert_close(rescored, logp, atol=1e-4, rtol=1e-5)  # same weights: ratio exactly 1
+    with torch.no_grad():  # other weights: another density for the same chain
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    field, _ = model.velocity_field(batch)
+    assert (chain_log_prob(field, chain, steps, sde, mask) - logp).abs().max() > 1e-2
+    rescored_grad = chain_log_prob(*[model.velocity_field(batch)[0]], chain, steps, sde, mask)
+    rescored_grad.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_stochastic_steps_have_the_stated_spread():
+    """The empirical spread of a stochastic transition matches its std (for a zero velocity field)."""
+    sde = FlowSDE(steps=4, noise_level=0.5, stochastic="all")
+    field = lambda x, t: torch.zeros_like(x)  # noqa: E731
+    chain, _, _ = sample_chain(field, torch.zeros(4000, 1, 1), sde, torch.ones(1, 1), torch.Generator().manual_seed(0))
+    assert chain[:, 1].std().item() == pytest.approx(0.5, rel=0.05)  # the first step, from t = 1
+
+
+def test_deterministic_sampling_stays_the_default_outside_rl():
+    model = _policy_model("pi05-tiny")
+    batch = _obs_batch(model.config)
+    noise = torch.randn(3, model.config.chunk_size, model.config.max_action_dim)
+    torch.testing.assert_close(model.sample_actions(batch, noise=noise), model.sample_actions(batch, noise=noise))
+    field, _ = model.velocity_field(batch)
+    x = noise
+    for k in range(model.config.num_inference_steps):  # plain Euler with the same field
+        x = x - field(x, torch.full((3,), 1.0 - k / model.config.num_inference_steps)) / model.config.num_inference_steps
+    torch.testing.assert_close(model.sample_actions(batch, noise=noise), x)
+
+
+def test_groot_sampling_through_the_field_equals_its_own_convention():
+    """GR00T integrates from t = 0 (noise) to 1; the field turns that into openpi's convention."""
+    model = _policy_model("groot-tiny")
+    batch = _obs_batch(model.config)
+    cfg = model.config
+    noise = torch.randn(3, cfg.action_horizon, cfg.max_action_dim)
+    vl = model.encode(batch)
+    emb = model._embodiment(batch)
+    x, dt = noise, 1.0 / cfg.num_inference_steps
+    for k in range(cfg.num_inference_steps):
+        x = x + dt * model.velocity(vl, batch.state, x, torch.full((3,), k * dt), emb)
+    torch.testing.assert_close(model.sample_actions(batch, noise=noise), x)
+
+
+def test_flow_sde_config_is_checked():
+    with pytest.raises(KilovlaError):
+        FlowSDE(steps=0)
+    with pytest.raises(KilovlaError):
+        dataclasses.replace(FlowSDE(), stochastic="some")

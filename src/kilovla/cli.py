@@ -142,12 +142,13 @@ def cmd_data_bench(args) -> int:
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data", "envs", "packing", "pruning", "scaling", "load", "rl")
+SUITES = ("data", "envs", "packing", "pruning", "scaling", "load", "rl", "fp8")
 
 
 def cmd_bench(args) -> int:
     from kilovla.bench import data as data_bench
     from kilovla.bench import envs as envs_bench
+    from kilovla.bench import fp8 as fp8_bench
     from kilovla.bench import load as load_bench
     from kilovla.bench import models as models_bench
     from kilovla.bench import rl as rl_bench
@@ -161,6 +162,8 @@ def cmd_bench(args) -> int:
         "scaling": lambda: scaling_bench.run(quick=args.quick, out_dir=args.out),
         "load": lambda: load_bench.run(quick=args.quick, out_dir=args.out),
         "rl": lambda: rl_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, minutes=args.minutes),
+        "fp8": lambda: fp8_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, dataset=args.dataset,
+                                     episodes=args.episodes),
     }
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     if args.suite == "all" and args.policy is None:
@@ -288,6 +291,34 @@ def cmd_rl(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from kilovla.quant.fp8 import Fp8Config
+    from kilovla.quant.folder import quantize_policy_folder
+    from kilovla.quant.report import print_report
+
+    config = Fp8Config(block=args.block, include=args.include, exclude=args.exclude, activations=args.activations,
+                       dtype=args.dtype)
+    evaluation = None
+    if args.eval_episodes:
+        from kilovla.eval.closed_loop import evaluate
+
+        tasks = _tasks(args.env, args.tasks)
+
+        def evaluation(policy):
+            progress, update = _task_progress(len(tasks), f"eval {policy.name}")
+            with progress:
+                return evaluate(policy, env=args.env, tasks=tasks, episodes=args.eval_episodes, seed=args.seed,
+                                batch_size=args.batch_size, resolution=args.resolution, num_workers=args.workers,
+                                progress=update)
+
+    report = quantize_policy_folder(args.policy_dir, args.out, config, dataset=args.dataset, samples=args.samples,
+                                    evaluation=evaluation, seed=args.seed, latency_repeats=args.latency_repeats,
+                                    kernel=args.kernel)
+    print_report(report, console=_console())
+    print(f"wrote {args.out} (policy folder) and {args.out}/quant_report.json")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kilovla.demo import run_demo
 
@@ -359,9 +390,38 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
     p.add_argument("suite", choices=[*SUITES, "all"])
     _bench_flags(p)
-    p.add_argument("--policy", default=None, help="rl: the policy folder to fine-tune (default: the demo's checkpoint)")
+    p.add_argument("--policy", default=None, help="rl, fp8: the policy folder to fine-tune / quantize (default: the "
+                   "demo's checkpoint; fp8 trains one with the demo's recipe when there is none)")
     p.add_argument("--minutes", type=float, default=30.0, help="rl: wall-time budget of the RL fine-tuning run")
+    p.add_argument("--dataset", default=None, help="fp8: held-out LeRobot data (default: fresh scripted episodes)")
+    p.add_argument("--episodes", type=int, default=None,
+                   help="fp8: closed-loop episodes per task (default 50; 0 skips the comparison)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("quantize", help="block-wise FP8 post-training quantization of a policy folder, with a report")
+    p.add_argument("policy_dir", help="a policy folder (a training checkpoint or `kilovla eval --policy` folder)")
+    p.add_argument("--out", required=True, help="the new folder for the quantized policy (must not exist)")
+    p.add_argument("--block", type=int, default=128, help="weight block size (block x block tiles)")
+    p.add_argument("--include", default=None, help="regex over module names (default: the family's language "
+                   "model and action expert / DiT)")
+    p.add_argument("--exclude", default=None, help="regex over module names to keep unquantized")
+    p.add_argument("--activations", default="1x128", choices=["none", "1x128"],
+                   help="1x128: W8A8 with per-token 1x128 activation scales; none: weight-only")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="on-disk dtype of the layers that stay unquantized")
+    p.add_argument("--kernel", default="auto", choices=["auto", "scaled_mm", "torchao", "emulate"],
+                   help="FP8 GEMM for the report's measurements (auto: fastest available here)")
+    p.add_argument("--dataset", default=None, help="held-out LeRobot dataset: action MSE and layer output SQNR")
+    p.add_argument("--samples", type=int, default=64, help="held-out frames used from --dataset")
+    p.add_argument("--eval-episodes", type=int, default=0, help="closed-loop episodes per task for both policies (0: skip)")
+    p.add_argument("--env", default="metaworld")
+    p.add_argument("--tasks", default="default")
+    p.add_argument("--resolution", type=int, default=96, help="camera resolution of the closed-loop envs")
+    p.add_argument("--batch-size", type=int, default=8, help="envs per task in the closed-loop evaluation")
+    p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
+    p.add_argument("--latency-repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("train", help="train a VLA policy (single process, or under torchrun)")
     p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4")

@@ -279,7 +279,8 @@ def plan_load(model: nn.Module, checkpoint: Checkpoint, source: str | None = Non
     """{model key: stored tensor}, checked against the model from the headers alone."""
     family = model_family(model)
     mapping, checkpoint.dropped = map_keys(checkpoint.tensors, checkpoint.layout, family)
-    own = {k: v.shape for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    own = {k: v.shape for k, v in state.items()}
     stored = {k: checkpoint.tensors[s].shape for k, s in mapping.items()}
     ckpt_family = "groot" if checkpoint.layout in ("groot", "lerobot-groot") or any(
         k.startswith("backbone.eagle_model.") for k in mapping) else "pi"
@@ -289,7 +290,8 @@ def plan_load(model: nn.Module, checkpoint: Checkpoint, source: str | None = Non
                f"the model is {'GR00T' if family == 'groot' else family})"
     check_fits(own, stored, source or str(checkpoint.path), hint)
     plan = {k: checkpoint.tensors[mapping[k]] for k in own}
-    odd = sorted({f"{t.dtype}" for t in plan.values() if t.dtype not in _FLOAT})
+    # A non-float tensor loads only into a tensor of its own dtype (an Fp8BlockLinear's FP8 payload).
+    odd = sorted({t.dtype for k, t in plan.items() if t.dtype not in _FLOAT and DTYPES.get(t.dtype) != state[k].dtype})
     if odd:
         raise CheckpointError(f"{source or checkpoint.path}: weights stored as {', '.join(odd)}; kilovla loads float "
                               "weights (a quantized checkpoint needs `kilovla eval`, not loading as float)")

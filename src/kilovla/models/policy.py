@@ -5,7 +5,8 @@ A policy checkpoint is a folder (the trainer's checkpoints are such folders)::
     model.safetensors   weights (kilovla keys); an FSDP run's intermediate checkpoints hold `state/`
                         (torch.distributed.checkpoint shards) instead
     policy.json         preset + config overrides, camera mapping, state keys, dims, normalisation stats,
-                        tokenizer, image processing, and where training started from (`init_from`)
+                        tokenizer, image processing, where training started from (`init_from`), and
+                        in a `kilovla quantize` folder its `quantization_config` (FP8 layers, quant/fp8.py)
     tokenizer/          the tokenizer files when the policy uses a real tokenizer (`VLAPolicy.save`;
                         trainer checkpoints record the tokenizer's absolute path instead)
 
@@ -79,9 +80,16 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu") -> VLAPolicy
     if not meta_path.is_file():
         raise KilovlaError(f"{meta_path}: missing; a policy checkpoint folder holds policy.json and model.safetensors")
     try:
-        meta = PolicyMeta(**json.loads(meta_path.read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
+        fields = json.loads(meta_path.read_text())
+        quantization = fields.pop("quantization_config", None)
+        meta = PolicyMeta(**fields)
+    except (json.JSONDecodeError, TypeError, AttributeError) as e:
         raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
     model = build_model(meta.preset, device="meta", **meta.overrides)
-    load_checkpoint(model, folder)  # model.safetensors, or an FSDP checkpoint's shards
+    if quantization is None:
+        load_checkpoint(model, folder)  # model.safetensors, or an FSDP checkpoint's shards
+    else:  # a `kilovla quantize` folder; quant builds on models, so it is imported only here
+        from kilovla.quant.fp8 import load_quantized_weights
+
+        load_quantized_weights(model, quantization, folder, str(meta_path))
     return VLAPolicy(model, meta, device, root=folder)

@@ -1,0 +1,462 @@
+"""Block-wise FP8 post-training quantization (DeepSeek-V3's recipe, Hugging Face's "fp8" layout).
+
+A quantized Linear stores its weight as float8_e4m3fn (N, K) plus one float32 inverse scale per
+block x block tile, ``weight_scale_inv`` of shape (ceil(N/block), ceil(K/block)), so that
+``W[i, j] = q[i, j] * weight_scale_inv[i // block, j // block]``; ragged edge tiles are simply
+smaller (shapes that are not multiples of the block need no padding on disk). Activations are
+either left alone (``activations="none"``: weight-only) or quantized on the fly per 1 x 128 tile
+of each token (``"1x128"``: W8A8, what the FP8 GEMMs compute).
+
+`Fp8BlockLinear` picks its GEMM at run time, per device, on the first call:
+
+- ``scaled_mm``: cuBLASLt's block-scaled FP8 GEMM through ``torch.nn.functional.scaled_mm`` (Hopper,
+  CUDA >= 12.9, N and K multiples of 128, 1x128 activations);
+- ``torchao``: torchao's Triton block-wise FP8 GEMM (SM >= 8.9, torchao with Triton installed);
+- ``emulate``: dequantize, then an ordinary matmul in the activation dtype. Always available, the
+  only choice on CPU (torch refuses block scales there) and the reference the others are tested
+  against.
+
+``kernel="auto"`` (the default) takes the fastest available; a kernel that cannot run falls back
+to ``emulate`` with one warning line per reason. Which layers are quantized is a regex over module
+names (`select_layers`); each family's default takes the language model and the action expert
+(GR00T: the LLM layers and the DiT) and keeps the vision tower, norms, projectors and embeddings.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kilovla.errors import KilovlaError
+
+log = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+ACTIVATION_TILE = 128  # activations are scaled per 1 x 128 tile of each token
+KERNELS = ("auto", "scaled_mm", "torchao", "emulate")
+ACTIVATIONS = ("1x128", "none")
+
+# Module-name regexes of the layers each family quantizes by default: the attention and MLP
+# projections of the language model and of the action expert (pi0 / pi0.5), of the truncated LLM
+# and of the DiT (GR00T). Everything else (vision tower, adaRMS / AdaLayerNorm, projectors, time
+# MLPs, embeddings, GR00T's per-embodiment encoders and its VL self-attention) stays as it is.
+_PI_LAYERS = (r"^paligemma_with_expert\.(paligemma\.model\.language_model|gemma_expert\.model)"
+              r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
+FAMILY_DEFAULTS = {
+    "pi05": _PI_LAYERS,
+    "pi0": _PI_LAYERS,
+    "groot": (r"^(backbone\.eagle_model\.language_model\.model\.layers\.\d+"
+              r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+              r"|action_head\.model\.transformer_blocks\.\d+\.(attn1\.(to_[qkv]|to_out\.0)|ff\.net\.(0\.proj|2)))$"),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fp8Config:
+    """What `kilovla quantize` does: ``include`` / ``exclude`` are regexes searched in module names
+    (``include=None``: the family's default); ``dtype`` is what the layers that stay unquantized are
+    stored as on disk."""
+
+    block: int = 128
+    include: str | None = None
+    exclude: str | None = None
+    activations: str = "1x128"
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.block < 16 or self.block % 16:
+            raise KilovlaError(f"--block {self.block}: a block must be a positive multiple of 16 "
+                               "(FP8 GEMMs work on 16-wide tiles; the GPU kernels need 128)")
+        if self.activations not in ACTIVATIONS:
+            raise KilovlaError(f"--activations must be one of {ACTIVATIONS}, not {self.activations!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise KilovlaError(f"--dtype must be bfloat16, float16 or float32, not {self.dtype!r}")
+        for flag, pattern in (("--include", self.include), ("--exclude", self.exclude)):
+            if pattern is not None:
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise KilovlaError(f"{flag} {pattern!r}: not a regular expression: {e}") from None
+
+
+# -- the format ------------------------------------------------------------------------------------
+def _blocks(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(N, K) -> zero-padded (N/rows, rows, K/cols, cols) view, and the padded shape's block counts."""
+    n, k = x.shape
+    nb, kb = math.ceil(n / rows), math.ceil(k / cols)
+    padded = F.pad(x, (0, kb * cols - k, 0, nb * rows - n))
+    return padded.view(nb, rows, kb, cols), (nb, kb)
+
+
+def quantize_fp8_blockwise(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (q float8_e4m3fn (N, K), weight_scale_inv float32 (ceil(N/block), ceil(K/block))).
+
+    Each tile's largest magnitude maps to 448 (e4m3's max); an all-zero tile gets scale 1.
+
+    >>> q, s = quantize_fp8_blockwise(torch.full((130, 3), 2.0), block=128)
+    >>> q.shape, s.shape, s[:, 0].tolist()
+    (torch.Size([130, 3]), torch.Size([2, 1]), [0.004464285913854837, 0.004464285913854837])
+    """
+    if weight.ndim != 2:
+        raise KilovlaError(f"block-wise FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
+    w = weight.detach().float()
+    tiles, _ = _blocks(w, block, block)
+    amax = tiles.abs().amax(dim=(1, 3))  # (nb, kb)
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    n, k = w.shape
+    return q.flatten(2, 3).flatten(0, 1)[:n, :k].contiguous(), scale_inv.contiguous()
+
+
+def dequantize_fp8_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of `quantize_fp8_blockwise`: W[i, j] = q[i, j] * scale_inv[i // block, j // block]."""
+    n, k = q.shape
+    expected = (math.ceil(n / block), math.ceil(k / block))
+    if tuple(scale_inv.shape) != expected:
+        raise KilovlaError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}; a {n}x{k} weight in "
+                           f"{block}x{block} blocks needs {expected}")
+    tiles, _ = _blocks(q.float(), block, block)
+    return (tiles * scale_inv[:, None, :, None].float()).flatten(2, 3).flatten(0, 1)[:n, :k].to(dtype)
+
+
+def quantize_activations_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (q float8 (M, K), inverse scales float32 (M, ceil(K/128))): one scale per token per
+    128 channels, as DeepSeek-V3 quantizes activations."""
+    m, k = x.shape
+    tiles = F.pad(x.float(), (0, (-k) % ACTIVATION_TILE)).view(m, -1, ACTIVATION_TILE)
+    amax = tiles.abs().amax(dim=-1)
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (tiles / scale_inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.flatten(1)[:, :k], scale_inv
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through 1x128 FP8 and back, in x's dtype: what the W8A8 GEMM sees."""
+    flat = x.reshape(-1, x.shape[-1])
+    q, s = quantize_activations_1x128(flat)
+    k = flat.shape[1]
+    tiles = F.pad(q.float(), (0, (-k) % ACTIVATION_TILE)).view(len(flat), -1, ACTIVATION_TILE) * s[..., None]
+    return tiles.flatten(1)[:, :k].reshape(x.shape).to(x.dtype)
+
+
+def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio, 20 log10(|ref| / |ref - test|) (torchao's `compute_error`)."""
+    ref = reference.detach().double()
+    noise = ref - test.detach().double()
+    n = noise.norm()
+    return float("inf") if n == 0 else float(20 * torch.log10(ref.norm() / n))
+
+
+# -- the layer -------------------------------------------------------------------------------------
+class Fp8BlockLinear(nn.Module):
+    """A Linear whose weight is block-wise FP8: buffers ``weight`` (float8_e4m3fn, (N, K)) and
+    ``weight_scale_inv`` (float32), an optional ``bias``. Output dtype = input dtype.
+
+    ``kernel`` chooses the GEMM ("auto", "scaled_mm", "torchao", "emulate"); the choice is made per
+    device on the first call and can be read back from ``kernel_used``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, block: int = 128,
+                 activations: str = "1x128", device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.block, self.activations = in_features, out_features, block, activations
+        self.kernel = "auto"
+        self.kernel_used: dict[str, str] = {}
+        nb, kb = math.ceil(out_features / block), math.ceil(in_features / block)
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
+        self.register_buffer("weight_scale_inv", torch.ones(nb, kb, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, block: int = 128, activations: str = "1x128") -> Fp8BlockLinear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, block=block,
+                    activations=activations, device=linear.weight.device)
+        q, s = quantize_fp8_blockwise(linear.weight, block)
+        layer.weight.copy_(q)
+        layer.weight_scale_inv.copy_(s)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"block={self.block}, activations={self.activations}, kernel={self.kernel}")
+
+    def _apply(self, fn, recurse=True):
+        # `.float()` / `.to(bfloat16)` on the whole model may move the FP8 payload and its scales,
+        # never re-type them: q cast to bf16 reads as wrong weights, silently.
+        payload = {key: self._buffers[key] for key in ("weight", "weight_scale_inv")}
+        super()._apply(fn, recurse)
+        for key, before in payload.items():
+            after = self._buffers[key]
+            if after.dtype != before.dtype:
+                self._buffers[key] = before.to(after.device)
+        return self
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_fp8_blockwise(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        kernel = self.kernel_used.get(device)
+        if kernel is None:
+            kernel = self.kernel_used[device] = select_kernel(self, x)
+        return _GEMMS[kernel](self, x)
+
+
+def _emulate(layer: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
+    """Dequantize + matmul: exactly the math of the FP8 GEMMs (products of dequantized values)."""
+    if layer.activations == "1x128":
+        x = fake_quantize_activations(x)
+    bias = None if layer.bias is None else layer.bias.to(x.dtype)
+    return F.linear(x, layer.dequantized_weight(x.dtype), bias)
+
+
+def _scaled_mm(layer: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt block-scaled GEMM (torch >= 2.9 on SM90, CUDA >= 12.9).
+
+    Layouts (a wrong one gives silent wrong answers, PyTorch PR #166752): A = activations (M, K)
+    row-major with 1x128 scales (M, K/128) stored column-major; B = weight.t() (column-major) with
+    the 128x128 scales padded to L4 = round_up(K/128, 4) K-blocks and passed as (L4, N/128) with
+    stride (1, L4). cuBLASLt also wants the token count a multiple of 4 (zero rows are added).
+    """
+    lead, k = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, k)
+    m = len(flat)
+    flat = F.pad(flat, (0, 0, 0, (-m) % 4))
+    q, s = quantize_activations_1x128(flat)
+    scale_a = s.t().contiguous().t()
+    kb = layer.weight_scale_inv.shape[1]
+    scale_b = F.pad(layer.weight_scale_inv, (0, (-kb) % 4), value=1.0).t()
+    out = F.scaled_mm(q, layer.weight.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b,
+                      F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)[:m]
+    if layer.bias is not None:
+        out = out + layer.bias.to(out.dtype)
+    return out.to(x.dtype).reshape(*lead, -1)
+
+
+def _torchao(layer: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
+    """torchao's Triton GEMM (DeepSeek's `fp8_gemm`), scales in the checkpoint's own layout. The
+    activations go through our quantizer: DeepSeek's divides an all-zero tile by a zero scale (NaN)."""
+    from torchao.prototype.blockwise_fp8_inference import blockwise_fp8_gemm
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    q, s = quantize_activations_1x128(x.reshape(-1, k))
+    out = blockwise_fp8_gemm(q.contiguous(), s.contiguous(), layer.weight, layer.weight_scale_inv, layer.block)
+    if layer.bias is not None:
+        out = out + layer.bias.to(out.dtype)
+    return out.to(x.dtype).reshape(*lead, -1)
+
+
+_GEMMS = {"emulate": _emulate, "scaled_mm": _scaled_mm, "torchao": _torchao}
+
+
+def kernel_unavailable(name: str, layer: Fp8BlockLinear, device: torch.device) -> str | None:
+    """Why `name` cannot run this layer on `device` (None: it can)."""
+    if name == "emulate":
+        return None
+    if device.type != "cuda":
+        return f"needs a CUDA GPU (running on {device.type})"
+    if layer.activations != "1x128":
+        return "needs 1x128 activation quantization (this checkpoint is weight-only)"
+    if layer.block != 128:
+        return f"needs 128x128 weight blocks (this checkpoint has {layer.block}x{layer.block})"
+    cap = torch.cuda.get_device_capability(device)
+    if name == "scaled_mm":
+        cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+        if cap != (9, 0):
+            return f"cuBLASLt block scaling runs on Hopper (SM 9.0) only, this GPU is SM {cap[0]}.{cap[1]}"
+        if cuda < (12, 9):
+            return f"needs CUDA >= 12.9, torch was built with {torch.version.cuda}"
+        if not hasattr(F, "scaled_mm"):
+            return "this torch has no torch.nn.functional.scaled_mm"
+        if layer.in_features % 128 or layer.out_features % 128:
+            return f"needs N and K multiples of 128 (layer is {layer.out_features}x{layer.in_features})"
+        return None
+    if name == "torchao":
+        if cap < (8, 9):
+            return f"needs SM >= 8.9, this GPU is SM {cap[0]}.{cap[1]}"
+        if layer.in_features % 128:
+            return f"needs K a multiple of 128 (layer has K={layer.in_features})"
+        try:
+            from torch.utils._triton import has_triton
+            import torchao.prototype.blockwise_fp8_inference  # noqa: F401
+        except ImportError:
+            return "needs torchao (pip install torchao)"
+        return None if has_triton() else "needs Triton"
+    raise KilovlaError(f"FP8 kernel must be one of {KERNELS}, not {name!r}")
+
+
+_warned: set[str] = set()
+_fastest: dict[tuple, str] = {}
+
+
+def _fall_back(message: str) -> str:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s; falling back to emulation (dequantize + matmul)", message)
+    return "emulate"
+
+
+def select_kernel(layer: Fp8BlockLinear, x: torch.Tensor) -> str:
+    """The GEMM this layer uses for inputs like `x` (see the module docstring)."""
+    requested = layer.kernel
+    if requested not in KERNELS:
+        raise KilovlaError(f"FP8 kernel must be one of {KERNELS}, not {requested!r}")
+    if requested != "auto":
+        why = kernel_unavailable(requested, layer, x.device)
+        return requested if why is None else _fall_back(f"FP8 kernel {requested} {why}")
+    runnable = [k for k in ("scaled_mm", "torchao") if kernel_unavailable(k, layer, x.device) is None]
+    if not runnable:
+        why = kernel_unavailable("scaled_mm", layer, x.device)
+        return _fall_back(f"no FP8 block GEMM for this layer here (scaled_mm {why})")
+    if len(runnable) == 1:
+        return runnable[0]
+    key = (x.device.index, layer.out_features, layer.in_features)
+    if key not in _fastest:
+        _fastest[key] = _time_kernels(layer, x, runnable)
+    return _fastest[key]
+
+
+@torch.no_grad()
+def _time_kernels(layer: Fp8BlockLinear, x: torch.Tensor, kernels: list[str]) -> str:
+    """Both GPU kernels run here: keep the faster on a 64-token input of this layer's shape."""
+    probe = torch.randn(64, layer.in_features, device=x.device, dtype=torch.bfloat16)
+    best, best_t = kernels[0], float("inf")
+    for name in kernels:
+        for _ in range(3):
+            _GEMMS[name](layer, probe)
+        torch.cuda.synchronize(x.device)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            _GEMMS[name](layer, probe)
+        torch.cuda.synchronize(x.device)
+        if time.perf_counter() - t0 < best_t:
+            best, best_t = name, time.perf_counter() - t0
+    return best
+
+
+def set_kernel(model: nn.Module, kernel: str) -> None:
+    """Ask every Fp8BlockLinear of `model` for `kernel` (re-selected on the next call)."""
+    if kernel not in KERNELS:
+        raise KilovlaError(f"FP8 kernel must be one of {KERNELS}, not {kernel!r}")
+    for m in model.modules():
+        if isinstance(m, Fp8BlockLinear):
+            m.kernel, m.kernel_used = kernel, {}
+
+
+# -- which layers ----------------------------------------------------------------------------------
+def select_layers(model: nn.Module, include: str | None = None, exclude: str | None = None) -> list[str]:
+    """Names of the Linear layers to quantize.
+
+    The regexes are searched in the names of the modules that own parameters. A match that is not a
+    Linear (a norm's 1-D weight, a conv's 4-D kernel, an embedding table read by index, a stack of
+    per-embodiment matrices) cannot be blocked and stops with a message naming it.
+    """
+    from kilovla.models.checkpoints import model_family
+
+    pattern = include if include is not None else FAMILY_DEFAULTS[model_family(model)]
+    inc = re.compile(pattern)
+    exc = re.compile(exclude) if exclude else None
+    owners = [(n, m) for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+    chosen = [(n, m) for n, m in owners if inc.search(n) and not (exc and exc.search(n))]
+    if any(isinstance(m, Fp8BlockLinear) for m in model.modules()):
+        raise KilovlaError("the model is already quantized to FP8")
+    if not chosen:
+        raise KilovlaError(f"--include {pattern!r}{f' --exclude {exclude!r}' if exclude else ''} selects no layer; "
+                           f"layers look like {', '.join(n for n, _ in owners[:3])}")
+    bad = [f"{n} ({type(m).__name__}, weight {tuple(next(m.parameters(recurse=False)).shape)})"
+           for n, m in chosen if not isinstance(m, nn.Linear)]
+    if bad:
+        shown = "; ".join(bad[:5]) + (f" ... ({len(bad)} in all)" if len(bad) > 5 else "")
+        raise KilovlaError(f"--include {pattern!r} selects layers whose weights cannot be blocked (only Linear "
+                           f"weights (N, K) can): {shown}; narrow --include or add them to --exclude")
+    return [n for n, _ in chosen]
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, config: Fp8Config) -> dict[str, float]:
+    """Replace the selected Linear layers by Fp8BlockLinear in place; returns each layer's weight
+    SQNR (dB) against its original weight."""
+    names = select_layers(model, config.include, config.exclude)
+    sqnr = {}
+    for name in names:
+        linear = model.get_submodule(name)
+        layer = Fp8BlockLinear.from_linear(linear, config.block, config.activations)
+        sqnr[name] = sqnr_db(linear.weight, layer.dequantized_weight())
+        _replace(model, name, layer)
+    return sqnr
+
+
+def quantization_config(config: Fp8Config, layers: list[str]) -> dict:
+    """The `quantization_config` of policy.json: Hugging Face's fp8 fields plus kilovla's layer list."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [config.block, config.block],
+            "activation_scheme": "dynamic" if config.activations == "1x128" else "weight_only",
+            "activations": config.activations, "kept_dtype": config.dtype,
+            "include": config.include, "exclude": config.exclude, "modules": layers}
+
+
+def prepare_quantized(model: nn.Module, qconfig: dict, source: str) -> None:
+    """Turn the Linear layers a policy.json's `quantization_config` names into empty Fp8BlockLinear
+    (on the model's device, typically meta) so the quantized state dict loads strictly."""
+    try:
+        block = int(qconfig["weight_block_size"][0])
+        activations = qconfig.get("activations", "1x128")
+        names = list(qconfig["modules"])
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise KilovlaError(f"{source}: quantization_config is incomplete ({e!r}); expected "
+                           "weight_block_size, activations and modules") from None
+    if qconfig.get("quant_method") != "fp8" or activations not in ACTIVATIONS:
+        raise KilovlaError(f"{source}: unsupported quantization_config {qconfig.get('quant_method')!r} / "
+                           f"activations {activations!r}; kilovla reads block-wise fp8")
+    for name in names:
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            raise KilovlaError(f"{source}: quantization_config names {name!r}, which this model does not have") from None
+        if not isinstance(linear, nn.Linear):
+            raise KilovlaError(f"{source}: quantization_config names {name!r}, a {type(linear).__name__}, not a Linear")
+        _replace(model, name, Fp8BlockLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                                             block=block, activations=activations, device=linear.weight.device))
+
+
+def load_quantized_weights(model: nn.Module, qconfig: dict, path, source: str) -> None:
+    """Load a quantized policy folder's weights: FP8 layers as stored, the kept layers (stored in
+    `kept_dtype`) up-cast to the model's float32, the dtype kilovla computes in."""
+    from kilovla.models.checkpoints import load_checkpoint
+
+    prepare_quantized(model, qconfig, source)
+    load_checkpoint(model, path)  # reads each tensor into the model's own dtype: FP8 as FP8, the rest float32
+
+
+def checkpoint_bytes(model: nn.Module, layers: list[str], block: int = 128, kept_bytes: int = 2) -> dict[str, int]:
+    """Tensor bytes of the model's state dict in bf16 (`kept_bytes` per element) and with `layers` in
+    block-wise FP8 (1 byte per weight element + 4 per block scale), counted from shapes and dtypes
+    only: works on the meta device."""
+    chosen = set(layers)
+    baseline = quantized = fp8_params = 0
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            baseline += p.numel() * kept_bytes
+            if name in chosen and pname == "weight":
+                n, k = p.shape
+                quantized += p.numel() + 4 * math.ceil(n / block) * math.ceil(k / block)
+                fp8_params += p.numel()
+            else:
+                quantized += p.numel() * kept_bytes
+    return {"baseline_bytes": baseline, "quantized_bytes": quantized, "fp8_params": fp8_params,
+            "total_params": sum(p.numel() for p in model.parameters())}

@@ -1,0 +1,212 @@
+"""How much a quantized policy lost and gained: `DIR/quant_report.json` and a table.
+
+- size: bytes of ``model.safetensors`` on disk for the source, for a bf16 copy of it (the baseline)
+  and for the quantized folder;
+- per-layer SQNR: of each FP8 weight against the original weight, and of each FP8 layer's output on
+  the activations the original policy produces on held-out samples (activation quantization included);
+- action MSE: both policies' action chunks from the same observations and the same flow noise, in
+  action units on the real dims, divided by the variance of the dataset's actions on those samples
+  (mean squared difference / mean per-dim variance);
+- closed loop: success of both policies through `evaluate` on the same seeds; the caller passes the
+  evaluation as a function, since evaluation sits above quantization in the package;
+- latency: batch-1 action chunk (`sample_actions`, every flow step), medians of interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kilovla.quant.fp8 import Fp8BlockLinear, sqnr_db
+
+CAPTURE_ROWS = 4096  # activation rows kept per layer for its output SQNR
+
+
+def chunk_length(config) -> int:
+    return getattr(config, "chunk_size", None) or config.action_horizon
+
+
+def heldout_rows(dataset: str | Path, policy, samples: int, batch_size: int = 16) -> list[dict]:
+    """`samples` frames spread evenly over a dataset, as the data layer's batched rows (with the
+    policy's action window), in batches of `batch_size`."""
+    from kilovla.data.lerobot import DatasetMeta, LeRobotDataset
+
+    chunk = chunk_length(policy.model.config)
+    fps = DatasetMeta(dataset).fps
+    ds = LeRobotDataset(dataset, delta_timestamps={"action": [i / fps for i in range(chunk)]})
+    positions = np.unique(np.linspace(0, len(ds) - 1, min(samples, len(ds))).round().astype(int))
+    return [ds.get_batch(positions[i:i + batch_size]) for i in range(0, len(positions), batch_size)]
+
+
+def _noise(policy, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    cfg = policy.model.config
+    return torch.randn(batch_size, chunk_length(cfg), cfg.max_action_dim, generator=generator)
+
+
+@torch.no_grad()
+def compare_actions(baseline, quantized, rows: list[dict], seed: int = 0) -> dict:
+    """Action chunks of both policies on the same rows and noise, and every FP8 layer's output SQNR
+    on the activations the baseline produced there."""
+    names = {n for n, m in quantized.model.named_modules() if isinstance(m, Fp8BlockLinear)}
+    captured: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    counts = dict.fromkeys(names, 0)
+
+    def capture(name):
+        def hook(module, args):
+            if counts[name] < CAPTURE_ROWS:
+                x = args[0].detach().reshape(-1, args[0].shape[-1])[: CAPTURE_ROWS - counts[name]]
+                captured[name].append(x.cpu())
+                counts[name] += len(x)
+        return hook
+
+    handles = [baseline.model.get_submodule(n).register_forward_pre_hook(capture(n)) for n in names]
+    generator = torch.Generator().manual_seed(seed)
+    diffs, truth = [], []
+    try:
+        for row in rows:
+            batch = baseline.processor.training_batch(row)
+            noise = _noise(baseline, batch.batch_size, generator)
+            ref = baseline.model.sample_actions(batch.to(baseline.device), noise=noise.to(baseline.device))
+            got = quantized.model.sample_actions(batch.to(quantized.device), noise=noise.to(quantized.device))
+            ref = baseline.processor.unnormalize_actions(ref.float().cpu().numpy())
+            got = quantized.processor.unnormalize_actions(got.float().cpu().numpy())
+            diffs.append((got - ref).reshape(-1, ref.shape[-1]))
+            gt = np.asarray(row["action"], np.float32)
+            truth.append(gt[~np.asarray(row["action_is_pad"], bool)])
+    finally:
+        for h in handles:
+            h.remove()
+    diff, gt = np.concatenate(diffs), np.concatenate(truth)
+    mse, variance = float(np.mean(diff**2)), float(np.mean(gt.var(axis=0)))
+    layers = {}
+    for name in sorted(names):
+        if not captured[name]:  # pi0.5's last prefix layer: q, o and MLP weights that inference never reads
+            layers[name] = None
+            continue
+        x = torch.cat(captured[name]).to(baseline.device)
+        layers[name] = sqnr_db(baseline.model.get_submodule(name)(x), quantized.model.get_submodule(name)(x))
+    return {"samples": int(len(gt)), "mse": mse, "action_variance": variance,
+            "relative": mse / variance if variance > 0 else None, "output_sqnr_db": layers}
+
+
+@torch.no_grad()
+def chunk_latency(policies: dict, batch, repeats: int = 10, warmup: int = 2) -> dict[str, float]:
+    """Median seconds of one batch-1 action chunk per policy, repeats interleaved."""
+    times: dict[str, list[float]] = {name: [] for name in policies}
+    for r in range(warmup + repeats):
+        for name, policy in policies.items():
+            b = batch.to(policy.device)
+            cuda = policy.device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize(policy.device)
+            t0 = time.perf_counter()
+            policy.model.sample_actions(b)
+            if cuda:
+                torch.cuda.synchronize(policy.device)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def folder_bytes(source: Path, quantized: Path, scratch: Path) -> dict[str, int]:
+    """model.safetensors bytes on disk: the source, a bf16 copy of it (written in `scratch`), the FP8 folder."""
+    from kilovla.models.checkpoints import read_safetensors, save_safetensors
+
+    state = read_safetensors(source / "model.safetensors")
+    bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+    copy = scratch / f".bf16-copy-{uuid.uuid4().hex[:8]}.safetensors"
+    try:
+        save_safetensors(bf16, copy)
+        bf16_bytes = copy.stat().st_size
+    finally:
+        copy.unlink(missing_ok=True)
+    return {"source_bytes": (source / "model.safetensors").stat().st_size, "bf16_bytes": bf16_bytes,
+            "quantized_bytes": (quantized / "model.safetensors").stat().st_size}
+
+
+def closed_loop_summary(evaluation: Callable[[object], dict], baseline, quantized, seed: int) -> dict:
+    """Both policies through the same evaluation; torch is reseeded before each so the flow noise
+    draws line up too."""
+    out = {}
+    for name, policy in (("baseline", baseline), ("quantized", quantized)):
+        torch.manual_seed(seed)
+        report = evaluation(policy)
+        out[name] = {"overall": report["overall_success_rate"],
+                     "per_task": {t: r["success_rate"] for t, r in report["per_task"].items()},
+                     "episodes_per_task": report["episodes_per_task"]}
+    a, b = out["baseline"]["overall"], out["quantized"]["overall"]
+    out["difference_points"] = None if a is None or b is None else 100 * (b - a)
+    return out
+
+
+def write_report(folder: Path, report: dict) -> Path:
+    """quant_report.json and quant_report.md, each written to a temp name and renamed."""
+    lines = ["# FP8 quantization report", "", "| what | baseline | quantized | |", "|---|---|---|---|"]
+    lines += [f"| {what} | {base} | {ours} | {note} |" for what, base, ours, note in report_rows(report)]
+    for name, text in (("quant_report.json", json.dumps(report, indent=2)), ("quant_report.md", "\n".join(lines) + "\n")):
+        tmp = folder / f".{name}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(text)
+        os.replace(tmp, folder / name)
+    return folder / "quant_report.json"
+
+
+def report_rows(report: dict) -> list[tuple[str, str, str, str]]:
+    """(what, baseline, quantized, note) lines shared by the table and the markdown."""
+    rows = []
+    s = report["size"]
+    rows.append(("model.safetensors", f"{s['bf16_bytes'] / 1024:.1f} KiB (bf16)", f"{s['quantized_bytes'] / 1024:.1f} KiB",
+                 f"{100 * (1 - s['quantized_bytes'] / s['bf16_bytes']):.1f} % smaller than bf16; source "
+                 f"{s['source_bytes'] / 1024:.1f} KiB; {s['fp8_params']} of {s['total_params']} params in FP8"))
+    layers = report["layers"]
+    rows.append(("min weight SQNR", "", f"{min(v['weight_sqnr_db'] for v in layers.values()):.1f} dB",
+                 f"{len(layers)} FP8 layers"))
+    a = report.get("actions")
+    if a:
+        name, value = min_output_sqnr(report)
+        idle = sum(v.get("output_sqnr_db", 0) is None for v in layers.values())
+        rows.append(("min layer output SQNR", "", f"{value:.1f} dB",
+                     f"{name}" + (f"; {idle} layers never run in inference" if idle else "")))
+        rel = "-" if a["relative"] is None else f"{100 * a['relative']:.3f} %"
+        rows.append(("action MSE / action variance", "", rel, f"{a['samples']} held-out action steps"))
+    else:
+        rows.append(("action MSE", "", "not measured", "pass --dataset"))
+    c = report.get("closed_loop")
+    if c:
+        pct = lambda x: "-" if x is None else f"{100 * x:.1f} %"  # noqa: E731
+        rows.append(("closed-loop success", pct(c["baseline"]["overall"]), pct(c["quantized"]["overall"]),
+                     f"{c['baseline']['episodes_per_task']} episodes per task, same seeds"))
+        for task in c["baseline"]["per_task"]:
+            rows.append((f"  {task}", pct(c["baseline"]["per_task"][task]), pct(c["quantized"]["per_task"].get(task)), ""))
+    else:
+        rows.append(("closed-loop success", "", "not run", "pass --eval-episodes N"))
+    lat = report["latency"]
+    rows.append(("batch-1 action chunk", f"{1e3 * lat['baseline_s']:.1f} ms", f"{1e3 * lat['quantized_s']:.1f} ms",
+                 f"{lat['device']}, FP8 kernel: {lat['kernel']}"))
+    return rows
+
+
+def min_output_sqnr(report: dict) -> tuple[str, float]:
+    """The FP8 layer with the lowest output SQNR on held-out samples (layers that never ran left out)."""
+    measured = {n: v["output_sqnr_db"] for n, v in report["layers"].items() if v.get("output_sqnr_db") is not None}
+    name = min(measured, key=measured.get)
+    return name, measured[name]
+
+
+def print_report(report: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"FP8 block-wise PTQ of {report['source']}")
+    for col in ("what", "baseline", "quantized", "note"):
+        table.add_column(col, overflow="fold")
+    for row in report_rows(report):
+        table.add_row(*row)
+    (console or Console(width=max(Console().width, 120))).print(table)

@@ -1,0 +1,436 @@
+"""Block-wise FP8 PTQ: the format, the layer, layer selection, policy folders, the report, bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from kilovla.data.lerobot import LeRobotDataset
+from kilovla.data.stats import compute_dataset_stats, stats_to_json
+from kilovla.errors import KilovlaError
+from kilovla.models.policy import VLAPolicy, load_checkpoint_policy
+from kilovla.models.presets import build_model, preset
+from kilovla.models.processor import PolicyMeta
+from kilovla.quant import fp8
+from kilovla.quant.fp8 import (Fp8BlockLinear, Fp8Config, checkpoint_bytes, dequantize_fp8_blockwise,
+                               fake_quantize_activations, quantize_activations_1x128, quantize_fp8_blockwise,
+                               quantize_model, select_layers, sqnr_db)
+from kilovla.quant.folder import quantize_policy_folder
+
+E4M3_REL = 2.0**-4  # half a unit in the last place of a 3-bit mantissa, relative
+E4M3_SUBNORMAL_HALF_STEP = 2.0**-10  # in units of the block scale
+
+
+# -- format ------------------------------------------------------------------------------------------
+def test_round_trip_error_is_bounded_element_wise_and_per_block():
+    torch.manual_seed(0)
+    w = torch.randn(300, 260)
+    w[:128, :128] *= 1e4  # blocks of very different magnitude: each keeps its own precision
+    w[:128, 128:256] *= 1e-4
+    q, s = quantize_fp8_blockwise(w, 128)
+    back = dequantize_fp8_blockwise(q, s, 128)
+    scale = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :260]
+    bound = w.abs() * E4M3_REL + scale * E4M3_SUBNORMAL_HALF_STEP
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert torch.all((w - back).abs() <= bound * (1 + 1e-5))
+    small = (slice(0, 128), slice(128, 256))
+    assert sqnr_db(w[small], back[small]) > 28  # one scale for the whole tensor would flush this block to 0
+    assert sqnr_db(w, back) > 28
+    # every block's largest magnitude lands on e4m3's largest value
+    amax = F.pad(w.abs(), (0, 124, 0, 84)).view(3, 128, 3, 128).amax(dim=(1, 3))
+    torch.testing.assert_close(s, amax / 448.0)
+
+
+@pytest.mark.parametrize("shape, block, scales", [((130, 3), 128, (2, 1)), ((256, 384), 128, (2, 3)),
+                                                  ((1, 129), 128, (1, 2)), ((130, 3), 64, (3, 1))])
+def test_scale_shapes_cover_ragged_edges(shape, block, scales):
+    w = torch.randn(*shape)
+    q, s = quantize_fp8_blockwise(w, block)
+    assert tuple(q.shape) == shape and tuple(s.shape) == scales
+    assert sqnr_db(w, dequantize_fp8_blockwise(q, s, block)) > 25
+
+
+def test_an_edge_block_is_scaled_by_its_own_elements_only():
+    w = torch.full((130, 3), 2.0)
+    w[128:] = 5.0
+    q, s = quantize_fp8_blockwise(w, 128)
+    assert s[:, 0].tolist() == pytest.approx([2.0 / 448, 5.0 / 448])
+    torch.testing.assert_close(dequantize_fp8_blockwise(q, s, 128), w)
+    assert quantize_fp8_blockwise(torch.zeros(4, 4))[1].item() == 1.0  # an all-zero block divides by 1, not 0
+
+
+def test_a_scale_of_the_wrong_shape_is_refused():
+    q, s = quantize_fp8_blockwise(torch.randn(256, 256))
+    with pytest.raises(KilovlaError, match=r"needs \(2, 2\)"):
+        dequantize_fp8_blockwise(q, s[:1], 128)
+
+
+def test_activations_get_one_scale_per_token_per_128_channels():
+    x = torch.randn(3, 300)
+    x[1, 200] = 50.0
+    q, s = quantize_activations_1x128(x)
+    assert q.shape == (3, 300) and s.shape == (3, 3)
+    assert s[1, 1].item() == pytest.approx(50.0 / 448)
+    assert s[0, 1].item() == pytest.approx(x[0, 128:256].abs().max().item() / 448)
+    assert sqnr_db(x, fake_quantize_activations(x)) > 25
+
+
+# -- the layer ---------------------------------------------------------------------------------------
+def test_fp8_linear_computes_the_dequantized_math():
+    torch.manual_seed(0)
+    lin = nn.Linear(200, 300)
+    x = torch.randn(2, 5, 200)
+    weight_only = Fp8BlockLinear.from_linear(lin, activations="none")
+    w8a8 = Fp8BlockLinear.from_linear(lin, activations="1x128")
+    w = dequantize_fp8_blockwise(weight_only.weight, weight_only.weight_scale_inv)
+    torch.testing.assert_close(weight_only(x), F.linear(x, w, lin.bias), rtol=0, atol=1e-6)
+    torch.testing.assert_close(w8a8(x), F.linear(fake_quantize_activations(x), w, lin.bias), rtol=0, atol=1e-6)
+    ref = lin(x).detach()
+    assert sqnr_db(ref, weight_only(x)) > sqnr_db(ref, w8a8(x)) > 25
+    assert w8a8(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_casting_a_model_moves_but_never_retypes_the_fp8_payload():
+    layer = Fp8BlockLinear.from_linear(nn.Linear(64, 32))
+    q = layer.weight.clone()
+    model = nn.Sequential(layer, nn.Linear(32, 8))
+    model.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale_inv.dtype == torch.float32
+    assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
+    assert model[1].weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.bfloat16
+    model.float()
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.bias.dtype == torch.float32
+
+
+def test_an_unavailable_kernel_falls_back_loudly_once(caplog, monkeypatch):
+    monkeypatch.setattr(fp8, "_warned", set())
+    layer = Fp8BlockLinear.from_linear(nn.Linear(128, 128))
+    other = Fp8BlockLinear.from_linear(nn.Linear(128, 128))
+    fp8.set_kernel(nn.Sequential(layer, other), "scaled_mm")
+    x = torch.randn(4, 128)
+    with caplog.at_level(logging.WARNING, logger="kilovla.quant.fp8"):
+        out = layer(x)
+        layer(x)
+        other(x)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["FP8 kernel scaled_mm needs a CUDA GPU (running on cpu); falling back to emulation "
+                     "(dequantize + matmul)"]
+    assert layer.kernel_used == {"cpu": "emulate"}
+    torch.testing.assert_close(out, fp8._emulate(layer, x))
+    layer.kernel = "nope"
+    layer.kernel_used = {}
+    with pytest.raises(KilovlaError, match="FP8 kernel must be one of"):
+        layer(x)
+
+
+# -- which layers -------------------------------------------------------------------------------------
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def test_pi05_default_takes_the_language_model_and_the_action_expert():
+    model = build_model("pi05-3b", device="meta")
+    chosen = select_layers(model)
+    lm = "paligemma_with_expert.paligemma.model.language_model.layers"
+    expert = "paligemma_with_expert.gemma_expert.model.layers"
+    expected = {f"{stack}.{i}.{p}" for stack in (lm, expert) for i in range(18) for p in PROJECTIONS}
+    assert set(chosen) == expected
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    kept = linears - set(chosen)
+    assert any("vision_tower" in n for n in kept) and not any("vision_tower" in n for n in chosen)
+    assert {"paligemma_with_expert.paligemma.model.multi_modal_projector.linear", "action_in_proj",
+            "time_mlp_in", f"{expert}.0.input_layernorm.dense"} <= kept
+
+
+def test_groot_default_takes_the_llm_layers_and_the_dit():
+    model = build_model("groot-n15-3b", device="meta")
+    chosen = set(select_layers(model))
+    llm = {f"backbone.eagle_model.language_model.model.layers.{i}.{p}" for i in range(12) for p in PROJECTIONS}
+    dit = {f"action_head.model.transformer_blocks.{i}.{p}" for i in range(16)
+           for p in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")}
+    assert chosen == llm | dit
+    assert not any(k in n for n in chosen for k in ("vision_model", "vl_self_attention", "norm1", "proj_out", "mlp1"))
+
+
+def test_selection_by_regex():
+    model = build_model("pi05-tiny")
+    assert select_layers(model, include=r"mlp\.down_proj$") == [
+        f"paligemma_with_expert.{s}.layers.{i}.mlp.down_proj"
+        for s in ("paligemma.model.language_model", "gemma_expert.model") for i in range(2)]
+    assert select_layers(model, include=r"mlp\.down_proj$", exclude="gemma_expert") == [
+        f"paligemma_with_expert.paligemma.model.language_model.layers.{i}.mlp.down_proj" for i in range(2)]
+    quantize_model(model, Fp8Config(include=r"vision_tower.*(fc1|fc2)$"))
+    assert sum(isinstance(m, Fp8BlockLinear) for m in model.modules()) == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"include": "no_such_layer"}, "selects no layer"),
+    ({"include": "layernorm"}, r"cannot be blocked .*input_layernorm \(RMSNorm, weight \(48,\)\)"),
+    ({"include": "patch_embedding"}, r"cannot be blocked .*Conv2d, weight \(32, 3, 8, 8\)"),
+])
+def test_selections_that_cannot_work_are_refused(kwargs, message):
+    with pytest.raises(KilovlaError, match=message):
+        select_layers(build_model("pi05-tiny"), **kwargs)
+
+
+def test_bad_settings_and_requantizing_are_refused():
+    with pytest.raises(KilovlaError, match="positive multiple of 16"):
+        Fp8Config(block=100)
+    with pytest.raises(KilovlaError, match="not a regular expression"):
+        Fp8Config(include="(")
+    model = build_model("pi05-tiny")
+    quantize_model(model, Fp8Config())
+    with pytest.raises(KilovlaError, match="already quantized"):
+        quantize_model(model, Fp8Config(include="vision_tower.*fc1$"))
+
+
+def test_sizes_are_counted_from_shapes_on_the_meta_device():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 7, bias=False))
+    got = checkpoint_bytes(model, ["0"], block=128)
+    assert got["baseline_bytes"] == 2 * (300 * 200 + 200 + 200 * 7)
+    assert got["quantized_bytes"] == 300 * 200 + 4 * math.ceil(200 / 128) * math.ceil(300 / 128) + 2 * (200 + 200 * 7)
+    big = build_model("pi05-3b", device="meta")
+    cfg = preset("pi05-3b")
+    per_layer = lambda c: c.width * c.heads * c.head_dim * 2 + 2 * c.width * c.kv_heads * c.head_dim + 3 * c.width * c.mlp_dim  # noqa: E731
+    counts = checkpoint_bytes(big, select_layers(big))
+    assert counts["fp8_params"] == 18 * (per_layer(cfg.lm) + per_layer(cfg.expert))
+    assert counts["baseline_bytes"] == 2 * counts["total_params"]
+
+
+def _groot_batch(cfg):
+    from kilovla.models.batch import PaddedBatch
+    from kilovla.models.tokenize import ByteTokenizer, tokenize_batch
+
+    g = torch.Generator().manual_seed(0)
+    tokens, mask = tokenize_batch(ByteTokenizer(), ["pick the cube", "open the drawer please"], cfg.max_language_tokens)
+    s = cfg.vision.image_size
+    return PaddedBatch(images=torch.rand(2, 2, 3, s, s, generator=g), image_masks=torch.tensor([[1, 1], [1, 0]]).bool(),
+                       camera_names=cfg.cameras, tokens=tokens, token_mask=mask,
+                       state=torch.randn(2, cfg.max_state_dim, generator=g), embodiment_id=torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_quantized_groot_samples_actions_close_to_the_original(packing):
+    import dataclasses
+
+    model = build_model("groot-tiny").eval()
+    model.config = dataclasses.replace(model.config, packing=packing)
+    batch = _groot_batch(model.config)
+    noise = torch.randn(2, model.config.action_horizon, model.config.max_action_dim, generator=torch.Generator().manual_seed(1))
+    want = model.sample_actions(batch, noise=noise)
+    sqnr = quantize_model(model, Fp8Config())
+    assert len(sqnr) == 2 * 7 + 2 * 6 and isinstance(model.action_head.model.transformer_blocks[0].attn1.to_out[0], Fp8BlockLinear)
+    got = model.sample_actions(batch, noise=noise)
+    assert not torch.equal(got, want) and sqnr_db(want, got) > 25
+
+
+# -- policy folders -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A tiny pi0.5 policy folder that fits the synthetic dataset it comes with."""
+    from kilovla.data.synthetic import make_synthetic_dataset
+
+    root = tmp_path_factory.mktemp("fp8")
+    ds = make_synthetic_dataset(root / "ds", episodes=3, frames=(12, 20), seed=3)
+    stats = stats_to_json(compute_dataset_stats(LeRobotDataset(ds)))
+    meta = PolicyMeta(preset="pi05-tiny", overrides={"disabled_cameras": ["right_wrist_0_rgb"]},
+                      camera_map={"observation.images.front": "base_0_rgb", "observation.images.wrist": "left_wrist_0_rgb"},
+                      state_dim=6, action_dim=6, stats={k: stats[k] for k in ("observation.state", "action")},
+                      n_action_steps=4)
+    model = build_model("pi05-tiny", seed=1, disabled_cameras=("right_wrist_0_rgb",))
+    with torch.no_grad():  # adaRMS starts at zero: give the expert's conditioning some weight to carry
+        for m in model.modules():
+            if hasattr(m, "dense"):
+                m.dense.weight.normal_(0, 0.05)
+    VLAPolicy(model, meta).save(root / "policy")
+    out = root / "policy-fp8"
+    report = quantize_policy_folder(root / "policy", out, Fp8Config(), dataset=ds, samples=32, latency_repeats=1)
+    return {"root": root, "dataset": ds, "source": root / "policy", "out": out, "report": report}
+
+
+def test_a_quantized_folder_stores_the_hf_fp8_layout(folders):
+    state = load_file(str(folders["out"] / "model.safetensors"))
+    source = load_file(str(folders["source"] / "model.safetensors"))
+    qcfg = json.loads((folders["out"] / "policy.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "fp8" and qcfg["weight_block_size"] == [128, 128]
+    assert qcfg["activation_scheme"] == "dynamic" and len(qcfg["modules"]) == 28
+    for name in qcfg["modules"]:
+        q, s = state[f"{name}.weight"], state[f"{name}.weight_scale_inv"]
+        want_q, want_s = quantize_fp8_blockwise(source[f"{name}.weight"])
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    kept = [k for k in state if not k.endswith(".weight_scale_inv") and k.rsplit(".", 1)[0] not in qcfg["modules"]]
+    assert kept and all(state[k].dtype == torch.bfloat16 for k in kept)
+    assert set(state) == set(source) | {f"{n}.weight_scale_inv" for n in qcfg["modules"]}
+
+
+def test_a_quantized_folder_loads_as_a_policy_and_acts_like_the_original(folders):
+    original = load_checkpoint_policy(folders["source"])
+    quantized = load_checkpoint_policy(folders["out"])
+    layers = [m for m in quantized.model.modules() if isinstance(m, Fp8BlockLinear)]
+    assert len(layers) == 28 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    assert all(p.dtype == torch.float32 for p in quantized.model.parameters())
+    ds = LeRobotDataset(folders["dataset"])
+    rows = ds.get_batch(np.arange(0, len(ds), 4))
+    torch.manual_seed(0)
+    a = original.select_action(rows)
+    torch.manual_seed(0)
+    b = quantized.select_action(rows)
+    variance = np.asarray(rows["action"]).var(axis=0).mean()
+    assert a.shape == b.shape == (len(rows["task"]), 8, 6)
+    assert 0 < np.mean((a - b) ** 2) < 0.01 * variance
+
+
+def test_the_report_measures_what_the_issue_asks(folders):
+    report = folders["report"]
+    on_disk = json.loads((folders["out"] / "quant_report.json").read_text())
+    assert on_disk["size"] == report["size"]
+    s = report["size"]
+    assert s["quantized_bytes"] == (folders["out"] / "model.safetensors").stat().st_size
+    assert s["quantized_bytes"] < s["bf16_bytes"] < s["source_bytes"]
+    layers = report["layers"]
+    assert len(layers) == 28 and min(v["weight_sqnr_db"] for v in layers.values()) > 25
+    measured = [v["output_sqnr_db"] for v in layers.values() if v["output_sqnr_db"] is not None]
+    idle = [n for n, v in layers.items() if v["output_sqnr_db"] is None]
+    # pi0.5 never reads the prefix stream after its last layer: q, o and the MLP there never run
+    assert sorted(idle) == sorted(f"paligemma_with_expert.paligemma.model.language_model.layers.1.{p}"
+                                  for p in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj",
+                                            "mlp.up_proj", "mlp.down_proj"))
+    assert len(measured) == 23 and min(measured) > 25
+    a = report["actions"]
+    assert a["samples"] > 100 and 0 < a["relative"] < 0.01
+    assert report["latency"]["kernel"] == "emulate" and report["latency"]["quantized_s"] > 0
+    assert (folders["out"] / "quant_report.md").read_text().startswith("# FP8 quantization report")
+
+
+# -- the command ----------------------------------------------------------------------------------------
+def _entries(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--include", "nothing_matches"], "selects no layer"),
+    (["--include", "layernorm"], "cannot be blocked"),
+    (["--block", "100"], "positive multiple of 16"),
+])
+def test_quantize_refuses_bad_selections_and_writes_nothing(folders, tmp_path, capsys, args, message):
+    from kilovla.cli import main
+
+    before = _entries(tmp_path)
+    assert main(["quantize", str(folders["source"]), "--out", str(tmp_path / "q"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert _entries(tmp_path) == before
+
+
+def test_quantize_refuses_a_quantized_policy_and_an_existing_output(folders, tmp_path, capsys):
+    from kilovla.cli import main
+
+    assert main(["quantize", str(folders["out"]), "--out", str(tmp_path / "q2")]) == 2
+    assert "already quantized (policy.json has a quantization_config)" in capsys.readouterr().err
+    existing = tmp_path / "exists"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    assert main(["quantize", str(folders["source"]), "--out", str(existing)]) == 2
+    assert "already exists; nothing was written" in capsys.readouterr().err
+    assert _entries(existing) == ["keep.txt"] and _entries(tmp_path) == ["exists"]
+
+
+def test_a_failure_midway_leaves_nothing_behind(folders, tmp_path, monkeypatch):
+    from kilovla.quant import folder as quant_folder
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(quant_folder.qreport, "write_report", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        quantize_policy_folder(folders["source"], tmp_path / "q", Fp8Config(), latency_repeats=1)
+    assert _entries(tmp_path) == []
+
+
+def _metaworld_policy_folder(folder):
+    """An untrained tiny pi0.5 that fits Meta-World's observations and actions."""
+    stats = {"observation.state": {"q01": [-1] * 4, "q99": [1] * 4}, "action": {"q01": [-1] * 4, "q99": [1] * 4}}
+    meta = PolicyMeta(preset="pi05-tiny", overrides={"disabled_cameras": ["right_wrist_0_rgb"]},
+                      camera_map={"observation.images.scene": "base_0_rgb", "observation.images.wrist": "left_wrist_0_rgb"},
+                      state_dim=4, action_dim=4, stats=stats, n_action_steps=4)
+    VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta).save(folder)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_quantized_policy_runs_in_closed_loop(tmp_path):
+    from kilovla.cli import main
+
+    _metaworld_policy_folder(tmp_path / "ckpt")
+    assert main(["quantize", str(tmp_path / "ckpt"), "--out", str(tmp_path / "q"), "--activations", "none",
+                 "--latency-repeats", "1"]) == 0
+    assert json.loads((tmp_path / "q" / "policy.json").read_text())["quantization_config"]["activations"] == "none"
+    assert main(["eval", "--policy", str(tmp_path / "q"), "--tasks", "reach-v3", "--episodes", "1",
+                 "--resolution", "32", "--max-steps", "12", "--videos", "0", "--out", str(tmp_path / "ev")]) == 0
+    report = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert report["per_task"]["reach-v3"]["episodes"] == 1
+
+
+@pytest.mark.parametrize("n, k, m", [(384, 1280, 3), (256, 512, 1), (2048, 256, 130)])
+def test_the_scaled_mm_call_passes_torchs_layout_checks(n, k, m):
+    """torch's meta kernel for block-scaled `scaled_mm` checks the scale shapes and strides cuBLASLt
+    needs (1x128 scales column-major, 128x128 scales padded to 4 K-blocks and K-major); the numbers
+    themselves are checked on a GPU (tests/test_fp8_gpu.py)."""
+    layer = Fp8BlockLinear(k, n, device="meta")
+    out = fp8._scaled_mm(layer, torch.empty(2, m, k, device="meta"))
+    assert out.shape == (2, m, n) and out.dtype == torch.float32
+    q = torch.empty(4, k, dtype=torch.float8_e4m3fn, device="meta")
+    row_major_scales = torch.empty(4, math.ceil(k / 128), device="meta")
+    with pytest.raises(RuntimeError, match="1x128 x 128x128 blockwise scaling"):
+        F.scaled_mm(q, layer.weight.t(), row_major_scales, F.ScalingType.BlockWise1x128,
+                    layer.weight_scale_inv.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bench_fp8_writes_the_named_rows(tmp_path):
+    from kilovla.bench import fp8 as fp8_bench
+
+    _metaworld_policy_folder(tmp_path / "ckpt")
+    path = fp8_bench.run(quick=True, out_dir=tmp_path / "out", policy=tmp_path / "ckpt", tasks=["reach-v3"],
+                         resolution=32, episodes=1)
+    result = json.loads(path.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == ["checkpoint_bytes_3b", "checkpoint_bytes_3b_groot", "checkpoint_bytes_tiny",
+                          "min_layer_sqnr_db", "action_mse_rel", "success_rate", "chunk_latency_ms"]
+    assert rows["checkpoint_bytes_3b"]["ratio"] == pytest.approx(1 / (1 - result["pi05-3b"]["reduction"]), rel=1e-3)
+    assert result["pi05-3b"]["vision_layers_quantized"] == 0 and result["groot-n15-3b"]["vision_layers_quantized"] == 0
+    assert rows["checkpoint_bytes_tiny"]["ours"] == (tmp_path / "out" / "fp8-policy" / "model.safetensors").stat().st_size
+    assert rows["min_layer_sqnr_db"]["ours"] > 25 and rows["min_layer_sqnr_db"]["baseline"] is None
+    assert 0 <= rows["success_rate"]["baseline"] <= 1 and 0 <= rows["success_rate"]["ours"] <= 1
+    assert result["report"]["closed_loop"]["baseline"]["episodes_per_task"] == 1
+
+
+def test_a_dataset_that_does_not_fit_is_named(folders, tmp_path, capsys):
+    from kilovla.cli import main
+    from kilovla.data.synthetic import make_synthetic_dataset
+
+    other = make_synthetic_dataset(tmp_path / "other", episodes=1, frames=12, cameras=("left",), seed=1)
+    assert main(["quantize", str(folders["source"]), "--out", str(tmp_path / "q"), "--dataset", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"--dataset {other} does not fit the policy" in err and "observation.images.front" in err
+    assert _entries(tmp_path) == ["other"]
+
+
+def test_fp8_weights_load_only_into_fp8_layers(folders, tmp_path):
+    from kilovla.models.checkpoints import CheckpointError, load_checkpoint, save_safetensors
+
+    state = load_file(str(folders["out"] / "model.safetensors"))
+    plain = {k: v for k, v in state.items() if not k.endswith("weight_scale_inv")}
+    save_safetensors(plain, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="weights stored as F8_E4M3"):
+        load_checkpoint(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",), device="meta"), tmp_path)

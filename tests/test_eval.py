@@ -9,6 +9,7 @@ from kilovla.cli import main
 from kilovla.data import LeRobotDataset
 from kilovla.envs.collect import collect
 from kilovla.eval.closed_loop import evaluate, load_policy
+from kilovla.eval.intervals import wilson_interval
 from kilovla.errors import KilovlaError
 from kilovla.policy import RandomPolicy
 
@@ -23,10 +24,45 @@ def test_scripted_policy_succeeds_and_reports(tmp_path):
     r = report["per_task"]["reach-v3"]
     assert r["episodes"] == 2 and 0 < r["mean_steps"] < 60
     saved = json.loads((tmp_path / "report.json").read_text())
-    assert {"overall_success_rate", "per_task", "env", "policy", "seed"} <= set(saved)
-    assert "| reach-v3 | 100.0% | 2 |" in (tmp_path / "report.md").read_text()
+    assert {"overall_success_rate", "overall_success_ci95", "per_task", "env", "policy", "seed"} <= set(saved)
+    assert r["success_ci95"] == pytest.approx((0.3424, 1.0), abs=1e-4)  # Wilson, 2 of 2
+    assert "| reach-v3 | 100.0% | 34.2% - 100.0% | 2 |" in (tmp_path / "report.md").read_text()
     [video] = (tmp_path / "videos" / "reach-v3").glob("*.mp4")
     assert video.name == "episode_000_success.mp4" and video.stat().st_size > 0
+
+
+@pytest.mark.parametrize("wins, n, low, high", [
+    (20, 20, 0.8389, 1.0), (10, 20, 0.2993, 0.7007), (0, 10, 0.0, 0.2775), (46, 50, 0.8116, 0.9685), (1, 1, 0.2065, 1.0)])
+def test_wilson_interval_matches_the_closed_form(wins, n, low, high):
+    assert wilson_interval(wins, n) == pytest.approx((low, high), abs=1e-4)
+
+
+def test_wilson_interval_narrows_with_episodes_and_refuses_impossible_counts():
+    small, large = wilson_interval(9, 10), wilson_interval(90, 100)
+    assert small[0] < large[0] < 0.9 < large[1] < small[1]
+    for wins, n in ((3, 2), (-1, 5), (0, 0)):
+        with pytest.raises(KilovlaError, match="success interval"):
+            wilson_interval(wins, n)
+
+
+def test_the_expert_succeeds_alike_without_rendering():
+    """The scripted expert reads state only: skipping the cameras changes nothing but the cost."""
+    kwargs = dict(tasks=["reach-v3"], episodes=2, batch_size=2, **FAST)
+    shown = evaluate(load_policy("scripted"), **kwargs)
+    blind = evaluate(load_policy("scripted"), render=False, **kwargs)
+    assert blind["per_task"]["reach-v3"]["mean_steps"] == shown["per_task"]["reach-v3"]["mean_steps"]
+    assert blind["overall_success_rate"] == shown["overall_success_rate"] == 1.0
+    seen = _FirstObservations()
+    seen.keys = set()
+    seen.select_action = lambda obs: (seen.keys.update(obs), seen._random.select_action(obs))[1]
+    evaluate(seen, render=False, tasks=["reach-v3"], episodes=1, resolution=16, max_steps=2)
+    assert "observation.environment_state" in seen.keys and not any("images" in k for k in seen.keys)
+    with pytest.raises(KilovlaError, match="render=False leaves no camera images, but 1 videos"):
+        evaluate(load_policy("scripted"), render=False, videos=1, **kwargs)
+    camera_policy = RandomPolicy(4)
+    camera_policy.cameras = ("scene",)
+    with pytest.raises(KilovlaError, match=r"policy random reads cameras \['scene'\]"):
+        evaluate(camera_policy, render=False, **kwargs)
 
 
 def test_random_policy_stays_near_zero():

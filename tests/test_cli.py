@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from kilovla.cli import main
+from kilovla.errors import KilovlaError
 
 
 def test_data_info_json(tiny_root, capsys):
@@ -104,17 +105,41 @@ def test_bench_data_quick_writes_the_named_rows(tmp_path):
     assert rows["rank_imbalance_attention"]["ours"] < rows["rank_imbalance_attention"]["baseline"]
 
 
-def test_demo_quick_runs_the_closed_loop(tmp_path):
+def test_demo_quick_runs_the_closed_loop(tmp_path, capsys):
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
-    assert {"tasks", "policy_success_rate", "expert_success_rate", "train", "wall_s"} <= set(report)
-    assert {"steps", "samples_per_s", "padding_fraction", "final_loss"} <= set(report["train"])
+    assert {"tasks", "policy_success_rate", "expert_success_rate", "policy_success_ci95", "train", "wall_s"} <= set(report)
+    assert {"steps", "samples_per_s", "padding_fraction", "final_loss", "data_wait_fraction"} <= set(report["train"])
     assert report["train"]["steps"] == 30 and report["expert_success_rate"] == 1.0
-    assert 0.0 <= report["policy_success_rate"] <= 1.0
+    assert 0.0 <= report["train"]["data_wait_fraction"] < 1.0 and 0.0 <= report["train"]["padding_fraction"] < 1.0
+    low, high = report["policy_success_ci95"]
+    assert 0.0 <= low <= report["policy_success_rate"] <= high <= 1.0
+    assert report["expert_success_ci95"] == pytest.approx((0.5101, 1.0), abs=1e-4)  # Wilson, 4 of 4 episodes
     assert report["dataset"]["episodes"] == 6
-    for name in ("report.md", "learning_curve.png"):
+    ev = report["evaluation"]
+    for task in report["tasks"]:  # evaluated on seeds no demonstration was recorded on
+        assert len(ev["seeds"][task]) == 2 and len(ev["demonstration_seeds"][task]) == 3
+        assert not set(ev["seeds"][task]) & set(ev["demonstration_seeds"][task])
+        assert report["per_task"][task]["expert_ci95"][1] == 1.0
+    for name in ("report.md", "learning_curve.png", "success_per_task.png"):
         assert (tmp_path / name).stat().st_size > 0
-    assert list((tmp_path / "eval-policy" / "videos").rglob("*.mp4"))
+    videos = report["files"]["videos"]
+    assert sorted(videos) == sorted(report["tasks"]) and all((tmp_path / v).stat().st_size > 0 for v in videos.values())
+    md = (tmp_path / "report.md").read_text()
+    assert "![success per task](success_per_task.png)" in md and f"[mp4]({videos['reach-v3']})" in md
+    assert "| **overall** | **" in md and "[51%, 100%]" in md
+    printed = capsys.readouterr().out
+    assert "success overall" in printed and "[51%, 100%]" in printed
+
+
+def test_demo_refuses_to_evaluate_on_demonstration_seeds(tmp_path):
+    from kilovla.demo import QUICK, evaluate_both
+    from kilovla.eval.closed_loop import episode_seeds
+
+    recipe = QUICK.replace(eval_seed=0)
+    overlapping = {"drawer-close-v3": episode_seeds(0, 1, 1)}  # drawer-close is the recipe's second task
+    with pytest.raises(KilovlaError, match=r"drawer-close-v3: evaluation seeds \[1000\] were also demonstration"):
+        evaluate_both(recipe, str(tmp_path / "never-read"), tmp_path, overlapping)
 
 
 def test_bench_all_combines_suites_into_results(tmp_path):

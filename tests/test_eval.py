@@ -9,6 +9,7 @@ from kilovla.cli import main
 from kilovla.data import LeRobotDataset
 from kilovla.envs.collect import collect
 from kilovla.eval.closed_loop import evaluate, load_policy
+from kilovla.eval.intervals import wilson_interval
 from kilovla.errors import KilovlaError
 from kilovla.policy import RandomPolicy
 
@@ -23,10 +24,25 @@ def test_scripted_policy_succeeds_and_reports(tmp_path):
     r = report["per_task"]["reach-v3"]
     assert r["episodes"] == 2 and 0 < r["mean_steps"] < 60
     saved = json.loads((tmp_path / "report.json").read_text())
-    assert {"overall_success_rate", "per_task", "env", "policy", "seed"} <= set(saved)
-    assert "| reach-v3 | 100.0% | 2 |" in (tmp_path / "report.md").read_text()
+    assert {"overall_success_rate", "overall_success_ci95", "per_task", "env", "policy", "seed"} <= set(saved)
+    assert r["success_ci95"] == pytest.approx((0.3424, 1.0), abs=1e-4)  # Wilson, 2 of 2
+    assert "| reach-v3 | 100.0% | 34.2% - 100.0% | 2 |" in (tmp_path / "report.md").read_text()
     [video] = (tmp_path / "videos" / "reach-v3").glob("*.mp4")
     assert video.name == "episode_000_success.mp4" and video.stat().st_size > 0
+
+
+@pytest.mark.parametrize("wins, n, low, high", [
+    (20, 20, 0.8389, 1.0), (10, 20, 0.2993, 0.7007), (0, 10, 0.0, 0.2775), (46, 50, 0.8116, 0.9685), (1, 1, 0.2065, 1.0)])
+def test_wilson_interval_matches_the_closed_form(wins, n, low, high):
+    assert wilson_interval(wins, n) == pytest.approx((low, high), abs=1e-4)
+
+
+def test_wilson_interval_narrows_with_episodes_and_refuses_impossible_counts():
+    small, large = wilson_interval(9, 10), wilson_interval(90, 100)
+    assert small[0] < large[0] < 0.9 < large[1] < small[1]
+    for wins, n in ((3, 2), (-1, 5), (0, 0)):
+        with pytest.raises(KilovlaError, match="success interval"):
+            wilson_interval(wins, n)
 
 
 def test_random_policy_stays_near_zero():

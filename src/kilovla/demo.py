@@ -1,21 +1,27 @@
 """`kilovla demo`: the closed loop on an embedded default, no network, no flags.
 
-    collect scripted demonstrations (Meta-World, the default task set, two cameras)
-      -> train a tiny pi0.5 with packing, dynamic padding and the unused camera pruned
-      -> evaluate it closed-loop, and the scripted expert on the same seeds
-      -> one table, and DIR/report.json, report.md, learning_curve.png, videos/
+    collect scripted demonstrations (Meta-World, the default task set, two cameras, noisy expert)
+      -> train a tiny VLA with packing, dynamic padding and the unused camera pruned
+      -> evaluate it closed-loop on seeds disjoint from the demonstrations', and the scripted
+         expert on the same seeds
+      -> one table, and DIR/report.json, report.md, learning_curve.png, success_per_task.png and one
+         video per task (eval-policy/videos/<task>/)
 
-`--quick` is the minute-scale smoke run the tests use.
+`DemoRecipe` holds every choice of the run; `FULL` is what `make demo` runs, chosen by the ablation
+in docs/demo_ablation.md (`benchmarks/demo_ablation.py` re-runs it, one recipe field changed per
+row). `QUICK` (`--quick`) is the minute-scale smoke run the tests use. Success rates carry 95 %
+Wilson intervals: 20 episodes per task still leave a rate of 90 % uncertain by about +-10 points.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -25,118 +31,275 @@ from kilovla.config import load_config
 from kilovla.data.lerobot import DatasetMeta
 from kilovla.envs.collect import collect
 from kilovla.envs.metaworld import DEFAULT_TASKS
+from kilovla.errors import KilovlaError
+from kilovla.eval.intervals import wilson_interval
 
 
-@dataclass(frozen=True)
-class DemoSize:
-    tasks: tuple[str, ...]
-    episodes_per_task: int
-    resolution: int
-    train_steps: int
-    eval_episodes: int
-    workers: int
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoRecipe:
+    """Every choice of a demo run: data, model, optimisation, evaluation."""
+
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    # data
+    episodes_per_task: int = 20  # successful scripted demonstrations recorded per task
+    collect_noise: float = 0.1  # std of the Gaussian noise on the expert's actions while recording
+    collect_seed: int = 0
+    resolution: int = 64  # both cameras, pixels
+    # model: a preset plus config overrides; packing, dynamic padding and the blank third camera's
+    # pruning are always on (they change speed, not the result: the equivalence tests say so)
+    preset: str = "pi05-tiny"
+    model: dict = field(default_factory=dict)  # e.g. {"vision": {"width": 64}}
+    state_in_prompt: bool = False  # pi0.5 reads the state only as discretised prompt text
+    chunk_size: int = 10  # actions predicted per inference
+    n_action_steps: int = 5  # of them executed before re-planning
+    augmentation: dict | None = None  # ImageAugmentation fields; None: the preset's (none for tiny presets)
+    # optimisation
+    train_steps: int = 2500
+    batch_tokens: int = 12000  # tokens per optimizer step (~75 samples at 64 px)
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decay to lr * this at the last step
+    ema_decay: float | None = None  # evaluate the EMA of the weights instead of the last weights
+    # evaluation
+    eval_episodes: int = 20  # per task, for the policy and for the expert
+    eval_seed: int = 1  # closed_loop.episode_seeds(eval_seed, ...): disjoint from the collection seeds
+    videos_per_task: int = 1
+    workers: int = 2  # env processes
+
+    def replace(self, **changes) -> DemoRecipe:
+        return dataclasses.replace(self, **changes)
 
 
-FULL = DemoSize(DEFAULT_TASKS, 20, 64, 2500, 10, 2)
-QUICK = DemoSize(("reach-v3", "drawer-close-v3"), 3, 32, 30, 2, 0)
-
-# A CPU-sized pi0.5: 64 px images (64 tokens per camera), 10-step action chunks, the full
-# Meta-World state (hand + objects + goal) as state input.
-POLICY_OVERRIDES = ("{chunk_size: 10, max_state_dim: 48, packing: true, language_padding: longest, "
-                    "disabled_cameras: [right_wrist_0_rgb], vision: {image_size: %d}}")
-N_ACTION_STEPS = 5
+FULL = DemoRecipe()
+QUICK = DemoRecipe(tasks=("reach-v3", "drawer-close-v3"), episodes_per_task=3, resolution=32, train_steps=30,
+                   eval_episodes=2, workers=0)
 
 
-def run_demo(out_dir: str | Path = "demo-output", quick: bool = False) -> dict:
-    from kilovla.eval.closed_loop import evaluate, load_policy
+def train_overrides(recipe: DemoRecipe, data: Path, run: Path, progress: bool) -> list[str]:
+    """The recipe as `kilovla train` flags (dotted overrides of TrainConfig)."""
+    model = {"chunk_size": recipe.chunk_size, "max_state_dim": 48, "packing": True, "language_padding": "longest",
+             "disabled_cameras": ["right_wrist_0_rgb"], **recipe.model}
+    vision = {"image_size": recipe.resolution, **model.get("vision", {})}
+    model["vision"] = vision
+    if recipe.state_in_prompt:  # ~4 bytes per state dimension: 43 dimensions need ~200 prompt tokens
+        model.setdefault("max_language_tokens", 256)
+    flags = [
+        f"--run_dir={run}", f"--steps={recipe.train_steps}", f"--dataset.roots=[{data}]",
+        # Steps fixed in tokens, so that packed rows come out full.
+        f"--batch.global_batch_tokens={recipe.batch_tokens}", "--batch.token_budget=4096",
+        f"--checkpoint.every={recipe.train_steps}", f"--policy.preset={recipe.preset}",
+        f"--policy.overrides={json.dumps(model)}",
+        "--policy.state_keys=[observation.state, observation.environment_state]",
+        f"--policy.state_in_prompt={str(recipe.state_in_prompt).lower()}",
+        f"--policy.n_action_steps={recipe.n_action_steps}", f"--optim.lr={recipe.lr}",
+        f"--optim.warmup_steps={recipe.warmup_steps}", f"--optim.min_lr_ratio={recipe.min_lr_ratio}",
+        f"--progress={str(progress).lower()}",
+    ]
+    if recipe.ema_decay:
+        flags.append(f"--ema_decay={recipe.ema_decay}")
+    if recipe.augmentation is not None:
+        flags.append(f"--policy.augmentation={json.dumps(recipe.augmentation)}")
+    return flags
+
+
+def collect_demonstrations(recipe: DemoRecipe, data: Path):
+    return collect(data, tasks=list(recipe.tasks), episodes_per_task=recipe.episodes_per_task,
+                   resolution=recipe.resolution, noise_std=recipe.collect_noise, seed=recipe.collect_seed,
+                   batch_size=5, num_workers=recipe.workers, overwrite=True)
+
+
+def train_policy(recipe: DemoRecipe, data: Path, run: Path, progress: bool = True) -> dict:
     from kilovla.train.trainer import TrainConfig, train
 
+    shutil.rmtree(run, ignore_errors=True)
+    return train(load_config(TrainConfig, None, train_overrides(recipe, data, run, progress)))
+
+
+def evaluate_both(recipe: DemoRecipe, checkpoint: str, out: Path, train_seeds: dict[str, list[int]]) -> tuple[dict, dict]:
+    """The learned policy (with videos) and the scripted expert (state only: it renders nothing but the resets) on the
+    same seeds, which must not be seeds the demonstrations were recorded on."""
+    from kilovla.eval.closed_loop import episode_seeds, evaluate, load_policy
+
+    tasks = list(recipe.tasks)
+    for t, task in enumerate(tasks):
+        shared = set(episode_seeds(recipe.eval_seed, t, recipe.eval_episodes)) & set(train_seeds.get(task, ()))
+        if shared:
+            raise KilovlaError(f"{task}: evaluation seeds {sorted(shared)[:5]} were also demonstration seeds; "
+                               "choose another eval_seed")
+    common = dict(tasks=tasks, episodes=recipe.eval_episodes, seed=recipe.eval_seed, batch_size=5,
+                  resolution=recipe.resolution, num_workers=recipe.workers, n_action_steps=recipe.n_action_steps)
+    learned = evaluate(load_policy(checkpoint, ema=bool(recipe.ema_decay)), out_dir=out / "eval-policy",
+                       videos=recipe.videos_per_task, **common)
+    expert = evaluate(load_policy("scripted"), out_dir=out / "eval-expert", **common)
+    return learned, expert
+
+
+def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: DemoRecipe | None = None) -> dict:
+    from kilovla.bench.common import machine_info
+
     t0 = time.perf_counter()
-    size = QUICK if quick else FULL
+    recipe = recipe or (QUICK if quick else FULL)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(width=max(Console().width, 100))
-    tasks = list(size.tasks)
+    stage_s = {}
 
     console.rule("1/4 collect scripted demonstrations")
     data = out / "dataset"
-    collected = collect(data, tasks=tasks, episodes_per_task=size.episodes_per_task, resolution=size.resolution,
-                        noise_std=0.1, batch_size=5, num_workers=size.workers, overwrite=True)
+    collected = collect_demonstrations(recipe, data)
     info = DatasetMeta(data).summary()
+    stage_s["collect"] = time.perf_counter() - t0
 
-    console.rule("2/4 train pi0.5 (tiny) with packing")
-    run = out / "run"
-    shutil.rmtree(run, ignore_errors=True)
-    cfg = load_config(TrainConfig, None, [
-        f"--run_dir={run}", f"--steps={size.train_steps}", f"--dataset.roots=[{data}]",
-        # Steps fixed in tokens (~64 samples, a bit under 3 rows) so that packed rows come out full.
-        "--batch.global_batch_tokens=12000", "--batch.token_budget=4096", f"--checkpoint.every={size.train_steps}",
-        f"--policy.overrides={POLICY_OVERRIDES % size.resolution}",
-        "--policy.state_keys=[observation.state, observation.environment_state]",
-        f"--policy.n_action_steps={N_ACTION_STEPS}", "--optim.lr=1e-3", "--optim.warmup_steps=50",
-        f"--progress={'false' if quick else 'true'}",
-    ])
-    summary = train(cfg)
+    console.rule(f"2/4 train {recipe.preset} with packing")
+    t = time.perf_counter()
+    summary = train_policy(recipe, data, out / "run", progress=not quick)
+    stage_s["train"] = time.perf_counter() - t
 
-    console.rule("3/4 closed-loop evaluation")
-    common = dict(tasks=tasks, episodes=size.eval_episodes, batch_size=5, resolution=size.resolution,
-                  num_workers=size.workers)
-    learned = evaluate(load_policy(summary["checkpoint"]), out_dir=out / "eval-policy", videos=1, **common)
-    expert = evaluate(load_policy("scripted"), out_dir=out / "eval-expert", videos=0, **common)
+    console.rule("3/4 closed-loop evaluation (policy, then the scripted expert on the same seeds)")
+    t = time.perf_counter()
+    learned, expert = evaluate_both(recipe, summary["checkpoint"], out, collected.seeds)
+    stage_s["evaluate"] = time.perf_counter() - t
 
     console.rule("4/4 report")
-    if Path(summary.get("plot") or "").is_file():
-        shutil.copy(summary["plot"], out / "learning_curve.png")
-    report = {
-        "tasks": tasks,
-        "policy_success_rate": learned["overall_success_rate"],
-        "expert_success_rate": expert["overall_success_rate"],
-        "per_task": {t: {"policy": learned["per_task"][t]["success_rate"], "expert": expert["per_task"][t]["success_rate"]}
-                     for t in tasks},
-        "dataset": {"root": str(data), "episodes": info["episodes"], "frames": info["frames"],
-                    "size_bytes": info["size_bytes"], "dropped_episodes": sum(collected.dropped.values())},
-        "train": {"steps": summary["steps"], "samples_per_s": summary["samples_per_s"],
-                  "padding_fraction": summary["padding_fraction"], "final_loss": summary["final_loss"],
-                  "checkpoint": summary["checkpoint"]},
-        "env_backend": learned["env_backend"],
-        "quick": quick,
-        "wall_s": time.perf_counter() - t0,
-    }
-    _write_report(out, report)
-    _print_table(console, report)
+    report = build_report(recipe, out, collected, info, summary, learned, expert, quick=quick)
+    report["machine"] = machine_info()
+    report["stage_s"] = stage_s
+    report["wall_s"] = time.perf_counter() - t0
+    write_report(out, report)
+    print_table(console, report)
     return report
 
 
-def _print_table(console: Console, report: dict) -> None:
+def build_report(recipe: DemoRecipe, out: Path, collected, info: dict, summary: dict, learned: dict, expert: dict,
+                 quick: bool) -> dict:
+    tasks = list(recipe.tasks)
+    per_task = {}
+    for task in tasks:
+        p, e = learned["per_task"][task], expert["per_task"][task]
+        per_task[task] = {"policy": p["success_rate"], "expert": e["success_rate"],
+                          "policy_ci95": p["success_ci95"], "expert_ci95": e["success_ci95"],
+                          "episodes": p["episodes"]}
+    policy_rate, expert_rate = learned["overall_success_rate"], expert["overall_success_rate"]
+    videos = {task: str(v.relative_to(out)) for task in tasks
+              for v in sorted((out / "eval-policy" / "videos" / task).glob("*.mp4"))[:1]}
+    if Path(summary.get("plot") or "").is_file():
+        shutil.copy(summary["plot"], out / "learning_curve.png")
+    return {
+        "tasks": tasks,
+        "policy_success_rate": policy_rate,
+        "expert_success_rate": expert_rate,
+        "policy_success_ci95": learned["overall_success_ci95"],
+        "expert_success_ci95": expert["overall_success_ci95"],
+        "relative_success": policy_rate / expert_rate if expert_rate else None,
+        "per_task": per_task,
+        "dataset": {"root": str(out / "dataset"), "episodes": info["episodes"], "frames": info["frames"],
+                    "size_bytes": info["size_bytes"], "dropped_episodes": sum(collected.dropped.values())},
+        "train": {"steps": summary["steps"], "samples_per_s": summary["samples_per_s"],
+                  "padding_fraction": summary["padding_fraction"], "final_loss": summary["final_loss"],
+                  "data_wait_fraction": summary["data_wait_fraction"], "wall_s": summary["wall_s"],
+                  "checkpoint": summary["checkpoint"]},
+        "evaluation": {"episodes_per_task": recipe.eval_episodes, "seed": recipe.eval_seed,
+                       "seeds": {t: learned["per_task"][t]["seeds"] for t in tasks},
+                       "demonstration_seeds": collected.seeds, "disjoint": True},
+        "files": {"learning_curve": "learning_curve.png" if (out / "learning_curve.png").is_file() else None,
+                  "success_chart": plot_success(out / "success_per_task.png", per_task, policy_rate, expert_rate,
+                                                learned["overall_success_ci95"], expert["overall_success_ci95"]),
+                  "videos": videos},
+        "recipe": {k: getattr(recipe, k) for k in (f.name for f in dataclasses.fields(recipe))},
+        "env_backend": learned["env_backend"],
+        "quick": quick,
+    }
+
+
+def plot_success(path: Path, per_task: dict, policy: float, expert: float, policy_ci, expert_ci) -> str:
+    """Grouped bars, learned policy vs scripted expert per task and overall, with 95 % Wilson intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [*per_task, "overall"]
+    rows = [*per_task.values(), {"policy": policy, "expert": expert, "policy_ci95": policy_ci, "expert_ci95": expert_ci}]
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for offset, who, colour in ((-0.2, "policy", "tab:blue"), (0.2, "expert", "tab:gray")):
+        rates = np.array([r[who] for r in rows])
+        ci = np.array([r[f"{who}_ci95"] for r in rows])
+        ax.bar(x + offset, rates, 0.4, color=colour, label="learned policy" if who == "policy" else "scripted expert",
+               yerr=[rates - ci[:, 0], ci[:, 1] - rates], capsize=3)
+    ax.axhline(0.9 * expert, ls="--", lw=1, color="tab:red", label="90 % of the expert")
+    ax.set_xticks(x, [n.removesuffix("-v3") for n in names], rotation=20)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("success rate (95 % Wilson)")
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.{uuid.uuid4().hex[:6]}.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path.name
+
+
+def _rate(rate, ci) -> str:
+    return "-" if rate is None else f"{rate:.0%} [{ci[0]:.0%}, {ci[1]:.0%}]"
+
+
+def print_table(console: Console, report: dict) -> None:
+    d, tr = report["dataset"], report["train"]
+    n = report["evaluation"]["episodes_per_task"]
     table = Table(title="kilovla demo: collect -> train -> evaluate (Meta-World)")
     table.add_column("what")
-    table.add_column("value", justify="right")
-    d, tr = report["dataset"], report["train"]
-    table.add_row("dataset", f"{d['episodes']} episodes, {d['frames']} frames, {d['size_bytes'] / 2**20:.1f} MiB")
-    table.add_row("training", f"{tr['steps']} steps, {tr['samples_per_s']:.0f} samples/s, final loss {tr['final_loss']:.3f}")
-    table.add_row("padding (packed rows)", f"{tr['padding_fraction']:.1%}")
+    table.add_column("learned policy", justify="right")
+    table.add_column("scripted expert", justify="right")
     for task, r in report["per_task"].items():
-        table.add_row(f"success {task}", f"policy {_pct(r['policy'])} | expert {_pct(r['expert'])}")
-    table.add_row("success overall", f"policy {_pct(report['policy_success_rate'])} | "
-                                     f"expert {_pct(report['expert_success_rate'])}")
-    table.add_row("wall time", f"{report['wall_s'] / 60:.1f} min")
+        table.add_row(f"success {task} ({n} episodes)", _rate(r["policy"], r["policy_ci95"]),
+                      _rate(r["expert"], r["expert_ci95"]))
+    table.add_row("success overall", _rate(report["policy_success_rate"], report["policy_success_ci95"]),
+                  _rate(report["expert_success_rate"], report["expert_success_ci95"]))
+    if report["relative_success"] is not None:
+        table.add_row("policy / expert", f"{report['relative_success']:.0%}", "")
+    table.add_section()
+    table.add_row("dataset", f"{d['episodes']} episodes, {d['frames']} frames", f"{d['size_bytes'] / 2**20:.1f} MiB")
+    table.add_row("training", f"{tr['steps']} steps, {tr['samples_per_s']:.0f} samples/s",
+                  f"final loss {tr['final_loss']:.3f}")
+    table.add_row("padding | data wait", f"{tr['padding_fraction']:.1%}", f"{tr['data_wait_fraction']:.1%}")
+    table.add_row("wall time", f"{report['wall_s'] / 60:.1f} min", report.get("machine", {}).get("cpu", ""))
     console.print(table)
+    console.print("95 % Wilson intervals in brackets; evaluation seeds are disjoint from the demonstrations'.")
 
 
-def _pct(x) -> str:
-    return "-" if x is None else f"{x:.0%}"
+def report_markdown(report: dict) -> str:
+    d, tr, ev = report["dataset"], report["train"], report["evaluation"]
+    machine = report.get("machine", {})
+    lines = ["# kilovla demo", "",
+             f"{report['env_backend']}. {ev['episodes_per_task']} evaluation episodes per task on seeds disjoint "
+             "from the demonstrations' (success rate [95 % Wilson interval]).", "",
+             "| task | learned policy | scripted expert | video |", "|---|---|---|---|"]
+    for task, r in report["per_task"].items():
+        video = report["files"]["videos"].get(task)
+        lines.append(f"| {task} | {_rate(r['policy'], r['policy_ci95'])} | {_rate(r['expert'], r['expert_ci95'])} | "
+                     + (f"[mp4]({video})" if video else "-") + " |")
+    lines.append(f"| **overall** | **{_rate(report['policy_success_rate'], report['policy_success_ci95'])}** | "
+                 f"**{_rate(report['expert_success_rate'], report['expert_success_ci95'])}** | |")
+    if report["relative_success"] is not None:
+        lines += ["", f"The learned policy reaches **{report['relative_success']:.0%}** of the expert's success."]
+    lines += ["", f"Dataset: {d['episodes']} episodes, {d['frames']} frames. Training: {tr['steps']} steps at "
+              f"{tr['samples_per_s']:.0f} samples/s, row padding {tr['padding_fraction']:.1%}, data wait "
+              f"{tr['data_wait_fraction']:.1%} of step time, final loss {tr['final_loss']:.3f}.",
+              f"Wall time {report['wall_s'] / 60:.1f} min"
+              + (f" ({', '.join(f'{k} {v / 60:.1f}' for k, v in report['stage_s'].items())})" if "stage_s" in report
+                 else "")
+              + (f" on {machine['cpu']}, {machine['cores']} cores." if machine else "."), ""]
+    if report["files"]["success_chart"]:
+        lines += [f"![success per task]({report['files']['success_chart']})", ""]
+    if report["files"]["learning_curve"]:
+        lines += [f"![learning curve]({report['files']['learning_curve']})", ""]
+    return "\n".join(lines)
 
 
-def _write_report(out: Path, report: dict) -> None:
-    d, tr = report["dataset"], report["train"]
-    lines = ["# kilovla demo", "", f"{report['env_backend']}", "",
-             "| task | learned policy | scripted expert |", "|---|---|---|"]
-    lines += [f"| {t} | {_pct(r['policy'])} | {_pct(r['expert'])} |" for t, r in report["per_task"].items()]
-    lines += [f"| **overall** | **{_pct(report['policy_success_rate'])}** | **{_pct(report['expert_success_rate'])}** |", "",
-              f"Dataset: {d['episodes']} episodes, {d['frames']} frames. Training: {tr['steps']} steps at "
-              f"{tr['samples_per_s']:.0f} samples/s, padding {tr['padding_fraction']:.1%}, final loss {tr['final_loss']:.3f}.",
-              f"Wall time {report['wall_s'] / 60:.1f} min.", "", "![learning curve](learning_curve.png)", ""]
-    for name, text in (("report.json", json.dumps(report, indent=2)), ("report.md", "\n".join(lines))):
+def write_report(out: Path, report: dict) -> None:
+    for name, text in (("report.json", json.dumps(report, indent=2)), ("report.md", report_markdown(report))):
         tmp = out / f".{name}.{uuid.uuid4().hex[:8]}"
         tmp.write_text(text)
         os.replace(tmp, out / name)

@@ -24,6 +24,7 @@ class CollectReport:
     root: str
     kept: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
+    seeds: dict[str, list[int]] = field(default_factory=dict)  # per task, the seeds of the kept episodes
     frames: int = 0
 
 
@@ -72,6 +73,7 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
                     for frame in frames:
                         writer.add_frame(frame)
                     writer.save_episode()
+                    report.seeds.setdefault(task, []).append(ep.seed)
                     kept += 1
                     report.frames += len(frames)
                 else:

@@ -4,7 +4,8 @@
 seeds for every policy, so success rates compare), batching the policy over vectorised envs and
 executing `n_action_steps` of each predicted action chunk. It returns the report and, with
 `out_dir`, writes `report.json`, `report.md` and mp4 videos of the first `videos` episodes per task.
-The trainer calls the same function for in-training evaluation.
+Every success rate comes with its 95 % Wilson interval (`eval/intervals.py`). The trainer calls the same
+function for in-training evaluation.
 
 A crashed env process does not end the evaluation: its task is reported with the error and the
 seeds that were running, its unfinished episodes count as failures (`crashed_episodes`, so a crash
@@ -25,6 +26,7 @@ from kilovla.envs.base import check_tasks, env_spec
 from kilovla.envs.rollout import run_episodes
 from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
 from kilovla.errors import KilovlaError
+from kilovla.eval.intervals import wilson_interval
 
 EVAL_SEED_STRIDE = 1_000_003  # episode seeds: seed * stride + task index * 1000 + episode
 
@@ -93,20 +95,28 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
                 done = run_episodes(pool, policy, seeds, n_action_steps=n_action_steps, on_step=on_step, on_end=on_end,
                                     frames=lambda ep: recorder.folder is not None and ep.index < videos)
         except EnvCrashed as e:
-            per_task[task] = {"success_rate": sum(ep.success for ep in finished) / episodes, "episodes": episodes,
+            wins = sum(ep.success for ep in finished)
+            per_task[task] = {"success_rate": wins / episodes, "success_ci95": wilson_interval(wins, episodes),
+                              "successes": wins, "episodes": episodes,
                               "mean_steps": float(np.mean([ep.steps for ep in finished])) if finished else None,
                               "crashed_episodes": episodes - len(finished), "error": str(e),
                               "seeds_running": e.seeds, "seeds": seeds}
             continue
+        wins = sum(e.success for e in done)
         per_task[task] = {
-            "success_rate": float(np.mean([e.success for e in done])),
+            "success_rate": wins / len(done),
+            "success_ci95": wilson_interval(wins, len(done)),
+            "successes": wins,
             "episodes": len(done),
             "mean_steps": float(np.mean([e.steps for e in done])),
             "crashed_episodes": 0,
             "seeds": seeds,
         }
+    # Every task plays the same number of episodes, so the mean of the task rates is the pooled rate.
+    wins, played = sum(r["successes"] for r in per_task.values()), sum(r["episodes"] for r in per_task.values())
     report = {
         "overall_success_rate": float(np.mean([r["success_rate"] for r in per_task.values()])),
+        "overall_success_ci95": wilson_interval(wins, played),
         "crashed_episodes": sum(r["crashed_episodes"] for r in per_task.values()),
         "per_task": per_task,
         "env": env,
@@ -169,13 +179,15 @@ def write_report(out: Path, report: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# Closed-loop evaluation: {report['policy']} on {report['env']}", "",
              f"{report['env_backend']}; seed {report['seed']}; {report['episodes_per_task']} episodes per task.", "",
-             "| task | success rate | episodes | mean steps |", "|---|---|---|---|"]
+             "| task | success rate | 95 % Wilson interval | episodes | mean steps |", "|---|---|---|---|---|"]
     for task, r in report["per_task"].items():
         steps = "-" if r["mean_steps"] is None else f"{r['mean_steps']:.1f}"
         crash = f" ({r['crashed_episodes']} crashed, counted as failures: {r['error'].splitlines()[0]})" \
             if r["crashed_episodes"] else ""
-        lines.append(f"| {task} | {r['success_rate']:.1%}{crash} | {r['episodes']} | {steps} |")
-    lines += ["", f"**Overall success rate: {report['overall_success_rate']:.1%}**"
+        low, high = r["success_ci95"]
+        lines.append(f"| {task} | {r['success_rate']:.1%}{crash} | {low:.1%} - {high:.1%} | {r['episodes']} | {steps} |")
+    low, high = report["overall_success_ci95"]
+    lines += ["", f"**Overall success rate: {report['overall_success_rate']:.1%}** (95 % Wilson {low:.1%} - {high:.1%})"
                   + (f" ({report['crashed_episodes']} crashed episodes counted as failures)"
                      if report["crashed_episodes"] else ""), ""]
     for name, text in (("report.json", json.dumps(report, indent=2)), ("report.md", "\n".join(lines))):
@@ -184,8 +196,9 @@ def write_report(out: Path, report: dict) -> None:
         os.replace(tmp, out / name)
 
 
-def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim: int | None = None):
-    """'scripted', 'random' or a checkpoint path -> a Policy."""
+def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim: int | None = None,
+                ema: bool = False):
+    """'scripted', 'random' or a checkpoint path -> a Policy; `ema`: the checkpoint's EMA weights."""
     if spec == "scripted":
         from kilovla.envs.collect import expert_policy
 
@@ -202,4 +215,4 @@ def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim:
     except ImportError:
         raise KilovlaError(f"{path}: loading learned checkpoints needs kilovla's model layer, which this "
                            "install does not have yet") from None
-    return load_checkpoint_policy(path)
+    return load_checkpoint_policy(path, ema=ema)

@@ -72,11 +72,15 @@ class VLAPolicy:
         return folder
 
 
-def load_checkpoint_policy(folder: str | Path, device: str = "cpu") -> VLAPolicy:
+def load_checkpoint_policy(folder: str | Path, device: str = "cpu", ema: bool = False) -> VLAPolicy:
+    """`ema`: the exponential moving average of the weights (ema.safetensors, written by a run with
+    `ema_decay`) instead of the last weights."""
     from kilovla.models.presets import build_model
 
     folder = Path(folder)
     meta_path = folder / "policy.json"
+    if ema and not (folder / "ema.safetensors").is_file():
+        raise KilovlaError(f"{folder / 'ema.safetensors'}: missing; only runs with ema_decay write EMA weights")
     if not meta_path.is_file():
         raise KilovlaError(f"{meta_path}: missing; a policy checkpoint folder holds policy.json and model.safetensors")
     try:
@@ -87,7 +91,7 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu") -> VLAPolicy
         raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
     model = build_model(meta.preset, device="meta", **meta.overrides)
     if quantization is None:
-        load_checkpoint(model, folder)  # model.safetensors, or an FSDP checkpoint's shards
+        load_checkpoint(model, folder / "ema.safetensors" if ema else folder)  # or model.safetensors, or FSDP shards
     else:  # a `kilovla quantize` folder; quant builds on models, so it is imported only here
         from kilovla.quant.fp8 import load_quantized_weights
 

@@ -1,0 +1,130 @@
+"""What limits the demo's learned policy: one `DemoRecipe` field changed per row, each a measured run.
+
+    PYTHONPATH=src nice -n 10 python benchmarks/demo_ablation.py --out ablation baseline state_token ...
+    python benchmarks/demo_ablation.py --out ablation --table      # the rows so far, as markdown
+
+Each variant is `kilovla demo`'s own code path (collect -> train -> evaluate on seeds disjoint from
+the demonstrations') with the changes listed in VARIANTS applied to a base recipe. `--steps` and
+`--eval-episodes` shrink every variant alike (reduced-scale ablations on a shared machine); a variant
+that sets train_steps itself keeps its ratio to the base. Datasets are shared between variants that
+record the same demonstrations, and a variant that changes only `n_action_steps` re-evaluates the
+checkpoint of the run it shares everything else with. Rows go to OUT/ablation.jsonl: success overall
+and per task with 95 % Wilson intervals, wall and CPU seconds per stage (CPU seconds compare better
+than wall time when others share the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+from kilovla.demo import FULL, DemoRecipe, collect_demonstrations, evaluate_both, train_policy
+
+# The demo before this ablation: pi0.5 sees images and the prompt only (it has no state projection,
+# and the state stayed out of the prompt), 20 demonstrations per task.
+MAIN_BEFORE = dict(preset="pi05-tiny", state_in_prompt=False, episodes_per_task=20, train_steps=2500, lr=1e-3,
+                   ema_decay=None, n_action_steps=5)
+
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "before": ("main's demo recipe: pi0.5, no state input", MAIN_BEFORE),
+    "state_token": ("pi0: the state as one continuous token", dict(MAIN_BEFORE, preset="pi0-tiny")),
+    "state_prompt": ("pi0.5: the state as discretised prompt text", dict(MAIN_BEFORE, state_in_prompt=True)),
+    "full": ("the recipe `make demo` runs", {}),
+}
+
+
+def _key(recipe: DemoRecipe, fields: tuple[str, ...]) -> str:
+    values = {f: getattr(recipe, f) for f in fields}
+    return hashlib.sha1(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+DATA_FIELDS = ("tasks", "episodes_per_task", "collect_noise", "collect_seed", "resolution", "workers")
+EVAL_FIELDS = ("n_action_steps", "eval_episodes", "eval_seed", "videos_per_task", "workers")
+
+
+def _cpu_s() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def run_variant(name: str, recipe: DemoRecipe, out: Path) -> dict:
+    data = out / "datasets" / _key(recipe, DATA_FIELDS)
+    train_fields = tuple(f.name for f in dataclasses.fields(recipe) if f.name not in EVAL_FIELDS)
+    run = out / "runs" / _key(recipe, train_fields)
+    times, cpu = {}, {}
+
+    def stage(label, fn):
+        t, c = time.perf_counter(), _cpu_s()
+        result = fn()
+        times[label], cpu[label] = time.perf_counter() - t, _cpu_s() - c
+        return result
+
+    seeds_file = data / "demonstration_seeds.json"
+    if not seeds_file.is_file():
+        collected = stage("collect", lambda: collect_demonstrations(recipe, data))
+        seeds_file.write_text(json.dumps(collected.seeds))
+    seeds = json.loads(seeds_file.read_text())
+    summary_file = run / "summary.json"
+    if not summary_file.is_file():
+        stage("train", lambda: train_policy(recipe, data, run, progress=False))
+    summary = json.loads(summary_file.read_text())
+    learned, expert = stage("evaluate", lambda: evaluate_both(recipe, summary["checkpoint"], out / "evals" / name, seeds))
+    row = {"name": name, "change": VARIANTS.get(name, ("", {}))[0], "recipe": dataclasses.asdict(recipe),
+           "success": learned["overall_success_rate"], "ci95": learned["overall_success_ci95"],
+           "expert": expert["overall_success_rate"],
+           "per_task": {t: r["success_rate"] for t, r in learned["per_task"].items()},
+           "final_loss": summary["final_loss"], "samples_per_s": summary["samples_per_s"],
+           "wall_s": times, "cpu_s": cpu, "time": time.strftime("%Y-%m-%d %H:%M")}
+    with (out / "ablation.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    tasks = list(rows[0]["per_task"]) if rows else []
+    lines = ["| variant | change | success [95 % CI] | " + " | ".join(t.removesuffix("-v3") for t in tasks)
+             + " | train min (CPU min) |", "|---" * (4 + len(tasks)) + "|"]
+    for r in rows:
+        train = r["wall_s"].get("train")
+        cpu = r["cpu_s"].get("train")
+        lines.append(f"| {r['name']} | {r['change']} | {r['success']:.0%} [{r['ci95'][0]:.0%}, {r['ci95'][1]:.0%}] | "
+                     + " | ".join(f"{r['per_task'][t]:.0%}" for t in tasks)
+                     + (f" | {train / 60:.1f} ({cpu / 60:.1f}) |" if train is not None else " | (reused) |"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("variants", nargs="*", help=f"any of {', '.join(VARIANTS)}")
+    p.add_argument("--out", default="ablation")
+    p.add_argument("--steps", type=int, default=None, help="train steps of the base recipe (reduced scale)")
+    p.add_argument("--eval-episodes", type=int, default=None)
+    p.add_argument("--table", action="store_true", help="print the rows of OUT/ablation.jsonl as markdown")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    for name in args.variants:
+        recipe = FULL.replace(**VARIANTS[name][1])
+        if args.steps:
+            recipe = recipe.replace(train_steps=round(recipe.train_steps * args.steps / FULL.train_steps))
+        if args.eval_episodes:
+            recipe = recipe.replace(eval_episodes=args.eval_episodes)
+        row = run_variant(name, recipe, out)
+        print(json.dumps({k: row[k] for k in ("name", "success", "ci95", "per_task", "wall_s", "cpu_s")}), flush=True)
+    if args.table:
+        rows = [json.loads(line) for line in (out / "ablation.jsonl").read_text().splitlines() if line.strip()]
+        print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,6 +35,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "before": ("main's demo recipe: pi0.5, no state input", MAIN_BEFORE),
     "state_token": ("pi0: the state as one continuous token", dict(MAIN_BEFORE, preset="pi0-tiny")),
     "state_prompt": ("pi0.5: the state as discretised prompt text", dict(MAIN_BEFORE, state_in_prompt=True)),
+    "state_token_32px": ("pi0 with the state token, 32 px images", dict(MAIN_BEFORE, preset="pi0-tiny", resolution=32)),
+    "more_demos": ("pi0, 32 px, 50 demonstrations per task",
+                   dict(MAIN_BEFORE, preset="pi0-tiny", resolution=32, episodes_per_task=50)),
+    "replan_2": ("pi0, 32 px, re-plan every 2 actions",
+                 dict(MAIN_BEFORE, preset="pi0-tiny", resolution=32, n_action_steps=2)),
+    "ema": ("pi0, 32 px, EMA weights (0.995) evaluated",
+            dict(MAIN_BEFORE, preset="pi0-tiny", resolution=32, ema_decay=0.995)),
     "full": ("the recipe `make demo` runs", {}),
 }
 

@@ -42,6 +42,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                  dict(MAIN_BEFORE, preset="pi0-tiny", resolution=32, n_action_steps=2)),
     "ema": ("pi0, 32 px, EMA weights (0.995) evaluated",
             dict(MAIN_BEFORE, preset="pi0-tiny", resolution=32, ema_decay=0.995)),
+    "dart": ("pi0, 32 px, noise-free expert actions recorded (DART)",
+             dict(MAIN_BEFORE, preset="pi0-tiny", resolution=32, collect_labels="expert")),
     "full": ("the recipe `make demo` runs", {}),
 }
 
@@ -51,7 +53,7 @@ def _key(recipe: DemoRecipe, fields: tuple[str, ...]) -> str:
     return hashlib.sha1(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
-DATA_FIELDS = ("tasks", "episodes_per_task", "collect_noise", "collect_seed", "resolution", "workers")
+DATA_FIELDS = ("tasks", "episodes_per_task", "collect_noise", "collect_labels", "collect_seed", "resolution", "workers")
 EVAL_FIELDS = ("n_action_steps", "eval_episodes", "eval_seed", "videos_per_task", "workers")
 
 

@@ -128,6 +128,25 @@ def test_collect_writes_a_valid_dataset_of_successful_episodes(tmp_path):
     assert last["observation.images.scene"].shape == (1, 32, 32, 3)
 
 
+def test_collect_with_expert_labels_records_the_noise_free_action_of_each_visited_state(tmp_path):
+    """Same seeds, same noise: the same states are visited, and only the recorded actions differ."""
+    from kilovla.envs.metaworld import MetaWorldExpertPolicy
+
+    kwargs = dict(tasks=["reach-v3"], episodes_per_task=1, resolution=16, batch_size=1, noise_std=0.3)
+    collect(tmp_path / "executed", **kwargs)
+    collect(tmp_path / "expert", labels="expert", **kwargs)
+    executed, expert = (LeRobotDataset(tmp_path / name) for name in ("executed", "expert"))
+    rows = np.arange(len(expert))
+    a, b = executed.get_batch(rows), expert.get_batch(rows)
+    np.testing.assert_array_equal(a["observation.environment_state"], b["observation.environment_state"])
+    assert np.abs(np.asarray(a["action"]) - np.asarray(b["action"])).mean() > 0.05  # the noise, left out
+    clean = MetaWorldExpertPolicy().select_action({"observation.environment_state": np.asarray(b["observation.environment_state"]),
+                                                   "env_task": ["reach-v3"] * len(rows)})[:, 0]
+    np.testing.assert_allclose(np.asarray(b["action"]), clean, atol=1e-6)
+    with pytest.raises(KilovlaError, match="labels must be"):
+        collect(tmp_path / "bad", labels="noisy", **kwargs)
+
+
 def test_cli_rejects_unknown_tasks_and_envs(capsys):
     assert main(["eval", "--tasks", "push-v9", "--episodes", "1"]) == 2
     assert "unknown metaworld task(s) ['push-v9']; valid tasks:" in capsys.readouterr().err

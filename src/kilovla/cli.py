@@ -223,7 +223,7 @@ def cmd_collect(args) -> int:
         report = collect(args.out, env=args.env, tasks=tasks, episodes_per_task=args.episodes_per_task,
                          cameras=tuple(args.cameras.split(",")), resolution=args.resolution, noise_std=args.noise,
                          seed=args.seed, max_steps=args.max_steps, batch_size=args.batch_size,
-                         num_workers=args.workers, overwrite=args.overwrite, progress=update)
+                         num_workers=args.workers, labels=args.labels, overwrite=args.overwrite, progress=update)
     for task in tasks:
         print(f"{task}: kept {report.kept[task]}, dropped {report.dropped[task]} failed episodes")
     print(f"wrote {report.root} ({report.frames} frames)")
@@ -444,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cameras", default="scene,wrist")
     p.add_argument("--resolution", type=int, default=96)
     p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise added to expert actions")
+    p.add_argument("--labels", choices=("executed", "expert"), default="executed",
+                   help="with --noise, the action recorded: the noisy one executed, or the expert's noise-free one "
+                        "for the state reached (DART)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=4, help="envs stepped together per task")

@@ -43,6 +43,7 @@ class DemoRecipe:
     # data
     episodes_per_task: int = 20  # successful scripted demonstrations recorded per task
     collect_noise: float = 0.1  # std of the Gaussian noise on the expert's actions while recording
+    collect_labels: str = "executed"  # the action recorded: "executed" (noisy) or "expert" (noise-free, DART)
     collect_seed: int = 0
     resolution: int = 64  # both cameras, pixels
     # model: a preset plus config overrides; packing, dynamic padding and the blank third camera's
@@ -105,6 +106,7 @@ def train_overrides(recipe: DemoRecipe, data: Path, run: Path, progress: bool) -
 def collect_demonstrations(recipe: DemoRecipe, data: Path):
     return collect(data, tasks=list(recipe.tasks), episodes_per_task=recipe.episodes_per_task,
                    resolution=recipe.resolution, noise_std=recipe.collect_noise, seed=recipe.collect_seed,
+                   labels=recipe.collect_labels,
                    batch_size=5, num_workers=recipe.workers, overwrite=True)
 
 

@@ -3,6 +3,10 @@
 Runs the simulator's scripted experts (optionally with action noise), keeps the successful episodes
 and writes them through the data layer's `DatasetWriter`: one video per camera, `observation.state`,
 `observation.environment_state`, `action`, `next.success`, `task`.
+
+With noise, `labels` says which action a frame records: `executed` (the noisy action the robot took,
+as a teleoperation log would) or `expert` (the noise-free expert action for the state the noise led
+to: DART's recipe, which shows a learner how to recover from drift without teaching it the noise).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import numpy as np
 
 from kilovla.data.writer import DatasetWriter
 from kilovla.envs.base import check_tasks, env_spec
-from kilovla.envs.rollout import run_episodes
+from kilovla.envs.rollout import run_episodes, stack_observations
 from kilovla.envs.vector import EnvConfig, EnvPool
 from kilovla.errors import KilovlaError
 
@@ -39,7 +43,8 @@ def expert_policy(env: str, noise_std: float, seed: int):
 def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episodes_per_task: int,
             cameras: tuple[str, ...] = ("scene", "wrist"), resolution: int = 96, noise_std: float = 0.0,
             seed: int = 0, max_steps: int | None = None, batch_size: int = 4, num_workers: int = 0,
-            codec: str = "libsvtav1", overwrite: bool = False, progress=None) -> CollectReport:
+            codec: str = "libsvtav1", labels: str = "executed", overwrite: bool = False,
+            progress=None) -> CollectReport:
     """Write `episodes_per_task` successful episodes per task (attempts continue until reached,
     up to 3x the target). `progress(task, kept, target)` is called as episodes finish."""
     from kilovla.envs import metaworld
@@ -49,7 +54,10 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
     features = spec.features(resolution)
     features["observation.environment_state"] = {"dtype": "float32", "shape": [39]}
     features["next.success"] = {"dtype": "bool", "shape": [1]}
+    if labels not in ("executed", "expert"):
+        raise KilovlaError(f"labels must be 'executed' or 'expert', not {labels!r}")
     policy = expert_policy(env, noise_std, seed)
+    clean = expert_policy(env, 0.0, seed) if labels == "expert" and noise_std > 0 else None
     report = CollectReport(root=str(out))
     writer = DatasetWriter(out, fps=spec.fps, features=features, robot_type=f"{env}-sawyer", video_codec=codec,
                            overwrite=overwrite)
@@ -62,6 +70,8 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
 
             def on_step(ep, obs, action, reward, info):
                 frame = {k: v for k, v in obs.items() if k.startswith("observation.")}
+                if clean is not None:
+                    action = clean.select_action(stack_observations([obs], [task]))[0, 0]
                 frame.update(action=np.asarray(action, np.float32), task=obs["task"],
                              **{"next.success": np.array([bool(info.get("is_success"))])})
                 buffers.setdefault(ep.index, []).append(frame)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import logging
 import math
 
@@ -22,7 +23,7 @@ from kilovla.models.processor import PolicyMeta
 from kilovla.quant import fp8
 from kilovla.quant.fp8 import (Fp8BlockLinear, Fp8Config, checkpoint_bytes, dequantize_fp8_blockwise,
                                fake_quantize_activations, quantize_activations_1x128, quantize_fp8_blockwise,
-                               quantize_model, select_layers, sqnr_db)
+                               quantization_config, quantize_model, select_layers, sqnr_db)
 from kilovla.quant.folder import quantize_policy_folder
 
 E4M3_REL = 2.0**-4  # half a unit in the last place of a 3-bit mantissa, relative
@@ -96,6 +97,10 @@ def test_fp8_linear_computes_the_dequantized_math():
     ref = lin(x).detach()
     assert sqnr_db(ref, weight_only(x)) > sqnr_db(ref, w8a8(x)) > 25
     assert w8a8(x.bfloat16()).dtype == torch.bfloat16
+    # emulation dequantizes to the input's dtype and multiplies there (docs/architecture.md says so)
+    xb = x.bfloat16()
+    want = F.linear(xb, weight_only.dequantized_weight(torch.bfloat16), lin.bias.detach().bfloat16())
+    assert torch.equal(weight_only(xb), want)
 
 
 def test_casting_a_model_moves_but_never_retypes_the_fp8_payload():
@@ -234,6 +239,9 @@ def test_a_quantized_groot_samples_actions_close_to_the_original(packing):
 
 
 # -- policy folders -----------------------------------------------------------------------------------
+AUGMENTATION = {"crop_scale": 0.7, "brightness": 0.4, "rotate_degrees": 10.0}  # training only: the report must not see it
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """A tiny pi0.5 policy folder that fits the synthetic dataset it comes with."""
@@ -245,7 +253,7 @@ def folders(tmp_path_factory):
     meta = PolicyMeta(preset="pi05-tiny", overrides={"disabled_cameras": ["right_wrist_0_rgb"]},
                       camera_map={"observation.images.front": "base_0_rgb", "observation.images.wrist": "left_wrist_0_rgb"},
                       state_dim=6, action_dim=6, stats={k: stats[k] for k in ("observation.state", "action")},
-                      n_action_steps=4)
+                      n_action_steps=4, augmentation=AUGMENTATION)
     model = build_model("pi05-tiny", seed=1, disabled_cameras=("right_wrist_0_rgb",))
     with torch.no_grad():  # adaRMS starts at zero: give the expert's conditioning some weight to carry
         for m in model.modules():
@@ -262,7 +270,12 @@ def test_a_quantized_folder_stores_the_hf_fp8_layout(folders):
     source = load_file(str(folders["source"] / "model.safetensors"))
     qcfg = json.loads((folders["out"] / "policy.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "fp8" and qcfg["weight_block_size"] == [128, 128]
-    assert qcfg["activation_scheme"] == "dynamic" and len(qcfg["modules"]) == 28
+    assert qcfg["activation_scheme"] == "dynamic" and len(qcfg["modules"]) == 28 and qcfg["activations"] == "1x128"
+    # Hugging Face's modules_to_not_convert: exactly the Linear layers that stay in high precision
+    linears = {n for n, m in build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",), device="meta").named_modules()
+               if isinstance(m, nn.Linear)}
+    assert set(qcfg["modules_to_not_convert"]) == linears - set(qcfg["modules"])
+    assert any("vision_tower" in n for n in qcfg["modules_to_not_convert"])
     for name in qcfg["modules"]:
         q, s = state[f"{name}.weight"], state[f"{name}.weight_scale_inv"]
         want_q, want_s = quantize_fp8_blockwise(source[f"{name}.weight"])
@@ -296,6 +309,8 @@ def test_the_report_measures_what_the_issue_asks(folders):
     assert on_disk["size"] == report["size"]
     s = report["size"]
     assert s["quantized_bytes"] == (folders["out"] / "model.safetensors").stat().st_size
+    assert on_disk["size"]["reduction_percent"] == pytest.approx(100 * (1 - s["quantized_bytes"] / s["bf16_bytes"]))
+    assert 10 < s["reduction_percent"] < 50
     assert s["quantized_bytes"] < s["bf16_bytes"] < s["source_bytes"]
     layers = report["layers"]
     assert len(layers) == 28 and min(v["weight_sqnr_db"] for v in layers.values()) > 25
@@ -434,3 +449,324 @@ def test_fp8_weights_load_only_into_fp8_layers(folders, tmp_path):
     save_safetensors(plain, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="weights stored as F8_E4M3"):
         load_checkpoint(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",), device="meta"), tmp_path)
+
+
+# -- what the review found -------------------------------------------------------------------------------
+def _refuses_before_loading(monkeypatch):
+    """Loading the weights is the first expensive step: these refusals must come before it."""
+    import kilovla.models.policy as policy_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the input was checked")
+
+    monkeypatch.setattr(policy_module, "load_checkpoint_policy", never)
+
+
+def test_tiny_tiles_get_a_floored_scale_and_never_dequantize_to_nan():
+    w = torch.zeros(256, 256)
+    w[0, 0] = 1e-44  # amax / 448 underflows to 0 in float32: 0 / 0 and 0 * inf without a floor
+    w[0, 128] = 3e-43
+    w[128, 0] = -2e-40  # amax / 448 is subnormal
+    q, s = quantize_fp8_blockwise(w)
+    back = dequantize_fp8_blockwise(q, s)
+    assert torch.isfinite(back).all() and (s >= fp8.SCALE_FLOOR).all()
+    assert (back - w).abs().max() <= 2e-40 and s[1, 1] == 1.0
+    x = torch.zeros(2, 256)
+    x[0, 3], x[1, 200] = 1e-44, 5e-43
+    qa, sa = quantize_activations_1x128(x)
+    assert (sa > 0).all() and torch.isfinite(fake_quantize_activations(x)).all()
+    layer = Fp8BlockLinear.from_linear(nn.Linear(256, 256))
+    assert torch.isfinite(layer(x)).all()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_naming_the_layer(value):
+    with pytest.raises(KilovlaError, match="non-finite"):
+        quantize_fp8_blockwise(torch.tensor([[1.0, value]]))
+    model = build_model("pi05-tiny")
+    name = "paligemma_with_expert.gemma_expert.model.layers.1.mlp.up_proj"
+    with torch.no_grad():
+        model.get_submodule(name).weight[3, 4] = value
+    with pytest.raises(KilovlaError, match=rf"non-finite weights \(NaN or inf\) in {re.escape(name)} \(1 of"):
+        quantize_model(model, Fp8Config())
+    assert not any(isinstance(m, Fp8BlockLinear) for m in model.modules())  # refused before any replacement
+
+
+def test_a_folder_with_non_finite_weights_exits_2_and_writes_nothing(folders, tmp_path, capsys):
+    from kilovla.cli import main
+    from kilovla.models.checkpoints import save_safetensors
+
+    src = tmp_path / "nan-policy"
+    src.mkdir()
+    (src / "policy.json").write_text((folders["source"] / "policy.json").read_text())
+    state = load_file(str(folders["source"] / "model.safetensors"))
+    name = "paligemma_with_expert.paligemma.model.language_model.layers.0.self_attn.k_proj"
+    state[f"{name}.weight"][0, 0] = float("nan")
+    save_safetensors(state, src / "model.safetensors")
+    assert main(["quantize", str(src), "--out", str(tmp_path / "deep" / "q"), "--latency-repeats", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and name in err and "non-finite" in err
+    assert _entries(tmp_path) == ["nan-policy"]
+
+
+def test_sqnr_is_always_a_finite_number_and_nan_counts_as_worst():
+    x = torch.randn(8, 8)
+    assert sqnr_db(torch.zeros(4, 4), torch.zeros(4, 4)) == fp8.SQNR_CAP_DB  # an all-zero layer: no noise
+    assert sqnr_db(x, x) == fp8.SQNR_CAP_DB
+    broken = x.clone()
+    broken[0, 0] = float("nan")
+    assert sqnr_db(x, broken) == -fp8.SQNR_CAP_DB
+    assert sqnr_db(torch.zeros(4), torch.ones(4)) == -fp8.SQNR_CAP_DB
+    assert 20 < sqnr_db(x, x + 0.01 * torch.randn(8, 8)) < 60
+
+
+@torch.no_grad()
+def test_a_layer_that_outputs_nan_is_the_reports_minimum_and_the_json_stays_valid(folders):
+    from kilovla.quant import report as qreport
+
+    baseline = load_checkpoint_policy(folders["source"])
+    quantized = load_checkpoint_policy(folders["out"])
+    name = "paligemma_with_expert.gemma_expert.model.layers.0.mlp.down_proj"
+    quantized.model.get_submodule(name).weight_scale_inv.fill_(float("nan"))
+    rows = qreport.heldout_rows(folders["dataset"], baseline, 4)
+    got = qreport.compare_actions(baseline, quantized, rows)
+    assert got["mse"] is None and got["relative"] is None and got["non_finite_actions"] > 0
+    report = {"layers": {n: {"weight_sqnr_db": 30.0, "output_sqnr_db": v} for n, v in got.pop("output_sqnr_db").items()}}
+    assert qreport.min_output_sqnr(report) == (name, -fp8.SQNR_CAP_DB)
+    json.dumps({**report, "actions": got}, allow_nan=False)
+
+
+@torch.no_grad()
+def test_action_mse_is_in_action_units_on_the_inference_path_without_padded_steps(folders):
+    """Two samples, the second at the dataset's very end (its chunk runs past the episode: padded
+    steps), a policy with training augmentation on: the report's numbers against a direct computation."""
+    from kilovla.quant import report as qreport
+
+    baseline = load_checkpoint_policy(folders["source"])
+    quantized = load_checkpoint_policy(folders["out"])
+    assert baseline.processor.augmentation.enabled
+    rows = qreport.heldout_rows(folders["dataset"], baseline, 2)
+    [row] = rows
+    pad = np.asarray(row["action_is_pad"], bool)
+    assert pad.shape == (2, 8) and not pad[0].any() and pad[1].sum() == 7
+    got = qreport.compare_actions(baseline, quantized, rows, seed=5)
+
+    noise = torch.randn(2, 8, baseline.model.config.max_action_dim, generator=torch.Generator().manual_seed(5))
+    batch = baseline.processor.observation_batch(row)
+    ref = baseline.model.sample_actions(batch, noise=noise).numpy()
+    ours = quantized.model.sample_actions(batch, noise=noise).numpy()
+    unnorm = baseline.processor.unnormalize_actions
+    diff = unnorm(ours) - unnorm(ref)
+    want = float(np.mean(diff[~pad] ** 2))
+    assert got["samples"] == 9 and got["mse"] == pytest.approx(want, rel=1e-5)
+    truth = np.asarray(row["action"], np.float32)[~pad]
+    assert got["action_variance"] == pytest.approx(float(truth.var(axis=0).mean()), rel=1e-5)
+    # each wrong way of computing it gives a different number, so the test can tell them apart
+    normalised = float(np.mean((ours[..., :6] - ref[..., :6])[~pad] ** 2))
+    with_padding = float(np.mean(diff ** 2))
+    train = baseline.processor.training_batch(row)
+    augmented = float(np.mean((unnorm(quantized.model.sample_actions(train, noise=noise).numpy())
+                               - unnorm(baseline.model.sample_actions(train, noise=noise).numpy()))[~pad] ** 2))
+    for wrong in (normalised, with_padding, augmented):
+        assert abs(wrong - want) > 0.02 * want
+
+
+def test_the_loader_honours_the_stored_activations(folders, tmp_path):
+    weight_only = tmp_path / "wo"
+    quantize_policy_folder(folders["source"], weight_only, Fp8Config(activations="none"), latency_repeats=1)
+    qcfg = json.loads((weight_only / "policy.json").read_text())["quantization_config"]
+    assert qcfg["activations"] == "none" and "activation_scheme" not in qcfg  # HF has no weight-only scheme
+    name = "paligemma_with_expert.gemma_expert.model.layers.0.mlp.up_proj"
+    for folder, w8a8 in ((weight_only, False), (folders["out"], True)):
+        layer = load_checkpoint_policy(folder).model.get_submodule(name)
+        x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+        w = layer.dequantized_weight()
+        plain, fake = F.linear(x, w, layer.bias), F.linear(fake_quantize_activations(x), w, layer.bias)
+        assert layer.activations == ("1x128" if w8a8 else "none")
+        torch.testing.assert_close(layer(x), fake if w8a8 else plain, rtol=0, atol=1e-6)
+        assert not torch.allclose(layer(x), plain if w8a8 else fake, rtol=0, atol=1e-6)
+
+
+def _edited_copy(folder, dst, edit):
+    import shutil
+
+    shutil.copytree(folder, dst)
+    fields = json.loads((dst / "policy.json").read_text())
+    edit(fields)
+    (dst / "policy.json").write_text(json.dumps(fields))
+    return dst
+
+
+def test_an_edited_quantization_config_is_named(folders, tmp_path):
+    def block(f):
+        f["quantization_config"]["weight_block_size"] = [64, 64]
+
+    def scheme(f):
+        f["quantization_config"]["activations"] = "none"
+
+    with pytest.raises(KilovlaError, match=r"weight_block_size \[64, 64\] does not match the 128x128 blocks"):
+        load_checkpoint_policy(_edited_copy(folders["out"], tmp_path / "block", block))
+    with pytest.raises(KilovlaError, match="activation_scheme 'dynamic' contradicts activations 'none'"):
+        load_checkpoint_policy(_edited_copy(folders["out"], tmp_path / "scheme", scheme))
+
+
+def test_block_size_mismatch_is_named_from_the_scale_shapes_too(tmp_path):
+    from kilovla.quant.fp8 import load_quantized_weights
+
+    model = nn.Sequential(nn.Linear(256, 200))
+    qcfg = quantization_config(Fp8Config(), list(select_layers(model, include="0")), model)
+    quantize_model(model, Fp8Config(include="0"))
+    from kilovla.models.checkpoints import save_safetensors
+
+    save_safetensors(model.state_dict(), tmp_path / "model.safetensors")  # no block size in the metadata
+    fresh = nn.Sequential(nn.Linear(256, 200))
+    with pytest.raises(KilovlaError, match=r"weight_block_size \[64, 64\] does not match 0.weight_scale_inv: .* "
+                                           r"\(4, 4\) scales, the file stores \(2, 2\)"):
+        load_quantized_weights(fresh, {**qcfg, "weight_block_size": [64, 64]}, tmp_path, "policy.json")
+
+
+def test_a_policy_json_that_is_a_list_is_named(tmp_path, capsys):
+    from kilovla.cli import main
+
+    src = tmp_path / "p"
+    src.mkdir()
+    (src / "policy.json").write_text("[1, 2]")
+    (src / "model.safetensors").write_bytes(b"")
+    assert main(["quantize", str(src), "--out", str(tmp_path / "q")]) == 2
+    assert "not a policy description: expected a JSON object" in capsys.readouterr().err
+    assert _entries(tmp_path) == ["p"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_fsdp_intermediate_checkpoint_is_accepted(folders, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "step_000100"
+    src.mkdir()
+    (src / "policy.json").write_text((folders["source"] / "policy.json").read_text())
+    model = load_checkpoint_policy(folders["source"]).model
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(src / "state"), no_dist=True)
+    report = quantize_policy_folder(src, tmp_path / "q", Fp8Config(), latency_repeats=1)
+    assert report["size"]["source_bytes"] is None and report["size"]["bf16_bytes"] == folders["report"]["size"]["bf16_bytes"]
+    ours, theirs = load_file(str(tmp_path / "q" / "model.safetensors")), load_file(str(folders["out"] / "model.safetensors"))
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in ours)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--include", "nothing_matches"], "selects no layer"),
+    (["--samples", "0", "--dataset", "DS"], "--samples 0: must be >= 1"),
+    (["--latency-repeats", "0"], "--latency-repeats 0: must be >= 1"),
+    (["--dataset", "MISSING"], "no such folder"),
+    (["--dataset", "OTHER"], "does not fit the policy: it lacks observation.images.front"),
+    (["--device", "cuda"], "no CUDA GPU"),
+])
+def test_cheap_checks_come_before_the_weights_and_write_nothing(folders, tmp_path, capsys, monkeypatch, args, message):
+    from kilovla.cli import main
+    from kilovla.data.synthetic import make_synthetic_dataset
+
+    if "OTHER" in args:
+        make_synthetic_dataset(tmp_path / "other", episodes=1, frames=12, cameras=("left",), seed=1)
+    if args[-1] == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    paths = {"DS": str(folders["dataset"]), "MISSING": str(tmp_path / "missing"), "OTHER": str(tmp_path / "other")}
+    args = [paths.get(a, a) for a in args]
+    _refuses_before_loading(monkeypatch)
+    before = _entries(tmp_path)
+    assert main(["quantize", str(folders["source"]), "--out", str(tmp_path / "a" / "b" / "q"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert _entries(tmp_path) == before
+
+
+def test_an_out_below_a_file_is_refused(folders, tmp_path, capsys, monkeypatch):
+    from kilovla.cli import main
+
+    (tmp_path / "file").write_text("x")
+    _refuses_before_loading(monkeypatch)
+    assert main(["quantize", str(folders["source"]), "--out", str(tmp_path / "file" / "sub" / "q")]) == 2
+    assert f"{tmp_path / 'file'} is a file, not a folder" in capsys.readouterr().err
+    assert _entries(tmp_path) == ["file"]
+
+
+def test_a_failure_midway_removes_the_parent_folders_it_made(folders, tmp_path, monkeypatch):
+    from kilovla.quant import folder as quant_folder
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    (tmp_path / "kept").mkdir()
+    monkeypatch.setattr(quant_folder.qreport, "write_report", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        quantize_policy_folder(folders["source"], tmp_path / "kept" / "x" / "y" / "q", Fp8Config(), latency_repeats=1)
+    assert _entries(tmp_path) == ["kept"] and _entries(tmp_path / "kept") == []
+
+
+def test_selecting_only_layers_inference_never_runs_reports_null(folders, tmp_path, capsys):
+    from kilovla.cli import main
+
+    idle = r"language_model\.layers\.1\.mlp\.down_proj$"
+    assert main(["quantize", str(folders["source"]), "--out", str(tmp_path / "q"), "--include", idle,
+                 "--dataset", str(folders["dataset"]), "--samples", "4", "--latency-repeats", "1"]) == 0
+    assert "no selected layer runs at inference" in capsys.readouterr().out
+    report = json.loads((tmp_path / "q" / "quant_report.json").read_text())
+    assert [v["output_sqnr_db"] for v in report["layers"].values()] == [None]
+
+
+def test_the_closed_loop_comparison_uses_the_envs_cameras_and_checks_them_first(tmp_path, capsys, monkeypatch):
+    """A LIBERO-shaped policy (agentview + wrist): `kilovla eval`'s cameras for LIBERO, --max-steps passed
+    on; a policy that does not fit the env is refused before its weights are loaded."""
+    import kilovla.eval.closed_loop as closed_loop
+    from kilovla.cli import main
+    from kilovla.envs import libero
+
+    stats = {"observation.state": {"q01": [-1] * 8, "q99": [1] * 8}, "action": {"q01": [-1] * 7, "q99": [1] * 7}}
+    meta = PolicyMeta(preset="pi05-tiny", overrides={"disabled_cameras": ["right_wrist_0_rgb"]},
+                      camera_map={"observation.images.agentview": "base_0_rgb", "observation.images.wrist": "left_wrist_0_rgb"},
+                      state_dim=8, action_dim=7, stats=stats, n_action_steps=4)
+    VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta).save(tmp_path / "lib")
+    monkeypatch.setattr(libero, "expand_tasks", lambda names: names)  # no LIBERO install needed to name a task
+    calls = []
+
+    def fake_evaluate(policy, **kwargs):
+        closed_loop.check_compatible(policy, libero.spec(kwargs["tasks"][0], cameras=kwargs["cameras"]))
+        calls.append(kwargs)
+        return {"overall_success_rate": 0.5, "per_task": {"libero_spatial/0": {"success_rate": 0.5}},
+                "episodes_per_task": kwargs["episodes"]}
+
+    monkeypatch.setattr(closed_loop, "evaluate", fake_evaluate)
+    common = ["--env", "libero", "--tasks", "libero_spatial/0", "--eval-episodes", "2", "--latency-repeats", "1"]
+    assert main(["quantize", str(tmp_path / "lib"), "--out", str(tmp_path / "q"), *common, "--max-steps", "7"]) == 0
+    assert [(c["cameras"], c["max_steps"]) for c in calls] == [(("agentview", "wrist"), 7)] * 2
+    report = json.loads((tmp_path / "q" / "quant_report.json").read_text())
+    assert report["closed_loop"]["difference_points"] == 0
+
+    _metaworld_policy_folder(tmp_path / "mw")
+    _refuses_before_loading(monkeypatch)
+    assert main(["quantize", str(tmp_path / "mw"), "--out", str(tmp_path / "q2"), *common]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit env libero" in err and "cameras ['scene', 'wrist'] (policy)" in err
+    assert not (tmp_path / "q2").exists()
+
+
+def test_device_auto_is_the_cpu_here_and_the_latency_says_where():
+    from kilovla.quant.folder import resolve_device
+
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(KilovlaError, match="--device 'nonsense'"):
+        resolve_device("nonsense")
+
+
+@pytest.mark.gpu
+def test_quantize_on_the_gpu_selects_a_gpu_kernel(folders, tmp_path):
+    report = quantize_policy_folder(folders["source"], tmp_path / "q", Fp8Config(), latency_repeats=2, device="auto",
+                                    dataset=folders["dataset"], samples=8)
+    assert report["latency"]["device"].startswith("cuda")
+    # the tiny model's 48-wide layers are not multiples of 128: the GPU kernels refuse them, loudly
+    assert report["latency"]["kernel"] == "emulate"
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 GEMM before SM 8.9")
+    big = nn.Sequential(nn.Linear(256, 384)).cuda()
+    quantize_model(big, Fp8Config(include="0"))
+    big(torch.randn(4, 256, device="cuda"))
+    assert big[0].kernel_used["cuda"] in ("scaled_mm", "torchao")

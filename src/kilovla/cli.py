@@ -199,6 +199,13 @@ def _tasks(env: str, spec: str) -> list[str]:
     raise KilovlaError(f"unknown env {env!r}; available: {', '.join(ENV_NAMES)}")
 
 
+def _env_cameras(env: str, flag: str | None) -> tuple[str, ...]:
+    """--cameras as given, else the env's default cameras (what its spec declares)."""
+    from kilovla.envs.base import env_spec
+
+    return tuple(flag.split(",")) if flag else env_spec(env, "").cameras
+
+
 def _task_progress(total_tasks: int, label: str):
     """A rich progress bar with one row per task; returns (context manager, callback)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -237,8 +244,7 @@ def cmd_eval(args) -> int:
 
     tasks = _tasks(args.env, args.tasks)
     policy = load_policy(args.policy, env=args.env, seed=args.seed)
-    cameras = tuple(args.cameras.split(",")) if args.cameras else (("scene", "wrist") if args.env == "metaworld"
-                                                                   else ("agentview", "wrist"))
+    cameras = _env_cameras(args.env, args.cameras)
     progress, update = _task_progress(len(tasks), "eval")
     with progress:
         report = evaluate(policy, env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
@@ -298,22 +304,35 @@ def cmd_quantize(args) -> int:
 
     config = Fp8Config(block=args.block, include=args.include, exclude=args.exclude, activations=args.activations,
                        dtype=args.dtype)
+    if args.eval_episodes < 0:
+        raise KilovlaError(f"--eval-episodes {args.eval_episodes}: must be >= 0 (0 skips the closed-loop comparison)")
     evaluation = None
     if args.eval_episodes:
-        from kilovla.eval.closed_loop import evaluate
+        from kilovla.envs.base import env_spec
+        from kilovla.eval.closed_loop import check_compatible, evaluate
+        from kilovla.quant.folder import describe_source
 
         tasks = _tasks(args.env, args.tasks)
+        cameras = _env_cameras(args.env, args.cameras)
+        if args.env == "metaworld":
+            from kilovla.envs import metaworld
+            from kilovla.envs.base import check_tasks
+
+            check_tasks(args.env, tasks, metaworld.task_names())
+        steps = {"max_steps": args.max_steps} if args.max_steps else {}
+        # Before the weights are even loaded: a policy that cannot run in the env fails in a second.
+        check_compatible(describe_source(args.policy_dir), env_spec(args.env, tasks[0], cameras=cameras, **steps))
 
         def evaluation(policy):
             progress, update = _task_progress(len(tasks), f"eval {policy.name}")
             with progress:
                 return evaluate(policy, env=args.env, tasks=tasks, episodes=args.eval_episodes, seed=args.seed,
                                 batch_size=args.batch_size, resolution=args.resolution, num_workers=args.workers,
-                                progress=update)
+                                cameras=cameras, max_steps=args.max_steps, progress=update)
 
     report = quantize_policy_folder(args.policy_dir, args.out, config, dataset=args.dataset, samples=args.samples,
                                     evaluation=evaluation, seed=args.seed, latency_repeats=args.latency_repeats,
-                                    kernel=args.kernel)
+                                    kernel=args.kernel, device=args.device)
     print_report(report, console=_console())
     print(f"wrote {args.out} (policy folder) and {args.out}/quant_report.json")
     return 0
@@ -409,13 +428,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="1x128: W8A8 with per-token 1x128 activation scales; none: weight-only")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="on-disk dtype of the layers that stay unquantized")
+    p.add_argument("--device", default="cpu", help="where both policies run for the measurements: cpu, cuda, "
+                   "cuda:N, or auto (cuda when available, else cpu)")
     p.add_argument("--kernel", default="auto", choices=["auto", "scaled_mm", "torchao", "emulate"],
-                   help="FP8 GEMM for the report's measurements (auto: fastest available here)")
+                   help="FP8 GEMM for the report's measurements. scaled_mm (Hopper, CUDA >= 12.9) and torchao "
+                   "(SM >= 8.9, torchao + Triton) need --device cuda; auto takes the fastest that runs there; "
+                   "on the CPU every choice emulates (dequantize + matmul), with one warning line if another was asked")
     p.add_argument("--dataset", default=None, help="held-out LeRobot dataset: action MSE and layer output SQNR")
     p.add_argument("--samples", type=int, default=64, help="held-out frames used from --dataset")
     p.add_argument("--eval-episodes", type=int, default=0, help="closed-loop episodes per task for both policies (0: skip)")
     p.add_argument("--env", default="metaworld")
     p.add_argument("--tasks", default="default")
+    p.add_argument("--cameras", default=None, help="comma-separated env cameras for the closed-loop comparison "
+                   "(default: the env's own, as `kilovla eval` uses)")
+    p.add_argument("--max-steps", type=int, default=None, help="episode length limit (default: the env's)")
     p.add_argument("--resolution", type=int, default=96, help="camera resolution of the closed-loop envs")
     p.add_argument("--batch-size", type=int, default=8, help="envs per task in the closed-loop evaluation")
     p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")

@@ -8,40 +8,130 @@ The output is a policy folder like any other (``kilovla eval --policy DIR`` runs
     quant_report.json    sizes, per-layer SQNR, action MSE, closed-loop success, latency (quant/report.py)
     quant_report.md
 
-Everything is built in a hidden temporary folder next to DIR and renamed at the end: bad input or a
-failure midway leaves nothing behind, and an existing DIR is never touched.
+The source is a policy folder with model.safetensors, or an FSDP run's intermediate checkpoint
+(`state/` shards, read as `kilovla eval` reads them; its on-disk size is then not reported, since the
+shards hold the optimizer too).
+
+What can be checked without the weights is checked first (the output path, --samples, the layer
+selection on a meta-device model, the dataset's features, the device), then the weights are
+quantized in memory (non-finite weights are refused here), and only then is anything written:
+everything is built in a hidden temporary folder next to DIR and renamed at the end. Bad input or a
+failure midway leaves nothing behind (parent folders this call created are removed again), and an
+existing DIR is never touched.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kilovla.errors import KilovlaError
-from kilovla.quant.fp8 import Fp8BlockLinear, Fp8Config, checkpoint_bytes, quantization_config, quantize_model, set_kernel
 from kilovla.quant import report as qreport
+from kilovla.quant.fp8 import (KERNELS, Fp8BlockLinear, Fp8Config, checkpoint_bytes, quantization_config,
+                               quantize_model, select_layers, set_kernel)
+
+if TYPE_CHECKING:
+    from kilovla.models.processor import PolicyMeta
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _check_source(source: Path) -> None:
+@dataclass(frozen=True, slots=True)
+class PolicyDescription:
+    """What `eval.closed_loop.check_compatible` compares with an env, read from policy.json alone (no
+    weights), so a policy that cannot run in the env is refused before any quantization work."""
+
+    name: str
+    action_dim: int
+    state_dim: int
+    state_keys: list
+    cameras: tuple
+
+
+def read_source(source: str | Path) -> PolicyMeta:
+    """The source folder's policy description, checked: policy.json a JSON object without a
+    `quantization_config`, and weights (model.safetensors, or an FSDP run's `state/` shards)."""
+    from kilovla.models.processor import PolicyMeta
+
+    source = Path(source)
     meta = source / "policy.json"
-    if not meta.is_file() or not (source / "model.safetensors").is_file():
+    if not meta.is_file():
         raise KilovlaError(f"{source}: not a policy folder (needs policy.json and model.safetensors)")
     try:
         fields = json.loads(meta.read_text())
     except json.JSONDecodeError as e:
         raise KilovlaError(f"{meta}: not JSON: {e}") from None
-    if isinstance(fields, dict) and "quantization_config" in fields:
+    if not isinstance(fields, dict):
+        raise KilovlaError(f"{meta}: not a policy description: expected a JSON object, found a {type(fields).__name__}")
+    if "quantization_config" in fields:
         raise KilovlaError(f"{source}: already quantized (policy.json has a quantization_config); "
                            "quantize the unquantized policy it came from")
+    if not (source / "model.safetensors").is_file() and not (source / "state").is_dir():
+        raise KilovlaError(f"{source}: no weights (needs model.safetensors, or an FSDP checkpoint's state/ shards)")
+    try:
+        return PolicyMeta(**fields)
+    except TypeError as e:
+        raise KilovlaError(f"{meta}: not a policy description: {e}") from None
+
+
+def describe_source(source: str | Path) -> PolicyDescription:
+    """The source policy's dims and cameras, as a loaded `VLAPolicy` would declare them."""
+    meta = read_source(source)
+    return PolicyDescription(meta.preset, meta.action_dim, meta.state_dim, list(meta.state_keys),
+                             tuple(k.removeprefix("observation.images.") for k in meta.camera_map))
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto``: the GPU when there is one, else the CPU; an explicit CUDA device must exist."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as e:
+        raise KilovlaError(f"--device {device!r}: {e}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise KilovlaError(f"--device {device}: this machine has no CUDA GPU torch can use (use cpu or auto)")
+    return resolved
+
+
+def check_dataset(dataset: str | Path, meta) -> None:
+    """--dataset exists, is LeRobot data and has the cameras, state inputs and actions the policy reads."""
+    from kilovla.data.lerobot import DatasetMeta
+
+    path = Path(dataset)
+    if not path.is_dir():
+        raise KilovlaError(f"--dataset {dataset}: no such folder")
+    features = DatasetMeta(path).features
+    problems = [f"it lacks {k}" for k in (*meta.camera_map, *meta.state_keys, "action") if k not in features]
+    if not problems:
+        width = lambda k: math.prod(features[k].shape)  # noqa: E731
+        if width("action") != meta.action_dim:
+            problems.append(f"action has {width('action')} dims, the policy {meta.action_dim}")
+        state = sum(width(k) for k in meta.state_keys)
+        if state != meta.state_dim:
+            problems.append(f"state inputs {list(meta.state_keys)} have {state} dims, the policy {meta.state_dim}")
+    if problems:
+        raise KilovlaError(f"--dataset {dataset} does not fit the policy: " + "; ".join(problems))
+
+
+def _check_out(out: Path) -> None:
+    if out.exists():
+        raise KilovlaError(f"--out {out}: already exists; nothing was written (choose a new folder)")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise KilovlaError(f"--out {out}: {parent} is a file, not a folder")
+            break
 
 
 def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Config = Fp8Config(), *,
@@ -51,22 +141,37 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     """Quantize `source` into the new folder `out`; returns the report (also written there).
 
     `dataset` (held-out LeRobot data) adds the action MSE and the layers' output SQNR; `evaluation`
-    (policy -> `evaluate` report) adds the closed-loop comparison.
+    (policy -> `evaluate` report) adds the closed-loop comparison (check the env against
+    `describe_source(source)` before calling). `device` ("cpu", "cuda", "auto") is where both policies
+    run for the measurements, so it decides which FP8 kernels `kernel` can get. Everything that can be
+    checked without the weights is checked first; nothing is written on any refusal.
     """
     from kilovla.models.policy import VLAPolicy, load_checkpoint_policy
+    from kilovla.models.presets import build_model
 
     source, out = Path(source), Path(out)
-    if out.exists():
-        raise KilovlaError(f"--out {out}: already exists; nothing was written (choose a new folder)")
-    _check_source(source)
+    if samples < 1:
+        raise KilovlaError(f"--samples {samples}: must be >= 1")
+    if latency_repeats < 1:
+        raise KilovlaError(f"--latency-repeats {latency_repeats}: must be >= 1")
+    if kernel not in KERNELS:
+        raise KilovlaError(f"--kernel must be one of {KERNELS}, not {kernel!r}")
+    _check_out(out)
+    meta = read_source(source)
+    select_layers(build_model(meta.preset, device="meta", **meta.overrides), config.include, config.exclude)
+    if dataset is not None:
+        check_dataset(dataset, meta)
+    device = resolve_device(device)
+
     baseline = load_checkpoint_policy(source, device=device)
     model = copy.deepcopy(baseline.model).cpu()
-    weight_sqnr = quantize_model(model, config)  # bad regexes stop here, before anything is written
+    weight_sqnr = quantize_model(model, config)  # non-finite weights stop here, before anything is written
 
+    created = [p for p in reversed(out.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         _write_folder(tmp, VLAPolicy(model, baseline.meta, root=source), config, list(weight_sqnr))
         quantized = load_checkpoint_policy(tmp, device=device)  # what is on disk is what gets measured
         set_kernel(quantized.model, kernel)
@@ -76,6 +181,11 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in reversed(created):  # the parents this call made, deepest first, if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
     return report
 
@@ -91,9 +201,10 @@ def _write_folder(folder: Path, policy, config: Fp8Config, layers: list[str]) ->
                 for b in ("weight", "weight_scale_inv")}
     state = {k: v if k in fp8_keys or not v.is_floating_point() else v.to(kept)
              for k, v in policy.model.state_dict().items()}
-    save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt", "quant_method": "fp8"})
+    save_safetensors(state, folder / "model.safetensors",
+                     metadata={"format": "pt", "quant_method": "fp8", "weight_block_size": str(config.block)})
     fields = json.loads((folder / "policy.json").read_text())
-    fields["quantization_config"] = quantization_config(config, layers)
+    fields["quantization_config"] = quantization_config(config, layers, policy.model)
     (folder / "policy.json").write_text(json.dumps(fields, indent=2))
 
 
@@ -115,17 +226,18 @@ def _latency_batch(policy, rows: list[dict] | None):
 
 def _report(source, out, folder, baseline, quantized, config, weight_sqnr, *, dataset, samples, evaluation, seed,
             latency_repeats) -> dict:
-    sizes = qreport.folder_bytes(source, folder, folder)
+    sizes = qreport.folder_bytes(source, baseline.model.state_dict(), folder, folder)
     counts = checkpoint_bytes(baseline.model, list(weight_sqnr), config.block)
     sizes.update(fp8_params=counts["fp8_params"], total_params=counts["total_params"])
-    report = {"source": str(source), "out": str(out), "quantization_config": quantization_config(config, list(weight_sqnr)),
+    qconfig = json.loads((folder / "policy.json").read_text())["quantization_config"]
+    report = {"source": str(source), "out": str(out), "quantization_config": qconfig,
               "size": sizes, "layers": {n: {"weight_sqnr_db": s} for n, s in weight_sqnr.items()}}
     rows = None
     if dataset is not None:
         try:
             rows = qreport.heldout_rows(dataset, baseline, samples)
             actions = qreport.compare_actions(baseline, quantized, rows, seed=seed)
-        except KilovlaError as e:
+        except KilovlaError as e:  # what check_dataset cannot see from info.json (the action window, ...)
             raise KilovlaError(f"--dataset {dataset} does not fit the policy: {e}") from None
         for name, value in actions.pop("output_sqnr_db").items():
             report["layers"][name]["output_sqnr_db"] = value

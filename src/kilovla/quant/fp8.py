@@ -12,9 +12,14 @@ of each token (``"1x128"``: W8A8, what the FP8 GEMMs compute).
 - ``scaled_mm``: cuBLASLt's block-scaled FP8 GEMM through ``torch.nn.functional.scaled_mm`` (Hopper,
   CUDA >= 12.9, N and K multiples of 128, 1x128 activations);
 - ``torchao``: torchao's Triton block-wise FP8 GEMM (SM >= 8.9, torchao with Triton installed);
-- ``emulate``: dequantize, then an ordinary matmul in the activation dtype. Always available, the
-  only choice on CPU (torch refuses block scales there) and the reference the others are tested
-  against.
+- ``emulate``: dequantize the weight to the activation dtype (float32 on CPU, where kilovla computes
+  in float32), then an ordinary matmul in that dtype. Always available, the only choice on CPU
+  (torch refuses block scales there) and the reference the others are tested against.
+
+Scales are floored at float32's smallest normal number (`SCALE_FLOOR`): a tile whose largest
+magnitude is so small that ``amax / 448`` would round to 0 (or to a subnormal) would otherwise
+divide by zero and dequantize its zeros to ``0 * inf = NaN``. Non-finite weights are refused
+(`quantize_model` names the layer): a NaN or inf in a tile would poison its scale.
 
 ``kernel="auto"`` (the default) takes the fastest available; a kernel that cannot run falls back
 to ``emulate`` with one warning line per reason. Which layers are quantized is a regex over module
@@ -43,6 +48,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ACTIVATION_TILE = 128  # activations are scaled per 1 x 128 tile of each token
 KERNELS = ("auto", "scaled_mm", "torchao", "emulate")
 ACTIVATIONS = ("1x128", "none")
+SQNR_CAP_DB = 300.0  # what `sqnr_db` reports for "no noise"; float64 round-off measures far less
+SCALE_FLOOR = torch.finfo(torch.float32).tiny  # smallest normal float32: 1 / SCALE_FLOOR is finite
 
 # Module-name regexes of the layers each family quantizes by default: the attention and MLP
 # projections of the language model and of the action expert (pi0 / pi0.5), of the truncated LLM
@@ -99,7 +106,8 @@ def _blocks(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, tuple[
 def quantize_fp8_blockwise(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) float -> (q float8_e4m3fn (N, K), weight_scale_inv float32 (ceil(N/block), ceil(K/block))).
 
-    Each tile's largest magnitude maps to 448 (e4m3's max); an all-zero tile gets scale 1.
+    Each tile's largest magnitude maps to 448 (e4m3's max); an all-zero tile gets scale 1; a scale never
+    falls below `SCALE_FLOOR`. A weight with NaN or inf is refused.
 
     >>> q, s = quantize_fp8_blockwise(torch.full((130, 3), 2.0), block=128)
     >>> q.shape, s.shape, s[:, 0].tolist()
@@ -108,12 +116,19 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block: int = 128) -> tuple[torc
     if weight.ndim != 2:
         raise KilovlaError(f"block-wise FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
     w = weight.detach().float()
+    if not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise KilovlaError(f"the weight has {bad} non-finite values (NaN or inf); FP8 scales cannot represent them")
     tiles, _ = _blocks(w, block, block)
-    amax = tiles.abs().amax(dim=(1, 3))  # (nb, kb)
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale_inv = _scales(tiles.abs().amax(dim=(1, 3)))  # (nb, kb)
     q = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     n, k = w.shape
     return q.flatten(2, 3).flatten(0, 1)[:n, :k].contiguous(), scale_inv.contiguous()
+
+
+def _scales(amax: torch.Tensor) -> torch.Tensor:
+    """Inverse scales from tile maxima: amax / 448, floored at SCALE_FLOOR; 1 for an all-zero tile."""
+    return torch.where(amax > 0, (amax / FP8_MAX).clamp_min(SCALE_FLOOR), torch.ones_like(amax))
 
 
 def dequantize_fp8_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
@@ -133,8 +148,7 @@ def quantize_activations_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     128 channels, as DeepSeek-V3 quantizes activations."""
     m, k = x.shape
     tiles = F.pad(x.float(), (0, (-k) % ACTIVATION_TILE)).view(m, -1, ACTIVATION_TILE)
-    amax = tiles.abs().amax(dim=-1)
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale_inv = _scales(tiles.abs().amax(dim=-1))
     q = (tiles / scale_inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.flatten(1)[:, :k], scale_inv
 
@@ -149,11 +163,18 @@ def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio, 20 log10(|ref| / |ref - test|) (torchao's `compute_error`)."""
-    ref = reference.detach().double()
-    noise = ref - test.detach().double()
-    n = noise.norm()
-    return float("inf") if n == 0 else float(20 * torch.log10(ref.norm() / n))
+    """Signal-to-quantization-noise ratio, 20 log10(|ref| / |ref - test|) (torchao's `compute_error`),
+    always a finite number in [-SQNR_CAP_DB, SQNR_CAP_DB] so that reports stay valid JSON and a minimum
+    over layers never skips a broken one: no noise at all (an all-zero layer, an exact match) is
+    +SQNR_CAP_DB; NaN or inf on either side, or noise without signal, is -SQNR_CAP_DB (the worst)."""
+    ref, got = reference.detach().double(), test.detach().double()
+    if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(got).all())):
+        return -SQNR_CAP_DB
+    n = (ref - got).norm()
+    if n == 0:
+        return SQNR_CAP_DB
+    value = float(20 * torch.log10(ref.norm() / n))
+    return max(-SQNR_CAP_DB, min(SQNR_CAP_DB, value))
 
 
 # -- the layer -------------------------------------------------------------------------------------
@@ -214,7 +235,8 @@ class Fp8BlockLinear(nn.Module):
 
 
 def _emulate(layer: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
-    """Dequantize + matmul: exactly the math of the FP8 GEMMs (products of dequantized values)."""
+    """Dequantize to x's dtype + matmul in x's dtype: the math of the FP8 GEMMs (products of dequantized
+    values); exact for float32 inputs, bf16-rounded for bf16 inputs."""
     if layer.activations == "1x128":
         x = fake_quantize_activations(x)
     bias = None if layer.bias is None else layer.bias.to(x.dtype)
@@ -393,6 +415,13 @@ def quantize_model(model: nn.Module, config: Fp8Config) -> dict[str, float]:
     """Replace the selected Linear layers by Fp8BlockLinear in place; returns each layer's weight
     SQNR (dB) against its original weight."""
     names = select_layers(model, config.include, config.exclude)
+    # Checked before any layer is replaced, so a refusal leaves the model as it was.
+    bad = [f"{n} ({int(c)} of {model.get_submodule(n).weight.numel()} values)" for n in names
+           if (c := (~torch.isfinite(model.get_submodule(n).weight)).sum())]
+    if bad:
+        shown = "; ".join(bad[:5]) + (f" ... ({len(bad)} layers in all)" if len(bad) > 5 else "")
+        raise KilovlaError(f"non-finite weights (NaN or inf) in {shown}: FP8 block scales cannot represent them; "
+                           "fix the checkpoint or --exclude those layers")
     sqnr = {}
     for name in names:
         linear = model.get_submodule(name)
@@ -402,27 +431,52 @@ def quantize_model(model: nn.Module, config: Fp8Config) -> dict[str, float]:
     return sqnr
 
 
-def quantization_config(config: Fp8Config, layers: list[str]) -> dict:
-    """The `quantization_config` of policy.json: Hugging Face's fp8 fields plus kilovla's layer list."""
-    return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [config.block, config.block],
-            "activation_scheme": "dynamic" if config.activations == "1x128" else "weight_only",
-            "activations": config.activations, "kept_dtype": config.dtype,
-            "include": config.include, "exclude": config.exclude, "modules": layers}
+def quantization_config(config: Fp8Config, layers: list[str], model: nn.Module) -> dict:
+    """The `quantization_config` of policy.json.
+
+    Hugging Face's fp8 fields (`FineGrainedFP8Config`) where they say something true: ``quant_method``,
+    ``weight_block_size``, ``modules_to_not_convert`` (every Linear of `model` that is not in `layers`)
+    and, for 1x128 activations only, ``activation_scheme: "dynamic"`` (HF knows no weight-only scheme,
+    so a weight-only folder carries none). kilovla's own keys: ``activations`` ("1x128" or "none",
+    what the loader runs), ``modules`` (the FP8 layers), ``kept_dtype``, ``include``, ``exclude``."""
+    chosen = set(layers)
+    fields = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [config.block, config.block]}
+    if config.activations == "1x128":
+        fields["activation_scheme"] = "dynamic"
+    fields["modules_to_not_convert"] = sorted(n for n, m in model.named_modules()
+                                              if isinstance(m, nn.Linear) and n not in chosen)
+    fields.update(activations=config.activations, kept_dtype=config.dtype, include=config.include,
+                  exclude=config.exclude, modules=list(layers))
+    return fields
+
+
+def _read_quantization_config(qconfig, source: str) -> tuple[int, str, list[str]]:
+    """(block, activations, FP8 module names) from a policy.json's quantization_config, checked."""
+    if not isinstance(qconfig, dict):
+        raise KilovlaError(f"{source}: quantization_config must be a JSON object, not {type(qconfig).__name__}")
+    if qconfig.get("quant_method") != "fp8":
+        raise KilovlaError(f"{source}: unsupported quantization_config quant_method {qconfig.get('quant_method')!r}; "
+                           "kilovla reads block-wise fp8")
+    size, activations, names = qconfig.get("weight_block_size"), qconfig.get("activations"), qconfig.get("modules")
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
+        raise KilovlaError(f"{source}: quantization_config weight_block_size {size!r}: expected [block, block]")
+    if size[0] != size[1]:
+        raise KilovlaError(f"{source}: quantization_config weight_block_size {size}: kilovla stores square blocks")
+    if activations not in ACTIVATIONS:
+        raise KilovlaError(f"{source}: quantization_config activations {activations!r}: expected one of {ACTIVATIONS}")
+    scheme = qconfig.get("activation_scheme")
+    if scheme != ("dynamic" if activations == "1x128" else None):
+        raise KilovlaError(f"{source}: quantization_config activation_scheme {scheme!r} contradicts activations "
+                           f"{activations!r} (1x128 goes with 'dynamic'; weight-only has no activation_scheme)")
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise KilovlaError(f"{source}: quantization_config modules must be a list of module names")
+    return size[0], activations, names
 
 
 def prepare_quantized(model: nn.Module, qconfig: dict, source: str) -> None:
     """Turn the Linear layers a policy.json's `quantization_config` names into empty Fp8BlockLinear
     (on the model's device, typically meta) so the quantized state dict loads strictly."""
-    try:
-        block = int(qconfig["weight_block_size"][0])
-        activations = qconfig.get("activations", "1x128")
-        names = list(qconfig["modules"])
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise KilovlaError(f"{source}: quantization_config is incomplete ({e!r}); expected "
-                           "weight_block_size, activations and modules") from None
-    if qconfig.get("quant_method") != "fp8" or activations not in ACTIVATIONS:
-        raise KilovlaError(f"{source}: unsupported quantization_config {qconfig.get('quant_method')!r} / "
-                           f"activations {activations!r}; kilovla reads block-wise fp8")
+    block, activations, names = _read_quantization_config(qconfig, source)
     for name in names:
         try:
             linear = model.get_submodule(name)
@@ -434,12 +488,41 @@ def prepare_quantized(model: nn.Module, qconfig: dict, source: str) -> None:
                                              block=block, activations=activations, device=linear.weight.device))
 
 
+def _check_block_size(model: nn.Module, folder, source: str) -> None:
+    """The block size policy.json claims against the one model.safetensors was written with (its
+    metadata) and against every stored scale's shape: a wrong block dequantizes silently wrong."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from kilovla.models.checkpoints import read_header
+
+    path = Path(folder) / "model.safetensors"
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
+    if not layers or not path.is_file():
+        return
+    block = next(iter(layers.values())).block
+    with safe_open(str(path), "pt") as f:
+        written = (f.metadata() or {}).get("weight_block_size")
+    if written is not None and written != str(block):
+        raise KilovlaError(f"{source}: weight_block_size [{block}, {block}] does not match the {written}x{written} "
+                           f"blocks {path.name} was quantized with; restore weight_block_size [{written}, {written}]")
+    stored = read_header(path)
+    for name, layer in layers.items():
+        t = stored.get(f"{name}.weight_scale_inv")
+        if t is not None and tuple(t.shape) != tuple(layer.weight_scale_inv.shape):
+            raise KilovlaError(f"{source}: weight_block_size [{block}, {block}] does not match {name}.weight_scale_inv: "
+                               f"a {layer.out_features}x{layer.in_features} weight in {block}x{block} blocks has "
+                               f"{tuple(layer.weight_scale_inv.shape)} scales, the file stores {tuple(t.shape)}")
+
+
 def load_quantized_weights(model: nn.Module, qconfig: dict, path, source: str) -> None:
     """Load a quantized policy folder's weights: FP8 layers as stored, the kept layers (stored in
     `kept_dtype`) up-cast to the model's float32, the dtype kilovla computes in."""
     from kilovla.models.checkpoints import load_checkpoint
 
     prepare_quantized(model, qconfig, source)
+    _check_block_size(model, path, source)
     load_checkpoint(model, path)  # reads each tensor into the model's own dtype: FP8 as FP8, the rest float32
 
 

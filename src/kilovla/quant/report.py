@@ -1,11 +1,17 @@
 """How much a quantized policy lost and gained: `DIR/quant_report.json` and a table.
 
-- size: bytes of ``model.safetensors`` on disk for the source, for a bf16 copy of it (the baseline)
-  and for the quantized folder;
+- size: bytes of ``model.safetensors`` on disk for the source (null for an FSDP `state/` source),
+  for a bf16 copy of the weights (the baseline) and for the quantized folder, and
+  ``reduction_percent`` (quantized vs bf16);
 - per-layer SQNR: of each FP8 weight against the original weight, and of each FP8 layer's output on
-  the activations the original policy produces on held-out samples (activation quantization included);
-- action MSE: both policies' action chunks from the same observations and the same flow noise, in
-  action units on the real dims, divided by the variance of the dataset's actions on those samples
+  the activations the original policy produces on held-out samples (activation quantization
+  included). Values are finite: +300 dB means no noise at all (an all-zero layer), -300 dB means
+  NaN / inf in an output (the worst, so a minimum never skips it; `fp8.sqnr_db`); an output SQNR of
+  null means the layer never runs at inference (pi0.5's last prefix-layer q / o / MLP);
+- action MSE: both policies' action chunks from the same observations (the inference path,
+  `observation_batch`: no training augmentation) and the same flow noise, in action units on the real
+  dims, over the chunk steps inside the episode (steps padded past its end are left out of the MSE,
+  the variance and the count alike), divided by the variance of the dataset's actions on those steps
   (mean squared difference / mean per-dim variance);
 - closed loop: success of both policies through `evaluate` on the same seeds; the caller passes the
   evaluation as a function, since evaluation sits above quantization in the package;
@@ -15,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -72,20 +79,31 @@ def compare_actions(baseline, quantized, rows: list[dict], seed: int = 0) -> dic
     diffs, truth = [], []
     try:
         for row in rows:
-            batch = baseline.processor.training_batch(row)
+            # The inference path: a policy at work sees its observations without training augmentation.
+            batch = baseline.processor.observation_batch(row)
             noise = _noise(baseline, batch.batch_size, generator)
             ref = baseline.model.sample_actions(batch.to(baseline.device), noise=noise.to(baseline.device))
             got = quantized.model.sample_actions(batch.to(quantized.device), noise=noise.to(quantized.device))
             ref = baseline.processor.unnormalize_actions(ref.float().cpu().numpy())
             got = quantized.processor.unnormalize_actions(got.float().cpu().numpy())
-            diffs.append((got - ref).reshape(-1, ref.shape[-1]))
-            gt = np.asarray(row["action"], np.float32)
-            truth.append(gt[~np.asarray(row["action_is_pad"], bool)])
+            real = ~np.asarray(row["action_is_pad"], bool)  # (B, chunk): steps inside the episode
+            diffs.append((got - ref)[real])
+            truth.append(np.asarray(row["action"], np.float32)[real])
     finally:
         for h in handles:
             h.remove()
     diff, gt = np.concatenate(diffs), np.concatenate(truth)
     mse, variance = float(np.mean(diff**2)), float(np.mean(gt.var(axis=0)))
+    if not math.isfinite(mse):  # NaN / inf actions: JSON has no number for it, the count says what happened
+        return {"samples": int(len(gt)), "mse": None, "action_variance": variance, "relative": None,
+                "non_finite_actions": int((~np.isfinite(diff)).sum()),
+                "output_sqnr_db": _output_sqnr(baseline, quantized, names, captured)}
+    return {"samples": int(len(gt)), "mse": mse, "action_variance": variance,
+            "relative": mse / variance if variance > 0 else None,
+            "output_sqnr_db": _output_sqnr(baseline, quantized, names, captured)}
+
+
+def _output_sqnr(baseline, quantized, names, captured) -> dict[str, float | None]:
     layers = {}
     for name in sorted(names):
         if not captured[name]:  # pi0.5's last prefix layer: q, o and MLP weights that inference never reads
@@ -93,8 +111,7 @@ def compare_actions(baseline, quantized, rows: list[dict], seed: int = 0) -> dic
             continue
         x = torch.cat(captured[name]).to(baseline.device)
         layers[name] = sqnr_db(baseline.model.get_submodule(name)(x), quantized.model.get_submodule(name)(x))
-    return {"samples": int(len(gt)), "mse": mse, "action_variance": variance,
-            "relative": mse / variance if variance > 0 else None, "output_sqnr_db": layers}
+    return layers
 
 
 @torch.no_grad()
@@ -116,20 +133,24 @@ def chunk_latency(policies: dict, batch, repeats: int = 10, warmup: int = 2) -> 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def folder_bytes(source: Path, quantized: Path, scratch: Path) -> dict[str, int]:
-    """model.safetensors bytes on disk: the source, a bf16 copy of it (written in `scratch`), the FP8 folder."""
-    from kilovla.models.checkpoints import read_safetensors, save_safetensors
+def folder_bytes(source: Path, state: dict[str, torch.Tensor], quantized: Path, scratch: Path) -> dict:
+    """model.safetensors bytes on disk: the source (None when it is an FSDP `state/` checkpoint), a bf16
+    copy of the source's weights `state` (written in `scratch`), the FP8 folder; and how much smaller
+    the FP8 folder is than the bf16 copy, in percent."""
+    from kilovla.models.checkpoints import save_safetensors
 
-    state = read_safetensors(source / "model.safetensors")
-    bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+    bf16 = {k: v.detach().to("cpu", torch.bfloat16) if v.is_floating_point() else v.detach().cpu()
+            for k, v in state.items()}
     copy = scratch / f".bf16-copy-{uuid.uuid4().hex[:8]}.safetensors"
     try:
         save_safetensors(bf16, copy)
         bf16_bytes = copy.stat().st_size
     finally:
         copy.unlink(missing_ok=True)
-    return {"source_bytes": (source / "model.safetensors").stat().st_size, "bf16_bytes": bf16_bytes,
-            "quantized_bytes": (quantized / "model.safetensors").stat().st_size}
+    file = source / "model.safetensors"
+    quantized_bytes = (quantized / "model.safetensors").stat().st_size
+    return {"source_bytes": file.stat().st_size if file.is_file() else None, "bf16_bytes": bf16_bytes,
+            "quantized_bytes": quantized_bytes, "reduction_percent": 100 * (1 - quantized_bytes / bf16_bytes)}
 
 
 def closed_loop_summary(evaluation: Callable[[object], dict], baseline, quantized, seed: int) -> dict:
@@ -151,7 +172,7 @@ def write_report(folder: Path, report: dict) -> Path:
     """quant_report.json and quant_report.md, each written to a temp name and renamed."""
     lines = ["# FP8 quantization report", "", "| what | baseline | quantized | |", "|---|---|---|---|"]
     lines += [f"| {what} | {base} | {ours} | {note} |" for what, base, ours, note in report_rows(report)]
-    for name, text in (("quant_report.json", json.dumps(report, indent=2)), ("quant_report.md", "\n".join(lines) + "\n")):
+    for name, text in (("quant_report.json", json.dumps(report, indent=2, allow_nan=False)), ("quant_report.md", "\n".join(lines) + "\n")):
         tmp = folder / f".{name}.{uuid.uuid4().hex[:8]}"
         tmp.write_text(text)
         os.replace(tmp, folder / name)
@@ -162,9 +183,10 @@ def report_rows(report: dict) -> list[tuple[str, str, str, str]]:
     """(what, baseline, quantized, note) lines shared by the table and the markdown."""
     rows = []
     s = report["size"]
+    source = "FSDP state/ shards" if s["source_bytes"] is None else f"{s['source_bytes'] / 1024:.1f} KiB"
     rows.append(("model.safetensors", f"{s['bf16_bytes'] / 1024:.1f} KiB (bf16)", f"{s['quantized_bytes'] / 1024:.1f} KiB",
-                 f"{100 * (1 - s['quantized_bytes'] / s['bf16_bytes']):.1f} % smaller than bf16; source "
-                 f"{s['source_bytes'] / 1024:.1f} KiB; {s['fp8_params']} of {s['total_params']} params in FP8"))
+                 f"{s['reduction_percent']:.1f} % smaller than bf16; source {source}; "
+                 f"{s['fp8_params']} of {s['total_params']} params in FP8"))
     layers = report["layers"]
     rows.append(("min weight SQNR", "", f"{min(v['weight_sqnr_db'] for v in layers.values()):.1f} dB",
                  f"{len(layers)} FP8 layers"))
@@ -172,10 +194,12 @@ def report_rows(report: dict) -> list[tuple[str, str, str, str]]:
     if a:
         name, value = min_output_sqnr(report)
         idle = sum(v.get("output_sqnr_db", 0) is None for v in layers.values())
-        rows.append(("min layer output SQNR", "", f"{value:.1f} dB",
-                     f"{name}" + (f"; {idle} layers never run in inference" if idle else "")))
+        rows.append(("min layer output SQNR", "", "-" if value is None else f"{value:.1f} dB",
+                     ("no selected layer runs at inference" if name is None else name)
+                     + (f"; {idle} layers never run in inference" if idle else "")))
         rel = "-" if a["relative"] is None else f"{100 * a['relative']:.3f} %"
-        rows.append(("action MSE / action variance", "", rel, f"{a['samples']} held-out action steps"))
+        bad = f"; {a['non_finite_actions']} non-finite action values" if a.get("non_finite_actions") else ""
+        rows.append(("action MSE / action variance", "", rel, f"{a['samples']} held-out action steps{bad}"))
     else:
         rows.append(("action MSE", "", "not measured", "pass --dataset"))
     c = report.get("closed_loop")
@@ -193,9 +217,12 @@ def report_rows(report: dict) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def min_output_sqnr(report: dict) -> tuple[str, float]:
-    """The FP8 layer with the lowest output SQNR on held-out samples (layers that never ran left out)."""
+def min_output_sqnr(report: dict) -> tuple[str | None, float | None]:
+    """The FP8 layer with the lowest output SQNR on held-out samples (layers that never ran left out;
+    (None, None) when none ran). `sqnr_db` maps NaN outputs to its floor, so none is skipped."""
     measured = {n: v["output_sqnr_db"] for n, v in report["layers"].items() if v.get("output_sqnr_db") is not None}
+    if not measured:
+        return None, None
     name = min(measured, key=measured.get)
     return name, measured[name]
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from kilovla.demo import FULL, DemoRecipe, collect_demonstrations, evaluate_both, train_policy
 
 # The demo before this ablation: pi0.5 sees images and the prompt only (it has no state projection,
-# and the state stayed out of the prompt), 20 demonstrations per task.
-MAIN_BEFORE = dict(preset="pi05-tiny", state_in_prompt=False, episodes_per_task=20, train_steps=2500, lr=1e-3,
-                   ema_decay=None, n_action_steps=5)
+# and the state stayed out of the prompt), 64 px, the noisy executed actions recorded, no EMA.
+MAIN_BEFORE = dict(preset="pi05-tiny", state_in_prompt=False, resolution=64, collect_labels="executed",
+                   episodes_per_task=20, train_steps=2500, lr=1e-3, ema_decay=None, n_action_steps=5)
 
 VARIANTS: dict[str, tuple[str, dict]] = {
     "before": ("main's demo recipe: pi0.5, no state input", MAIN_BEFORE),

@@ -43,24 +43,24 @@ class DemoRecipe:
     # data
     episodes_per_task: int = 20  # successful scripted demonstrations recorded per task
     collect_noise: float = 0.1  # std of the Gaussian noise on the expert's actions while recording
-    collect_labels: str = "executed"  # the action recorded: "executed" (noisy) or "expert" (noise-free, DART)
+    collect_labels: str = "expert"  # the action recorded: "executed" (noisy) or "expert" (noise-free, DART)
     collect_seed: int = 0
-    resolution: int = 64  # both cameras, pixels
+    resolution: int = 32  # both cameras, pixels
     # model: a preset plus config overrides; packing, dynamic padding and the blank third camera's
     # pruning are always on (they change speed, not the result: the equivalence tests say so)
-    preset: str = "pi05-tiny"
+    preset: str = "pi0-tiny"  # pi0 reads the state as one continuous token; pi0.5 only as prompt text
     model: dict = field(default_factory=dict)  # e.g. {"vision": {"width": 64}}
     state_in_prompt: bool = False  # pi0.5 reads the state only as discretised prompt text
     chunk_size: int = 10  # actions predicted per inference
     n_action_steps: int = 5  # of them executed before re-planning
     augmentation: dict | None = None  # ImageAugmentation fields; None: the preset's (none for tiny presets)
     # optimisation
-    train_steps: int = 2500
-    batch_tokens: int = 12000  # tokens per optimizer step (~75 samples at 64 px)
+    train_steps: int = 1000
+    batch_tokens: int = 12000  # tokens per optimizer step (~180 samples at 32 px, ~75 at 64 px)
     lr: float = 1e-3
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # cosine decay to lr * this at the last step
-    ema_decay: float | None = None  # evaluate the EMA of the weights instead of the last weights
+    ema_decay: float | None = 0.995  # evaluate the EMA of the weights instead of the last weights
     # evaluation
     eval_episodes: int = 20  # per task, for the policy and for the expert
     eval_seed: int = 1  # closed_loop.episode_seeds(eval_seed, ...): disjoint from the collection seeds

@@ -45,6 +45,7 @@ from kilovla.train.metrics import MetricsLogger
 
 log = logging.getLogger(__name__)
 TRAIN_SEED_BASE = 10_000_000  # training episodes use seeds far from the evaluation seeds
+METAWORLD_MAX_REWARD = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]
 STARTUP_S = 120.0  # a new env worker's grace period to start before it counts as hung
 
 
@@ -58,7 +59,11 @@ class EnvSection:
     cameras: list[str] = field(default_factory=lambda: ["scene", "wrist"])
     max_steps: int = 150
     latency: dict = field(default_factory=dict)  # LatencyModel fields, e.g. {distribution: lognormal, mean_s: 0.02}
-    reward_scale: float = 0.01  # times the simulator's (shaped) reward, summed over a chunk's actions
+    # RL reward per action: reward_scale x the simulator's shaped reward (summed over a chunk's actions),
+    # plus success_bonus on success. Keep max_steps x 10 (Meta-World's largest reward) x reward_scale below
+    # success_bonus, so any success outscores any near miss that hovers by the goal until the time limit:
+    # 150 x 10 x 2e-4 = 0.3 < 1.0. `kilovla rl` warns when the rule is broken.
+    reward_scale: float = 2e-4
     success_bonus: float = 1.0
     timeout_s: float = 60.0  # an env step (or a worker) that takes longer is a hang: the worker is replaced
 

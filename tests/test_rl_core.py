@@ -412,7 +412,7 @@ def _learner_after(calls, steps=2):
     return model, grads, [r for r in results if r is not None]
 
 
-@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\(\)` has been overridden")
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
 def test_a_global_batch_trains_the_same_in_one_call_or_segment_by_segment():
     whole, grads_whole, out_whole = _learner_after(lambda segs: [segs])
     single, grads_single, out_single = _learner_after(lambda segs: [[s] for s in segs])
@@ -456,3 +456,45 @@ def test_a_replaced_workers_waiting_env_gets_no_ticket_and_the_new_incarnation_p
         assert buffer.running == {(0, 1, 0): 0}
 
     asyncio.run(scenario())
+
+
+# -- the run's config, checked before Ray starts --------------------------------------------------------
+@pytest.mark.parametrize("override, message", [
+    ({"env.workers": 0}, "env.workers must be >= 1"), ({"env.envs_per_worker": 0}, "env.envs_per_worker must be >= 1"),
+    ({"learner.batch_segments": 0}, "learner.batch_segments must be >= 1"),
+    ({"rollout.segment_steps": 0}, "rollout.segment_steps must be >= 1"),
+    ({"learner.max_staleness": -1}, "learner.max_staleness must be >= 0"), ({"mode": "lockstep"}, "mode must be sync or async"),
+    ({"mode": "sync", "learner.batch_segments": 12}, "must be a multiple of the number of envs"),
+])
+def test_a_bad_rl_config_is_refused_in_one_line_before_ray_starts(override, message, monkeypatch):
+    from kilovla.rl import runner
+
+    cfg = runner.RLConfig(policy="unused")
+    for key, value in override.items():
+        section, _, name = key.rpartition(".")
+        setattr(getattr(cfg, section) if section else cfg, name, value)
+    monkeypatch.setattr(runner, "connect_ray", lambda *a, **k: pytest.fail("Ray started before the config was checked"))
+    with pytest.raises(KilovlaError, match=message) as err:
+        runner.run(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_a_policy_that_does_not_fit_the_env_or_an_unknown_task_is_refused():
+    from kilovla.rl.runner import RLConfig, _check_policy_fits_env
+
+    fits = {"action_dim": 4, "state_dim": 43, "state_keys": ["observation.state", "observation.environment_state"],
+            "camera_map": {"observation.images.scene": "base_0_rgb"}}
+    _check_policy_fits_env(RLConfig(), "policy", fits)
+    with pytest.raises(KilovlaError, match="action_dim 7"):
+        _check_policy_fits_env(RLConfig(), "policy", {**fits, "action_dim": 7})
+    cfg = RLConfig()
+    cfg.env.tasks = ["reach-v9"]
+    with pytest.raises(KilovlaError, match="unknown metaworld task"):
+        _check_policy_fits_env(cfg, "policy", fits)
+
+
+def test_training_seeds_of_different_slots_workers_and_runs_never_meet():
+    from kilovla.rl.runner import first_train_seed
+
+    starts = sorted(first_train_seed(s, w, e) for s in range(3) for w in range(8) for e in range(100))
+    assert all(b - a >= 10_000 for a, b in zip(starts, starts[1:]))  # room for 10_000 episodes per slot

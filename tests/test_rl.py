@@ -81,9 +81,13 @@ def test_sync_mode_with_two_ddp_learners_and_collective_weight_sync(policy_dir, 
     from kilovla.rl import runner
 
     summary = runner.run(_config(policy_dir, tmp_path / "run", "--mode=sync", "--learner.ranks=2", "--steps=2",
-                                 "--eval.episodes=0", "--weight_sync=collective"))
+                                 "--eval.episodes=0", "--weight_sync=collective"),
+                         faults={"env_workers": {0: {"crash_after": 10}}})
     records = _records(tmp_path / "run")
     assert summary["steps"] == 2 and [r["step"] for r in records] == [1, 2]
+    assert summary["replaced_workers"] == 1
+    assert summary["dropped_segments"] >= 4 and summary["dropped_segments"] % 4 == 0  # the whole lock-step round
+    assert records[-1]["staleness_histogram"] == {"0": 2 * 4 * 3}  # 2 batches of 4 segments x 3 steps, none stale
     assert records[-1]["mean_batch_size"] == 4  # one forward over all four envs per lock step
     assert all(r["learner/grad_norm"] > 0 for r in records)
     assert all(r["learner/logp_gap"] < 1e-4 for r in records)  # nothing stale: the learner rescores the chains exactly
@@ -112,6 +116,10 @@ def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
         time.sleep(0.5)
     os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray instance it started
     driver.wait()
+    from kilovla.rl.runner import first_train_seed
+
+    saved = json.loads((run / "checkpoints" / "step_000002" / "rl_state.json").read_text())["next_seeds"]["0"]
+    assert all(s > first_train_seed(0, 0, e) for e, s in enumerate(saved))  # the seeds played are not replayed
     resumed = subprocess.run([*args, "--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert json.loads(resumed.stdout[resumed.stdout.index("{"):])["steps"] == 5

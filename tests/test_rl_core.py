@@ -313,3 +313,188 @@ def test_flow_sde_config_is_checked():
         FlowSDE(steps=0)
     with pytest.raises(KilovlaError):
         dataclasses.replace(FlowSDE(), stochastic="some")
+
+
+# -- rewards -------------------------------------------------------------------------------------------
+def test_at_the_default_reward_scale_any_successful_episode_outscores_any_near_miss():
+    from kilovla.rl.core.trajectory import step_reward
+    from kilovla.rl.runner import EnvSection, METAWORLD_MAX_REWARD
+
+    env = EnvSection()
+    reward = lambda r, s: step_reward(r, s, env.reward_scale, env.success_bonus)  # noqa: E731
+    # the best failure: the largest shaped reward on every step of a full-length episode, never a success
+    best_miss = sum(reward(METAWORLD_MAX_REWARD, False) for _ in range(env.max_steps))
+    # the worst success: nothing but zero shaped reward, then success on the first step (the episode terminates)
+    worst_success = reward(0.0, True)
+    assert worst_success > best_miss
+    assert best_miss == pytest.approx(env.max_steps * METAWORLD_MAX_REWARD * env.reward_scale)
+
+
+# -- truncation ----------------------------------------------------------------------------------------
+def test_gae_bootstraps_through_a_truncation_but_not_a_termination():
+    rewards, values = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, 0.4, 0.3])
+    dones = torch.tensor([False, True, False])
+    truncated = torch.tensor([False, True, False])  # step 1 hit max_steps: its return goes on
+    cut_values = torch.tensor([0.0, 0.6, 0.0])
+    adv, ret = gae(rewards, values, dones, torch.tensor(0.7), gamma=0.9, lam=0.8, truncated=truncated,
+                   truncation_values=cut_values)
+    d2 = 2.0 + 0.9 * 0.7 - 0.3
+    d1 = 0.0 + 0.9 * 0.6 - 0.4  # bootstrapped with the truncation's value, not the next episode's
+    d0 = 1.0 + 0.9 * 0.4 - 0.5
+    expected = torch.tensor([d0 + 0.9 * 0.8 * d1, d1, d2])  # and no advantage flows back across the cut
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, expected + values)
+
+
+# -- the learner: advantage scale independent of how a global batch arrives -------------------------------
+class _TinyActorCritic(torch.nn.Module):
+    """What `Learner` needs of an `ActorCritic`: a Gaussian policy over a 2-D action, a value head."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.vla = torch.nn.Linear(3, 2)
+        self.value_head = torch.nn.Linear(3, 1)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def value(self, obs):
+        with torch.no_grad():
+            return self.value_head(torch.as_tensor(obs["x"], dtype=torch.float32))[:, 0].numpy()
+
+    def forward(self, obs, chain, stochastic):
+        x = torch.as_tensor(obs["x"], dtype=torch.float32)
+        mean = self.vla(x)
+        logp = -0.5 * ((chain[:, -1, 0] - mean) ** 2).sum(-1)
+        return logp, self.value_head(x)[:, 0]
+
+
+def _segments(n, t_len, seed=0):
+    from kilovla.rl.core.trajectory import Segment
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        done = np.zeros(t_len, bool)
+        done[t_len // 2] = i % 2 == 0
+        out.append(Segment(segment_id=(0, 0, i, 0), ticket=i, start_version=0,
+                           obs={"x": rng.normal(size=(t_len, 3)).astype(np.float32)},
+                           chain=rng.normal(size=(t_len, 2, 1, 2)).astype(np.float32),
+                           stochastic=np.ones((t_len, 1), bool), logp=rng.normal(size=t_len).astype(np.float32) - 2,
+                           value=rng.normal(size=t_len).astype(np.float32),
+                           reward=(rng.random(t_len) + 0.5).astype(np.float32),  # all good: advantages mostly > 0
+                           done=done, truncated=np.zeros(t_len, bool), version=np.zeros(t_len, int),
+                           next_obs={"x": rng.normal(size=3).astype(np.float32)}))
+    return out
+
+
+def _learner_after(calls, steps=2):
+    from kilovla.rl.learner import AlgoConfig, Learner
+
+    model = _TinyActorCritic()
+    cfg = AlgoConfig(freeze_vision=False, freeze_vlm=False, micro_batch=3)
+    cfg.optim.clip_grad_norm = 0.0
+    learner = Learner(model, cfg, segments_per_step=4, segment_steps=5, total_steps=10)
+    grads = []
+    params = list(model.parameters())
+    step = learner.optimizer.step
+
+    def recording_step(*a, **k):
+        grads.append([p.grad.clone() for p in params])
+        return step(*a, **k)
+
+    learner.optimizer.step = recording_step
+    results = []
+    for batch in range(steps):
+        for segments in calls(_segments(4, 5, seed=batch)):
+            results.append(learner.consume(segments))
+    return model, grads, [r for r in results if r is not None]
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
+def test_a_global_batch_trains_the_same_in_one_call_or_segment_by_segment():
+    whole, grads_whole, out_whole = _learner_after(lambda segs: [segs])
+    single, grads_single, out_single = _learner_after(lambda segs: [[s] for s in segs])
+    assert len(grads_whole) == len(grads_single) == 2  # the second batch uses the scale learned from the first
+    for a, b in zip(grads_whole, grads_single):
+        for ga, gb in zip(a, b):
+            torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
+    for pa, pb in zip(whole.parameters(), single.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+    assert out_whole[0]["advantage_scale"] == pytest.approx(out_single[0]["advantage_scale"])
+    assert out_whole[0]["advantage_scale"] != 1.0
+
+
+def test_a_uniformly_good_segment_keeps_positive_advantages():
+    from kilovla.rl.learner import AdvantageScale
+
+    scale = AdvantageScale(momentum=0.9)
+    scale.observe(np.array([1.0, 3.0]))
+    scale.step()
+    assert scale.scale == pytest.approx(np.sqrt(5.0))  # bias-corrected: the first batch's RMS
+    adv = np.array([0.5, 1.0, 2.0]) / scale.scale
+    assert (adv > 0).all()  # divided, not centred
+
+
+# -- the trajectory buffer -----------------------------------------------------------------------------
+def test_a_replaced_workers_waiting_env_gets_no_ticket_and_the_new_incarnation_proceeds():
+    import asyncio
+
+    from kilovla.rl.workers import TrajectoryBufferCore
+
+    async def scenario():
+        buffer = TrajectoryBufferCore(max_staleness=0, batch_segments=1)
+        assert await buffer.admit((0, 0, 0)) == (0, 0)  # env 0 of worker 0 runs the batch's only segment
+        waiting = asyncio.create_task(buffer.admit((0, 0, 1)))  # env 1 of the same worker waits for room
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        assert await buffer.drop_worker(0, 0) == 1
+        assert await asyncio.wait_for(waiting, 1.0) is None  # replaced: no ticket for it
+        admitted = await asyncio.wait_for(buffer.admit((0, 1, 0)), 1.0)  # the new incarnation
+        assert admitted == (0, 0)
+        assert buffer.running == {(0, 1, 0): 0}
+
+    asyncio.run(scenario())
+
+
+# -- the run's config, checked before Ray starts --------------------------------------------------------
+@pytest.mark.parametrize("override, message", [
+    ({"env.workers": 0}, "env.workers must be >= 1"), ({"env.envs_per_worker": 0}, "env.envs_per_worker must be >= 1"),
+    ({"learner.batch_segments": 0}, "learner.batch_segments must be >= 1"),
+    ({"rollout.segment_steps": 0}, "rollout.segment_steps must be >= 1"),
+    ({"learner.max_staleness": -1}, "learner.max_staleness must be >= 0"), ({"mode": "lockstep"}, "mode must be sync or async"),
+    ({"mode": "sync", "learner.batch_segments": 12}, "must be a multiple of the number of envs"),
+])
+def test_a_bad_rl_config_is_refused_in_one_line_before_ray_starts(override, message, monkeypatch):
+    from kilovla.rl import runner
+
+    cfg = runner.RLConfig(policy="unused")
+    for key, value in override.items():
+        section, _, name = key.rpartition(".")
+        setattr(getattr(cfg, section) if section else cfg, name, value)
+    monkeypatch.setattr(runner, "connect_ray", lambda *a, **k: pytest.fail("Ray started before the config was checked"))
+    with pytest.raises(KilovlaError, match=message) as err:
+        runner.run(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_a_policy_that_does_not_fit_the_env_or_an_unknown_task_is_refused():
+    from kilovla.rl.runner import RLConfig, _check_policy_fits_env
+
+    fits = {"action_dim": 4, "state_dim": 43, "state_keys": ["observation.state", "observation.environment_state"],
+            "camera_map": {"observation.images.scene": "base_0_rgb"}}
+    _check_policy_fits_env(RLConfig(), "policy", fits)
+    with pytest.raises(KilovlaError, match="action_dim 7"):
+        _check_policy_fits_env(RLConfig(), "policy", {**fits, "action_dim": 7})
+    cfg = RLConfig()
+    cfg.env.tasks = ["reach-v9"]
+    with pytest.raises(KilovlaError, match="unknown metaworld task"):
+        _check_policy_fits_env(cfg, "policy", fits)
+
+
+def test_training_seeds_of_different_slots_workers_and_runs_never_meet():
+    from kilovla.rl.runner import first_train_seed
+
+    starts = sorted(first_train_seed(s, w, e) for s in range(3) for w in range(8) for e in range(100))
+    assert all(b - a >= 10_000 for a, b in zip(starts, starts[1:]))  # room for 10_000 episodes per slot

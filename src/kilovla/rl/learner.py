@@ -1,7 +1,16 @@
 """The RL learner: segments in, one optimizer step per global batch out (no Ray here; workers.py wraps it).
 
 Per segment, GAE over its T steps with the behaviour values stored at rollout and the current
-critic's value of the observation after it (the bootstrap). Samples are trained in micro-batches as
+critic's value of the observation after it (the bootstrap). An episode cut by `max_steps` is not
+terminated: GAE bootstraps through the cut with the stored value of the last observation the policy
+acted on before it (the env resets right after the cut, so the observation it was cut in is gone;
+V of the chunk's starting state stands in for it).
+
+Advantages are divided by a running RMS of past global batches' advantages (no mean subtraction:
+a uniformly good batch stays positive). The scale changes only when the optimizer steps, from the
+completed global batch's advantages (summed over learner ranks), so every micro-batch of a global
+batch sees the same scale whatever order and grouping its segments arrive in: async (often one
+segment per `consume`) and sync train the same. The first global batch uses scale 1. Samples are trained in micro-batches as
 segments arrive (`StreamingStep`): the loss of a micro-batch is the sum of decoupled-PPO and value
 losses over its samples, scaled by 1 / (samples in a global batch); the optimizer steps when the
 global batch (B segments x T steps, spread over the learner ranks) is complete. The proximal policy
@@ -39,12 +48,51 @@ class AlgoConfig:
     value_coef: float = 0.5
     value_clip: float = 10.0
     value_lr: float = 1e-3
-    normalize_advantages: bool = True  # per micro-batch, as PPO implementations do per minibatch
+    normalize_advantages: bool = True  # divide by the running RMS of past global batches' advantages
+    advantage_rms_momentum: float = 0.9  # EMA of the per-batch mean square (bias-corrected)
     micro_batch: int = 32  # samples per forward/backward on a learner rank
     freeze_vision: bool = True
     freeze_vlm: bool = True  # piRL trains the action expert (and projections) only
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0,
                                                                      weight_decay=0.0))
+
+
+class AdvantageScale:
+    """Running RMS of advantages, updated once per global batch: what every sample's advantage is divided by."""
+
+    def __init__(self, momentum: float = 0.9):
+        self.momentum = momentum
+        self.mean_square, self.updates = 0.0, 0
+        self._sum, self._count = 0.0, 0  # the global batch in progress
+
+    @property
+    def scale(self) -> float:
+        if self.updates == 0:
+            return 1.0
+        return max(1e-8, (self.mean_square / (1.0 - self.momentum ** self.updates)) ** 0.5)
+
+    def observe(self, advantages: np.ndarray) -> None:
+        self._sum += float(np.square(advantages, dtype=np.float64).sum())
+        self._count += len(advantages)
+
+    def step(self, world: distributed.World | None = None) -> None:
+        """The global batch is complete: fold its mean square (over all ranks) into the running one."""
+        total = torch.tensor([self._sum, float(self._count)], dtype=torch.float64)
+        if world is not None and world.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(total)
+        self._sum, self._count = 0.0, 0
+        if total[1] == 0:
+            return
+        self.mean_square = self.momentum * self.mean_square + (1.0 - self.momentum) * float(total[0] / total[1])
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"mean_square": self.mean_square, "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean_square, self.updates = float(state["mean_square"]), int(state["updates"])
 
 
 class Learner:
@@ -59,13 +107,17 @@ class Learner:
         per_rank = segments_per_step * segment_steps // self.world.size
         self.stream = StreamingStep(self.optimizer, per_rank, self.trainable, cfg.optim.clip_grad_norm, self.scheduler)
         self.version = 0
+        self.adv_scale = AdvantageScale(cfg.advantage_rms_momentum)
         self._stats: list[dict] = []
 
     def advantages(self, segment: trajectory.Segment) -> tuple[np.ndarray, np.ndarray]:
-        """GAE over a segment: (advantages, returns), bootstrapped with the current critic."""
+        """GAE over a segment: (advantages, returns), bootstrapped with the current critic after the segment
+        and with the stored value of the last acted-on observation at a truncation."""
         last = 0.0 if segment.done[-1] else float(self.model.value(trajectory.stack([segment.next_obs]))[0])
-        adv, ret = gae(torch.tensor(segment.reward, dtype=torch.float32), torch.tensor(segment.value),
-                       torch.tensor(segment.done), torch.tensor(last), self.cfg.gamma, self.cfg.lam)
+        truncated = segment.truncated if segment.truncated is not None else np.zeros(len(segment), bool)
+        value = torch.tensor(segment.value)
+        adv, ret = gae(torch.tensor(segment.reward, dtype=torch.float32), value, torch.tensor(segment.done),
+                       torch.tensor(last), self.cfg.gamma, self.cfg.lam, torch.tensor(truncated), value)
         return adv.numpy(), ret.numpy()
 
     def consume(self, segments: list[trajectory.Segment]) -> dict | None:
@@ -77,23 +129,23 @@ class Learner:
                 "logp": np.concatenate([s.logp for s in segments]), "value": np.concatenate([s.value for s in segments]),
                 "adv": np.concatenate(adv), "ret": np.concatenate(ret)}
         n = len(data["adv"])
+        self.adv_scale.observe(data["adv"])
+        scale = self.adv_scale.scale if self.cfg.normalize_advantages else 1.0  # fixed within a global batch
         stepped = None
         for start in range(0, n, self.cfg.micro_batch):
             rows = np.arange(start, min(n, start + self.cfg.micro_batch))
             with distributed.gradient_sync(self.step_model, sync=self.stream.completes(len(rows))):
-                loss, stats = self._loss(data, rows)
+                loss, stats = self._loss(data, rows, scale)
                 out = self.stream.backward(loss, len(rows))
             self._stats.append(stats)
             if out is not None:
                 stepped = self._finish_step(out)
         return stepped
 
-    def _loss(self, data: dict, rows: np.ndarray) -> tuple[torch.Tensor, dict]:
+    def _loss(self, data: dict, rows: np.ndarray, scale: float) -> tuple[torch.Tensor, dict]:
         t = lambda k, dtype=torch.float32: torch.as_tensor(data[k][rows], dtype=dtype)  # noqa: E731
         logp, values = self.step_model(trajectory.index(data["obs"], rows), t("chain"), t("stochastic", torch.bool))
-        behav, adv = t("logp"), t("adv")
-        if self.cfg.normalize_advantages and len(rows) > 1:
-            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        behav, adv = t("logp"), t("adv") / scale
         policy, stats = decoupled_ppo_loss(logp, logp.detach(), behav, adv, self.cfg.clip, self.cfg.behav_cap)
         critic = value_loss(values, t("ret"), t("value"), self.cfg.value_clip)
         stats.update(policy_loss=policy.mean().item(), value_loss=critic.mean().item(),
@@ -102,9 +154,11 @@ class Learner:
 
     def _finish_step(self, out: dict) -> dict:
         self.version += 1
+        self.adv_scale.step(self.world)
         stats = {k: float(np.mean([s[k] for s in self._stats])) for k in self._stats[0]}
         self._stats = []
-        return {"version": self.version, "grad_norm": out["grad_norm"], "lr": self.scheduler.get_last_lr()[0], **stats}
+        return {"version": self.version, "grad_norm": out["grad_norm"], "lr": self.scheduler.get_last_lr()[0],
+                "advantage_scale": self.adv_scale.scale, **stats}
 
     def weights(self) -> dict[str, torch.Tensor]:
         """CPU copies of the acting weights (the VLA and the value head) for the inference servers."""

@@ -44,7 +44,13 @@ from kilovla.train import checkpoint as ckpt
 from kilovla.train.metrics import MetricsLogger
 
 log = logging.getLogger(__name__)
-TRAIN_SEED_BASE = 10_000_000  # training episodes use seeds far from the evaluation seeds
+# Training episodes use seeds far from the evaluation seeds, disjoint per run seed, worker and env slot:
+# TRAIN_SEED_BASE + seed * 1e9 + worker * 1e6 + env slot * 1e4 + episode counter (the counter, i.e. each
+# slot's next seed, is saved in every checkpoint; a replaced worker skips REPLACEMENT_SEED_SKIP seeds).
+TRAIN_SEED_BASE = 10_000_000
+REPLACEMENT_SEED_SKIP = 1000
+MAX_BUILD_FAILURES = 3  # a worker that dies this many times in a row before answering ends the run
+METAWORLD_MAX_REWARD = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]
 STARTUP_S = 120.0  # a new env worker's grace period to start before it counts as hung
 
 
@@ -58,7 +64,11 @@ class EnvSection:
     cameras: list[str] = field(default_factory=lambda: ["scene", "wrist"])
     max_steps: int = 150
     latency: dict = field(default_factory=dict)  # LatencyModel fields, e.g. {distribution: lognormal, mean_s: 0.02}
-    reward_scale: float = 0.01  # times the simulator's (shaped) reward, summed over a chunk's actions
+    # RL reward per action: reward_scale x the simulator's shaped reward (summed over a chunk's actions),
+    # plus success_bonus on success. Keep max_steps x 10 (Meta-World's largest reward) x reward_scale below
+    # success_bonus, so any success outscores any near miss that hovers by the goal until the time limit:
+    # 150 x 10 x 2e-4 = 0.3 < 1.0. `kilovla rl` warns when the rule is broken.
+    reward_scale: float = 2e-4
     success_bonus: float = 1.0
     timeout_s: float = 60.0  # an env step (or a worker) that takes longer is a hang: the worker is replaced
 
@@ -121,10 +131,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     final checkpoint) at the first policy version past that wall time; `faults` injects failures (tests)."""
     import ray
 
-    if cfg.mode not in ("sync", "async"):
-        raise KilovlaError(f"mode must be sync or async, not {cfg.mode!r}")
-    if cfg.weight_sync not in ("auto", "object_store", "collective"):
-        raise KilovlaError(f"weight_sync must be auto, object_store or collective, not {cfg.weight_sync!r}")
+    _check_config(cfg)
     run_dir = Path(cfg.run_dir)
     folder = ckpt.resolve(resume, run_dir, "rl_state.json") if resume else None
     policy_dir = str(folder) if folder is not None else cfg.policy
@@ -133,14 +140,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     meta = json.loads((Path(policy_dir) / "policy.json").read_text())
     if meta.get("quantization_config"):
         raise KilovlaError(f"{policy_dir}: a quantized policy cannot be trained; start from the unquantized folder")
+    _check_policy_fits_env(cfg, policy_dir, meta)
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
-    n_envs = cfg.env.workers * cfg.env.envs_per_worker
-    if cfg.mode == "sync" and cfg.learner.batch_segments % n_envs:
-        raise KilovlaError(f"sync mode steps every env together: learner.batch_segments ({cfg.learner.batch_segments}) "
-                           f"must be a multiple of the number of envs ({n_envs})")
-    if cfg.learner.batch_segments % cfg.learner.ranks:
-        raise KilovlaError(f"learner.batch_segments ({cfg.learner.batch_segments}) must split evenly over "
-                           f"{cfg.learner.ranks} learner ranks")
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     version = state.get("version", 0)
 
@@ -165,6 +166,58 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
         summary["eval"] = _evaluate(final, cfg)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def first_train_seed(run_seed: int, worker: int, env_slot: int) -> int:
+    """The first episode seed of an env slot; its episodes count up from here (10_000 seeds per slot)."""
+    return TRAIN_SEED_BASE + run_seed * 1_000_000_000 + worker * 1_000_000 + env_slot * 10_000
+
+
+def _check_config(cfg: RLConfig) -> None:
+    """Everything about the config that can be wrong, before Ray starts: one line each."""
+    if cfg.mode not in ("sync", "async"):
+        raise KilovlaError(f"mode must be sync or async, not {cfg.mode!r}")
+    if cfg.weight_sync not in ("auto", "object_store", "collective"):
+        raise KilovlaError(f"weight_sync must be auto, object_store or collective, not {cfg.weight_sync!r}")
+    for name, value, least in (("env.workers", cfg.env.workers, 1), ("env.envs_per_worker", cfg.env.envs_per_worker, 1),
+                               ("learner.batch_segments", cfg.learner.batch_segments, 1),
+                               ("rollout.segment_steps", cfg.rollout.segment_steps, 1),
+                               ("learner.max_staleness", cfg.learner.max_staleness, 0), ("learner.ranks", cfg.learner.ranks, 1)):
+        if value < least:
+            raise KilovlaError(f"{name} must be >= {least}, got {value}")
+    if cfg.env.envs_per_worker > 100:  # the seed scheme gives each env slot 10_000 seeds inside a worker's 1_000_000
+        raise KilovlaError(f"env.envs_per_worker must be <= 100, got {cfg.env.envs_per_worker}")
+    n_envs = cfg.env.workers * cfg.env.envs_per_worker
+    if cfg.mode == "sync" and cfg.learner.batch_segments % n_envs:
+        raise KilovlaError(f"sync mode steps every env together: learner.batch_segments ({cfg.learner.batch_segments}) "
+                           f"must be a multiple of the number of envs ({n_envs})")
+    if cfg.learner.batch_segments % cfg.learner.ranks:
+        raise KilovlaError(f"learner.batch_segments ({cfg.learner.batch_segments}) must split evenly over "
+                           f"{cfg.learner.ranks} learner ranks")
+    if cfg.env.env == "metaworld" and cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale >= cfg.env.success_bonus:
+        log.warning("env.reward_scale %g: a full episode's shaped reward (up to %g) can exceed the success bonus %g, "
+                    "so a near miss may pay more than a success", cfg.env.reward_scale,
+                    cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale, cfg.env.success_bonus)
+
+
+def _check_policy_fits_env(cfg: RLConfig, policy_dir: str, meta: dict) -> None:
+    """The training tasks exist and the policy's action, state and cameras fit the env (from policy.json)."""
+    from types import SimpleNamespace
+
+    from kilovla.envs.base import check_tasks, env_spec
+    from kilovla.eval.closed_loop import check_compatible
+
+    if cfg.env.env == "metaworld":
+        from kilovla.envs import metaworld
+
+        check_tasks(cfg.env.env, list(cfg.env.tasks), metaworld.task_names())
+    elif not cfg.env.tasks:
+        raise KilovlaError("env.tasks is empty: name the tasks to train on")
+    spec = env_spec(cfg.env.env, cfg.env.tasks[0], cameras=tuple(cfg.env.cameras), max_steps=cfg.env.max_steps)
+    declared = SimpleNamespace(name=policy_dir, action_dim=meta.get("action_dim"), state_dim=meta.get("state_dim"),
+                               state_keys=list(meta.get("state_keys", ["observation.state"])),
+                               cameras=tuple(k.removeprefix("observation.images.") for k in meta.get("camera_map", {})))
+    check_compatible(declared, spec)
 
 
 def _sde(cfg: RLConfig, meta: dict) -> FlowSDE:
@@ -200,9 +253,10 @@ class _Roles:
         ray.get([lw.start.remote(rank, ranks, store) for rank, lw in enumerate(self.learners)])
         seeds = state.get("next_seeds") or {}
         self.envs, self.next_seed, self._seen, self._checked, self.incarnation = [], {}, {}, 0.0, {}
+        self._answered: dict[int, bool] = {}  # has this incarnation answered a heartbeat (built its envs)?
+        self._build_failures: dict[int, int] = {}  # consecutive incarnations that died before answering
         for w in range(cfg.env.workers):
-            self.next_seed[w] = seeds.get(str(w), [TRAIN_SEED_BASE + cfg.seed * 1_000_000 + (w * cfg.env.envs_per_worker + e) * 10_000
-                                                   for e in range(cfg.env.envs_per_worker)])
+            self.next_seed[w] = list(seeds.get(str(w), [first_train_seed(cfg.seed, w, e) for e in range(cfg.env.envs_per_worker)]))
             self.envs.append(self._env_worker(w))
         self.replaced = state.get("replaced_workers", 0)
         self.started_from = state.get("started_from", policy_dir)  # the supervised policy the run began with
@@ -224,6 +278,7 @@ class _Roles:
                                                 "max_steps": env.max_steps}, latency), self.next_seed[w][e]))
         fault = self.faults.get("env_workers", {}).get(w) if not self.faults.get("used", {}).get(w) else None
         self._seen[w] = time.monotonic() + STARTUP_S  # building envs (imports, renderers) takes a while
+        self._answered[w] = False
         self.incarnation[w] = self.incarnation.get(w, -1) + 1
         return workers.EnvWorker.options(scheduling_strategy="SPREAD").remote(
             w, self.incarnation[w], configs, self.cfg.rollout.segment_steps, env.reward_scale, env.success_bonus, fault)
@@ -247,10 +302,18 @@ class _Roles:
                 try:
                     beat = ray.get(ref)
                     self._seen[w] = now
+                    self._answered[w], self._build_failures[w] = True, 0
+                    self.next_seed[w] = list(beat["next_seed"])
                     if beat["stuck_s"] > self.cfg.env.timeout_s:
                         why = f"an env step has taken {beat['stuck_s']:.0f} s"
-                except ray.exceptions.RayActorError:
+                except ray.exceptions.RayActorError as e:
                     why = "its process died"
+                    if not self._answered[w]:
+                        self._build_failures[w] = self._build_failures.get(w, 0) + 1
+                        if self._build_failures[w] >= MAX_BUILD_FAILURES:
+                            detail = [line for line in str(e).splitlines() if line.strip()]
+                            raise KilovlaError(f"env worker {w} died {self._build_failures[w]} times in a row before its "
+                                               f"envs were built; ending the run: {detail[-1] if detail else e}") from None
             elif now - self._seen[w] > self.cfg.env.timeout_s:
                 why = f"no answer for {now - self._seen[w]:.0f} s"
             if why is None:
@@ -259,8 +322,8 @@ class _Roles:
             ray.kill(self.envs[w], no_restart=True)
             ray.get(self.buffer.drop_worker.remote(w, self.incarnation[w]))
             self.faults.setdefault("used", {})[w] = True  # an injected fault happens once
-            for e in range(self.cfg.env.envs_per_worker):  # fresh episodes, never a seed already played
-                self.next_seed[w][e] += 1000
+            for e in range(self.cfg.env.envs_per_worker):  # fresh episodes: it may have played past its last heartbeat
+                self.next_seed[w][e] += REPLACEMENT_SEED_SKIP
             self.envs[w] = self._env_worker(w)
             replaced.append(w)
         self.replaced += len(replaced)
@@ -274,13 +337,19 @@ class _Roles:
             refs = [self.learners[0].send_weights.remote(), self.server.receive_weights.remote(version)]
         else:
             weights = self.learners[0].weights.remote()  # passed by reference: the driver never copies them
-            ray.wait([weights])  # the deadline covers the transfer, not the learner's step or start-up
+            # the learner's copy-out gets a deadline of its own, so the transfer's deadline starts after it
+            ready, _ = ray.wait([weights], timeout=self.cfg.weight_sync_timeout_s)
+            if not ready:
+                self._sync_timed_out(version)
             refs = [self.server.set_weights.remote(weights, version)]
         try:
             ray.get(refs, timeout=self.cfg.weight_sync_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise KilovlaError(f"weight sync of policy version {version} to the inference server did not complete "
-                               f"within {self.cfg.weight_sync_timeout_s:g} s; ending the run") from None
+            self._sync_timed_out(version)
+
+    def _sync_timed_out(self, version: int):
+        raise KilovlaError(f"weight sync of policy version {version} to the inference server did not complete "
+                           f"within {self.cfg.weight_sync_timeout_s:g} s; ending the run") from None
 
     def checkpoint(self, version: int, counters: dict, keep: int) -> Path:
         """A policy folder (model.safetensors, policy.json, value_head.safetensors) plus what resumes the run."""
@@ -289,6 +358,7 @@ class _Roles:
         from kilovla.models.checkpoints import save_safetensors
 
         learner_state = ray.get(self.learners[0].state.remote())
+        self.refresh_seeds()
         root = Path(self.cfg.run_dir) / "checkpoints"
         folder = root / f"step_{version:06d}"
         tmp = root / f".{folder.name}.tmp"
@@ -310,6 +380,16 @@ class _Roles:
         ckpt.point_latest(root, folder)
         ckpt.prune(root, keep)
         return folder
+
+    def refresh_seeds(self) -> None:
+        """Each env slot's next seed from its worker (a worker that does not answer keeps its last known seeds)."""
+        import ray
+
+        for w, worker in enumerate(self.envs):
+            try:
+                self.next_seed[w] = list(ray.get(worker.heartbeat.remote(), timeout=5)["next_seed"])
+            except Exception:  # noqa: BLE001  dying or hung: the health check replaces it and skips seeds
+                continue
 
     def stats(self) -> dict:
         import ray
@@ -352,6 +432,10 @@ class _Loop:
         self.records: list[dict] = []
         self.per_task: dict[str, tuple[int, int]] = {}  # task -> (episodes, successes) since the last record
 
+    def rollout_stats(self, stats: dict) -> dict:
+        """Staleness histogram and dropped segments, running totals since this process started."""
+        return stats["buffer"]
+
     def going(self) -> bool:
         return self.version < self.cfg.steps and (self.deadline is None or time.monotonic() < self.deadline)
 
@@ -388,8 +472,8 @@ class _Loop:
                   "busy/learner": stats["learner_busy_fraction"], "batch_size_histogram": inference["batch_size_histogram"],
                   "mean_batch_size": inference["mean_batch_size"], "queue_wait_p50_s": inference["queue_wait_p50_s"],
                   "queue_wait_p99_s": inference["queue_wait_p99_s"],
-                  "staleness_histogram": stats["buffer"]["staleness_histogram"],
-                  "dropped_segments": stats["buffer"]["dropped_segments"], "replaced_workers": self.roles.replaced,
+                  "staleness_histogram": self.rollout_stats(stats)["staleness_histogram"],
+                  "dropped_segments": self.rollout_stats(stats)["dropped_segments"], "replaced_workers": self.roles.replaced,
                   **{f"success/{t}": won / done for t, (done, won) in sorted(self.per_task.items())}}
         self.per_task = {}
         self.logger.log(record)
@@ -407,7 +491,7 @@ class _Loop:
                 "env_steps_per_s": float(np.median([r["env_steps_per_s"] for r in tail])) if tail else None,
                 "wall_s": time.monotonic() - self.t_start, "replaced_workers": self.roles.replaced,
                 "env_nodes": len(stats["env_nodes"]),
-                **{k: v for k, v in stats["buffer"].items() if k in ("staleness_histogram", "dropped_segments")}}
+                **{k: v for k, v in self.rollout_stats(stats).items() if k in ("staleness_histogram", "dropped_segments")}}
 
 
 class _AsyncLoop(_Loop):
@@ -441,6 +525,13 @@ class _AsyncLoop(_Loop):
 
 
 class _SyncLoop(_Loop):
+    dropped = 0  # segments of rounds lost to a dying or hung worker
+    consumed_samples = 0  # every one acted by the learner's current weights: lag 0
+
+    def rollout_stats(self, stats: dict) -> dict:
+        return {"staleness_histogram": {"0": self.consumed_samples} if self.consumed_samples else {},
+                "dropped_segments": self.dropped}
+
     def run(self, version: int, state: dict) -> None:
         import ray
 
@@ -454,6 +545,7 @@ class _SyncLoop(_Loop):
                     try:
                         segments += self._round(seq)
                     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                        self.dropped += len(roles.envs) * cfg.env.envs_per_worker  # every env's partial segment
                         for w in roles.check_envs(force=True):  # a worker died or hangs: the round's steps are dropped
                             log.warning("sync round restarted after env worker %d was replaced", w)
                         continue
@@ -461,6 +553,7 @@ class _SyncLoop(_Loop):
                 shares = [segments[r::ranks] for r in range(ranks)]
                 results = ray.get([lw.consume.remote(share) for lw, share in zip(roles.learners, shares)])
                 self.count(segments)
+                self.consumed_samples += sum(len(s) for s in segments)
                 roles.sync_weights(results[0]["version"])
                 self.stepped(results[0], progress)
 

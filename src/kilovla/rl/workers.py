@@ -31,7 +31,7 @@ import torch
 from kilovla.rl.core.batcher import DynamicBatcher
 from kilovla.rl.core.flow import FlowSDE
 from kilovla.rl.core.staleness import StalenessGate
-from kilovla.rl.core.trajectory import Episode, Segment, stack
+from kilovla.rl.core.trajectory import Episode, Segment, stack, step_reward
 
 
 class _Busy:
@@ -52,7 +52,9 @@ class _Busy:
 # -- env workers ----------------------------------------------------------------------------------------
 @ray.remote(num_cpus=0, max_concurrency=64)
 class EnvWorker:
-    """`envs` (EnvConfig, first seed) pairs; rewards: reward_scale * env reward + success_bonus on success.
+    """`envs` (EnvConfig, first seed) pairs; rewards: `step_reward` (reward_scale * env reward + success_bonus
+    on success). Env i's k-th episode since the run began uses seed first_seed[i] + k (`next_seed` goes back
+    to the runner with every heartbeat, so a checkpoint resumes with the seeds not yet played).
 
     Each env lives in its own thread from construction on: a renderer's GL context belongs to the
     thread that made it, and the threads let one env's step (or injected latency) overlap another's.
@@ -91,20 +93,20 @@ class EnvWorker:
         self.obs[i] = self.envs[i].reset(seed=seed)[0]
         self.episode[i] = {"steps": 0, "return": 0.0, "seed": seed}
 
-    def _execute(self, i: int, actions: np.ndarray) -> tuple[float, bool, list[Episode], int]:
-        """Run a chunk's actions in env i (stop at the episode's end);
-        -> reward, whether an episode ended, the episodes that ended, actions executed."""
+    def _execute(self, i: int, actions: np.ndarray) -> tuple[float, bool, bool, list[Episode], int]:
+        """Run a chunk's actions in env i (stop at the episode's end); -> reward, whether an episode ended,
+        whether that end was the time limit (truncated, not terminated), the episodes that ended, actions executed."""
         t0 = time.monotonic()
         self.in_step_since[i] = t0
         self._inject(i)
-        reward, ended, finished, executed = 0.0, False, [], 0
+        reward, ended, cut, finished, executed = 0.0, False, False, [], 0
         rendering = getattr(self.envs[i].unwrapped, "set_rendering", None)
         for k, action in enumerate(actions):
             if rendering is not None:  # only the chunk's last observation is ever looked at: render just that
                 rendering(k == len(actions) - 1)
             obs, r, terminated, truncated, info = self.envs[i].step(action)
             success = bool(info.get("is_success", False))
-            reward += self.reward_scale * r + (self.success_bonus if success else 0.0)
+            reward += step_reward(r, success, self.reward_scale, self.success_bonus)
             ep = self.episode[i]
             ep["steps"] += 1
             ep["return"] += r
@@ -115,13 +117,13 @@ class EnvWorker:
                 if rendering is not None:
                     rendering(True)
                 self._reset(i)
-                ended = True
+                ended, cut = True, bool(truncated and not terminated)
                 break
         with self.busy._lock:
             self.env_steps += executed
         self.busy.add(time.monotonic() - t0)
         self.in_step_since[i] = None
-        return reward, ended, finished, executed
+        return reward, ended, cut, finished, executed
 
     def _inject(self, i: int) -> None:
         """Test faults: {"crash_after": n} ends this process, {"hang_after": n} stops answering."""
@@ -147,10 +149,10 @@ class EnvWorker:
                 for _ in range(self.segment_steps):
                     obs = self.obs[i]
                     out = ray.get(server.act.remote(obs))
-                    reward, ended, finished, n = self._execute(i, out["actions"])
+                    reward, ended, cut, finished, n = self._execute(i, out["actions"])
                     episodes += finished
                     executed += n
-                    steps.append((obs, out, reward, ended))
+                    steps.append((obs, out, reward, ended, cut))
                 segment = _segment((self.id, self.incarnation, i, seq), ticket, start, steps, self.obs[i], episodes,
                                    executed)
                 seq += 1
@@ -162,7 +164,7 @@ class EnvWorker:
     def observe(self) -> list[dict]:
         return list(self.obs)
 
-    def step_all(self, actions: list[np.ndarray]) -> list[tuple[float, bool, list[Episode], int]]:
+    def step_all(self, actions: list[np.ndarray]) -> list[tuple[float, bool, bool, list[Episode], int]]:
         return [f.result() for f in [t.submit(self._execute, i, a) for i, (t, a) in enumerate(zip(self._threads, actions))]]
 
     def heartbeat(self) -> dict:
@@ -170,7 +172,7 @@ class EnvWorker:
         now = time.monotonic()
         stuck = max((now - t for t in self.in_step_since if t is not None), default=0.0)
         return {"env_steps": self.env_steps, "stuck_s": stuck, "busy_fraction": self.busy.fraction() / max(1, len(self.envs)),
-                "node": ray.get_runtime_context().get_node_id()}
+                "node": ray.get_runtime_context().get_node_id(), "next_seed": list(self.next_seed)}
 
     def stop(self) -> None:
         self._stop.set()
@@ -178,20 +180,20 @@ class EnvWorker:
 
 def _segment(segment_id, ticket: int, start_version: int, steps: list, next_obs: dict, episodes: list[Episode],
              env_steps: int) -> Segment:
-    obs, outs, rewards, ended = zip(*steps)
+    obs, outs, rewards, ended, cut = zip(*steps)
     return Segment(segment_id=segment_id, ticket=ticket, start_version=start_version, obs=stack(list(obs)),
                    chain=np.stack([o["chain"] for o in outs]), stochastic=np.stack([o["stochastic"] for o in outs]),
                    logp=np.array([o["logp"] for o in outs], np.float32), value=np.array([o["value"] for o in outs], np.float32),
-                   reward=np.array(rewards, np.float32), done=np.array(ended, bool),
+                   reward=np.array(rewards, np.float32), done=np.array(ended, bool), truncated=np.array(cut, bool),
                    version=np.array([o["version"] for o in outs]), next_obs=next_obs,
                    env_steps=env_steps, episodes=episodes)
 
 
 def sync_segment(segment_id: tuple, start_version: int, steps: list, next_obs: dict) -> Segment:
-    """A segment of the synchronous mode from its per-step records (obs, out, (reward, ended, episodes, executed))."""
-    records = [(obs, out, r[0], r[1]) for obs, out, r in steps]
-    episodes = [ep for *_, r in steps for ep in r[2]]
-    return _segment(segment_id, -1, start_version, records, next_obs, episodes, sum(r[3] for *_, r in steps))
+    """A segment of the synchronous mode from its per-step records (obs, out, `EnvWorker._execute`'s result)."""
+    records = [(obs, out, r[0], r[1], r[2]) for obs, out, r in steps]
+    episodes = [ep for *_, r in steps for ep in r[3]]
+    return _segment(segment_id, -1, start_version, records, next_obs, episodes, sum(r[4] for *_, r in steps))
 
 
 # -- weight sync ----------------------------------------------------------------------------------------
@@ -321,9 +323,8 @@ class InferenceServer:
 
 
 # -- the trajectory buffer ----------------------------------------------------------------------------
-@ray.remote(num_cpus=0)
-class TrajectoryBuffer:
-    """The staleness gate and the finished segments. Envs wait in `admit`; the runner `take`s the
+class TrajectoryBufferCore:
+    """(The `TrajectoryBuffer` actor's class, usable without Ray.) The staleness gate and the finished segments. Envs wait in `admit`; the runner `take`s the
     segments of the learner's current global batch (their tickets say which batch they belong to)."""
 
     def __init__(self, max_staleness: int, batch_segments: int, version: int = 0):
@@ -343,10 +344,11 @@ class TrajectoryBuffer:
         async with self._changed:
             ticket = None
 
-            gone = env_key[:2] in self.replaced
-
             def admitted() -> bool:
+                # asked each time it wakes: a worker replaced while its envs wait here must get no ticket
+                # (one it got would never be finished nor dropped, and the gate would stall for good)
                 nonlocal ticket
+                gone = env_key[:2] in self.replaced
                 ticket = None if self.closed or gone else self.gate.try_admit(self.version)
                 return self.closed or gone or ticket is not None
 
@@ -410,6 +412,9 @@ class TrajectoryBuffer:
                 "running_segments": len(self.gate.running), "admission_wait_s": self.wait_s}
 
 
+TrajectoryBuffer = ray.remote(num_cpus=0)(TrajectoryBufferCore)
+
+
 # -- the learner ----------------------------------------------------------------------------------------
 @ray.remote(num_cpus=0)
 class LearnerWorker:
@@ -463,13 +468,16 @@ class LearnerWorker:
 
     def state(self) -> dict:
         return {"model": self.learner.weights(), "optimizer": self.learner.optimizer.state_dict(),
-                "scheduler": self.learner.scheduler.state_dict(), "version": self.learner.version}
+                "scheduler": self.learner.scheduler.state_dict(), "version": self.learner.version,
+                "advantage_scale": self.learner.adv_scale.state_dict()}
 
     def load_state(self, state: dict) -> None:
         self.learner.model.load_state_dict(state["model"])
         self.learner.optimizer.load_state_dict(state["optimizer"])
         self.learner.scheduler.load_state_dict(state["scheduler"])
         self.learner.version = state["version"]
+        if "advantage_scale" in state:
+            self.learner.adv_scale.load_state_dict(state["advantage_scale"])
 
     def busy_fraction(self) -> float:
         return self.busy.fraction()

@@ -10,7 +10,8 @@ sums them, so a streamed global batch can be normalised once).
       loss = -w * min(r A, clip(r, 1-e, 1+e) A)
   When nothing is stale, prox = behav, w = 1 and it equals `ppo_loss`.
 - `value_loss`: clipped squared error of a value head, as in PPO2.
-- `gae`: generalised advantage estimation over a segment, bootstrapped from the value after it.
+- `gae`: generalised advantage estimation over a segment, bootstrapped from the value after it and,
+  at an episode truncated by the time limit, from a value given for the truncated state.
 - `group_advantages` (GRPO): (R - mean of the group) / (std of the group + eps) per rollout.
 
 >>> ppo_loss(torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([2.0]))[0]
@@ -53,20 +54,27 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Te
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, last_value: torch.Tensor,
-        gamma: float = 0.99, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+        gamma: float = 0.99, lam: float = 0.95, truncated: torch.Tensor | None = None,
+        truncation_values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns (T,) of one segment of T steps.
 
-    rewards, values, dones (T,): dones[t] = the episode ended at step t (no bootstrap past it);
-    last_value: V of the state after the segment (ignored when it ended an episode).
-        delta_t = r_t + gamma * V_{t+1} * (1 - done_t) - V_t
+    rewards, values, dones (T,): dones[t] = the episode ended at step t (no bootstrap into the next
+    episode); last_value: V of the state after the segment (ignored when it ended an episode).
+    truncated (T,), a subset of dones: the episode was cut by the time limit at t, not terminated, so
+    its return goes on past the cut: bootstrap with truncation_values[t] (the caller's estimate of V
+    of the state the cut left it in).
+        delta_t = r_t + gamma * (V_{t+1} * (1 - done_t) + Vcut_t * truncated_t) - V_t
         A_t = delta_t + gamma * lam * (1 - done_t) * A_{t+1}
     """
     t_len = len(rewards)
+    if truncated is None:
+        truncated, truncation_values = torch.zeros(t_len, dtype=torch.bool), torch.zeros_like(rewards)
     advantages = torch.zeros_like(rewards)
     next_value, next_adv = last_value, torch.zeros((), dtype=rewards.dtype)
     for t in reversed(range(t_len)):
         live = 1.0 - dones[t].to(rewards.dtype)
-        delta = rewards[t] + gamma * next_value * live - values[t]
+        cut = truncated[t].to(rewards.dtype)
+        delta = rewards[t] + gamma * (next_value * live + truncation_values[t] * cut) - values[t]
         next_adv = delta + gamma * lam * live * next_adv
         advantages[t] = next_adv
         next_value = values[t]

@@ -9,8 +9,9 @@ batch. Baseline: `--mode sync` (all envs in lock step, then training); ours: `--
 
 Batcher grid (async, sigma 1.0): B_max x T_max -> env steps/s and p99 queue wait (table, JSON, PNG).
 
-Learning (not in --quick): from the same supervised checkpoint, sync and async RL on the weak tasks
-(3 seeds each, success rate of training episodes against env steps, PNG), and row
+Learning (not in --quick; `FINETUNE` is the recipe): from the same supervised checkpoint, sync and
+async RL on the weak tasks (3 seeds each, `minutes / 6` each, success rate of training episodes
+against env steps, PNG), and row
 `rl_success_gain_points`: closed-loop success on 50 fixed-seed episodes per task after an async RL
 run of at most `minutes` minutes, minus before (baseline: the supervised checkpoint).
 """

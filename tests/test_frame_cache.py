@@ -250,3 +250,107 @@ def test_a_failed_ray_task_becomes_its_one_line_error():
         "the Ray cluster's workers cannot import kilovla.data.frame_cache: install this kilovla (same version) "
         "on every node of the cluster")
     assert ray_task_failure(_RayTaskError("out of memory")) is None  # not the user's input: keep Ray's error
+
+
+# -- the review's defects: the user's files, "auto" fallback, corrupt parts, touched videos -----------
+def test_cli_refuses_a_non_empty_folder_that_is_not_a_cache_and_touches_nothing(tiny_copy, tmp_path):
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    np.save(mine / "weights.npy", np.arange(3))
+    (mine / ".notes.tmp").write_text("keep")
+    (mine / "empty").mkdir()
+    before = sorted(str(p.relative_to(mine)) for p in mine.rglob("*"))
+    proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "cache", str(tiny_copy), "--out", str(mine),
+                           "--local"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {mine}: the folder is not empty and holds no frame cache (manifest.json); "
+        "pick an empty or new folder for --out"]
+    assert sorted(str(p.relative_to(mine)) for p in mine.rglob("*")) == before
+
+
+def test_a_rebuild_removes_only_files_the_cache_accounts_for(cached):
+    root, out = cached
+    stranger = out / "observation.images.front" / "episode_000099.npy"  # put there by hand, not listed
+    np.save(stranger, np.zeros(2, np.uint8))
+    (out / "README.txt").write_text("mine")
+    (out / "observation.images.front" / ".episode_000001.npy.0123abcd.tmp").write_bytes(b"half")  # a killed task's
+    build_frame_cache(root, out, cameras=["observation.images.front"], backend="pyav", engine="local")
+    assert stranger.exists() and (out / "README.txt").exists()
+    assert not (out / "observation.images.front" / ".episode_000001.npy.0123abcd.tmp").exists()
+    assert not (out / "observation.images.wrist").exists()  # listed by the old manifest, no longer used
+    assert not (out / ".kilovla-frame-cache-building.json").exists()
+
+
+def test_an_interrupted_build_can_be_resumed_in_its_folder(cached, monkeypatch):
+    root, out = cached
+    import kilovla.data.frame_cache as fc
+
+    def dies(*a, **k):
+        raise RuntimeError("killed")
+
+    _reencode_front(root)
+    monkeypatch.setattr(fc, "decode_episode_parts", dies)
+    with pytest.raises(RuntimeError):
+        build_frame_cache(root, out, backend="pyav", engine="local")
+    assert not (out / MANIFEST).exists()
+    monkeypatch.undo()
+    again = build_frame_cache(root, out, backend="pyav", engine="local")
+    assert again.decoded == 4  # the wrist parts are still reused from the marker's manifest
+
+
+def test_auto_falls_back_to_decoding_with_one_warning(tiny_copy, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KILOVLA_CACHE_DIR", str(tmp_path / "caches"))
+    build_frame_cache(tiny_copy, cameras=["observation.images.front"], engine="local")  # a partial cache
+    with caplog.at_level("WARNING", logger="kilovla.data.frame_cache"):
+        ds = LeRobotDataset(tiny_copy, delta_timestamps=REQUEST, video_backend="pyav")
+    assert ds.frame_cache is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "holds no frames of observation.images.wrist" in warnings[0]
+    reference = LeRobotDataset(tiny_copy, delta_timestamps=REQUEST, video_backend="pyav", frame_cache=None)
+    np.testing.assert_array_equal(ds[3]["observation.images.wrist"], reference[3]["observation.images.wrist"])
+    (default_cache_dir(tiny_copy) / MANIFEST).unlink()  # an interrupted build
+    assert LeRobotDataset(tiny_copy, video_backend="pyav").frame_cache is None
+    with pytest.raises(DatasetError, match="missing"):  # named explicitly: refused
+        LeRobotDataset(tiny_copy, frame_cache=default_cache_dir(tiny_copy))
+
+
+def test_a_rebuild_decodes_a_part_corrupted_in_place_again(cached):
+    root, out = cached
+    part = out / "observation.images.wrist/episode_000002.npy"
+    good = part.read_bytes()
+    data = bytearray(good)
+    data[-5] ^= 0xFF  # same size, one frame byte
+    part.write_bytes(bytes(data))
+    again = build_frame_cache(root, out, backend="pyav", engine="local")
+    assert again.decoded == 1 and part.read_bytes() == good
+
+
+def test_a_corrupt_part_header_is_refused_at_open(cached):
+    root, out = cached
+    part = out / "observation.images.wrist/episode_000002.npy"
+    data = bytearray(part.read_bytes())
+    header = bytes(data[:128]).replace(b"'shape': (", b"'shape': (9")  # same size, another shape
+    data[:128] = header[:128]  # the padding absorbs the extra digit
+    part.write_bytes(bytes(data))
+    with pytest.raises(DatasetError, match=r"episode_000002.npy: header says a uint8 array of shape \(9"):
+        LeRobotDataset(root, frame_cache=out)
+
+
+def test_a_touched_video_is_hashed_once_then_its_new_mtime_is_recorded(cached, monkeypatch):
+    root, out = cached
+    import os
+
+    import kilovla.data.frame_cache as fc
+
+    path = root / FRONT_VIDEO
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    hashed = []
+    real = fc.sha256_file
+    monkeypatch.setattr(fc, "sha256_file", lambda p, *a: hashed.append(str(p)) or real(p, *a))
+    LeRobotDataset(root, frame_cache=out)
+    assert hashed == [str(path)]
+    assert json.loads((out / MANIFEST).read_text())["videos"][FRONT_VIDEO]["mtime_ns"] == st.st_mtime_ns + 10**9
+    LeRobotDataset(root, frame_cache=out)
+    assert hashed == [str(path)]  # not again

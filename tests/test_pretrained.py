@@ -547,3 +547,20 @@ def test_weights_load_straight_onto_the_gpu(tmp_path):
     load_weights(model, tmp_path / "export", device="cuda")
     assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in model.parameters())
     _check_loaded(src, model.cpu(), lambda k: torch.bfloat16)
+
+
+def test_a_tokenizer_far_smaller_than_the_embedding_warns(sp_model, caplog):
+    from kilovla.train.trainer import _check_tokenizer_size
+
+    small = Processor(preset("pi05-tiny", lm={"vocab_size": 1000}),
+                      _meta("pi05-tiny", {"lm": {"vocab_size": 1000}}, {"observation.images.front": "base_0_rgb"},
+                            tokenizer=sp_model))
+    fits = Processor(preset("pi05-tiny", lm={"vocab_size": 400}),
+                     _meta("pi05-tiny", {"lm": {"vocab_size": 400}}, {"observation.images.front": "base_0_rgb"},
+                           tokenizer=sp_model))
+    with caplog.at_level("WARNING", logger="kilovla.train.trainer"):
+        _check_tokenizer_size(fits, fits.cfg)
+        assert not caplog.records
+        _check_tokenizer_size(small, small.cfg)
+    assert len(caplog.records) == 1
+    assert "has 400 tokens, under half the model's 1000-token embedding" in caplog.records[0].getMessage()

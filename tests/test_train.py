@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,7 +180,7 @@ def test_a_rank_that_stops_answering_ends_the_run_naming_rank_and_step(dataset, 
     proc = _run([*_args(dataset, tmp_path / "hang"), "--parallel.timeout_s=10"], nproc=2,
                 env={"KILOVLA_FAULT_HANG": "1:3"}, timeout=240)
     assert proc.returncode != 0
-    assert "error: rank 0: step 3: a collective did not complete within 10 s" in proc.stderr
+    assert "error: rank 0 waited for step 3: a collective did not complete within 10 s" in proc.stderr
     assert [r["step"] for r in _metrics(tmp_path / "hang")] == [1, 2]
 
 
@@ -280,3 +281,101 @@ def test_in_training_closed_loop_evaluation_is_logged(tmp_path):
     assert len(seen) == 1 and seen[0]["step"] == 2 and 0.0 <= seen[0]["success_rate"] <= 1.0
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert kinds == ["train", "train", "eval"]
+
+
+# -- the review's defects: refused at start, before anything is written ------------------------------
+@pytest.mark.parametrize("flag, message", [
+    ("--batch.global_batch_size=0", "error: batch.global_batch_size must be >= 1, not 0"),
+    ("--precision=fp16", "error: precision must be one of auto, fp32, bf16, not 'fp16'"),
+    ("--parallel.strategy=fsdpx", "error: parallel.strategy must be one of ddp, fsdp, not 'fsdpx'"),
+])
+def test_bad_batch_precision_or_strategy_is_one_line_exit_2(dataset, tmp_path, flag, message):
+    proc = _run([*_args(dataset, tmp_path / "bad"), flag])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [message]
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_zero_batch_plan_is_refused_not_divided_by():
+    from kilovla.data.plan import GlobalBatchPlan, PlanConfig
+
+    with pytest.raises(KilovlaError, match="global_batch_size must be >= 1, not 0"):
+        GlobalBatchPlan(np.full(10, 5), PlanConfig(global_batch_size=0, token_budget=100))
+
+
+def test_static_graph_on_several_ranks_is_refused_at_start(dataset, tmp_path):
+    from kilovla.train.trainer import validate_config
+
+    cfg = load_config(TrainConfig, None, [*_args(dataset, tmp_path / "sg"), "--parallel.static_graph=true"])
+    validate_config(cfg, world_size=1)  # one process: no DDP, nothing to refuse
+    with pytest.raises(KilovlaError, match=r"parallel.static_graph=true cannot be used on several ranks: a step "
+                                           r"accumulates over several packed rows per rank \(no_sync\)"):
+        validate_config(cfg, world_size=2)
+    proc = _run([*_args(dataset, tmp_path / "sg"), "--parallel.static_graph=true"], env={"WORLD_SIZE": "2"})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "static_graph" in proc.stderr
+    assert not (tmp_path / "sg").exists()
+
+
+def test_evaluation_settings_are_checked_before_any_step(tmp_path):
+    from kilovla.envs.collect import collect
+
+    collect(tmp_path / "mw", tasks=["reach-v3"], episodes_per_task=1, resolution=32, batch_size=1)
+    base = [f"--run_dir={tmp_path / 'run'}", "--steps=2", f"--dataset.roots=[{tmp_path / 'mw'}]",
+            "--batch.global_batch_size=4", "--batch.token_budget=512", "--policy.overrides.chunk_size=4",
+            "--eval.every=1", "--eval.episodes=1", "--progress=false"]
+    with pytest.raises(KilovlaError, match=r"unknown metaworld task\(s\) \['reach-v9'\]"):
+        train(load_config(TrainConfig, None, [*base, "--eval.tasks=[reach-v9]"]))
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(KilovlaError, match=r"does not fit env libero: action_dim 4 \(policy\) vs 7"):
+        train(load_config(TrainConfig, None, [*base, "--eval.env=libero", "--eval.tasks=[libero_spatial/t0]"]))
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_recorded_attention_is_what_runs(dataset, tmp_path, capsys):
+    padded = train(load_config(TrainConfig, None, _args(dataset, tmp_path / "pad", steps=1)))
+    assert "attention padded (sdpa)," in capsys.readouterr().out  # printed with --progress=false too
+    assert padded["attention_backend"] == "padded (sdpa)"
+    assert _metrics(tmp_path / "pad")[0]["attention_backend"] == "padded (sdpa)"
+    packed = train(load_config(TrainConfig, None, [*_args(dataset, tmp_path / "pk", steps=1),
+                                                   "--policy.overrides.packing=true"]))
+    from kilovla.models.attention import resolve_backend
+
+    assert packed["attention_backend"] == resolve_backend("auto", torch.device("cpu")) != "padded (sdpa)"
+
+
+def test_a_fine_tuning_preset_without_weights_is_refused_and_a_3b_one_warns(dataset, tmp_path, caplog):
+    from kilovla.train.trainer import _start_weights
+    from kilovla.models.presets import policy_defaults
+
+    cfg = load_config(TrainConfig, None, [f"--run_dir={tmp_path / 'r'}", f"--dataset.roots=[{dataset}]",
+                                          "--policy.preset=pi05-base"])
+    with pytest.raises(KilovlaError, match=r"pi05-base is a fine-tuning recipe: give --policy.init_from=PATH"):
+        train(cfg)
+    assert not (tmp_path / "r").exists()
+    allowed = load_config(TrainConfig, None, ["--policy.preset=pi05-base", "--policy.random_init=true"])
+    with caplog.at_level("WARNING", logger="kilovla.train.trainer"):
+        _start_weights(allowed, policy_defaults("pi05-base"))
+        _start_weights(load_config(TrainConfig, None, ["--policy.preset=pi05-3b"]), policy_defaults("pi05-3b"))
+        _start_weights(load_config(TrainConfig, None, ["--policy.preset=pi05-tiny"]), policy_defaults("pi05-tiny"))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and all("RANDOM weights" in w for w in warnings)
+
+
+def test_init_from_an_fsdp_checkpoint_with_only_state(dataset, tmp_path):
+    """An FSDP run's intermediate checkpoint holds its weights in state/ only; init_from reads it."""
+    import torch.distributed.checkpoint as dcp
+
+    from kilovla.models.presets import build_model
+
+    src = build_model("pi05-tiny", seed=7, chunk_size=4)
+    folder = tmp_path / "step_000002"
+    dcp.save({"model": src.state_dict()}, checkpoint_id=str(folder / "state"), no_dist=True)
+    run = tmp_path / "ft"
+    cfg = load_config(TrainConfig, None, [*_args(dataset, run, steps=1), f"--policy.init_from={folder}",
+                                          "--optim.lr=0"])
+    train(cfg)
+    final = _weights(run, 1)
+    want = src.state_dict()
+    assert max((final[k] - want[k]).abs().max().item() for k in want) == 0.0
+    policy = json.loads((run / "checkpoints" / "step_000001" / "policy.json").read_text())
+    assert policy["init_from"]["path"] == str(folder.resolve())

@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_data_cache)
     p = dsub.add_parser("bench", help="the data benchmark suite on your dataset")
-    p.add_argument("path")
+    p.add_argument("path", help="a LeRobot v3 dataset folder (with meta/info.json) to benchmark loading on")
     p.add_argument("--cache", default=None, help="the dataset's frame cache for the cache rows "
                    "(default: build one under OUT/cache)")
     _bench_flags(p)

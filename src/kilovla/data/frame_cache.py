@@ -21,14 +21,33 @@ H*W*3 bytes per frame, 150 kB at 224 px, 20-50x the AV1 videos; `cache_bytes` in
 data` reports the ratio for the bench's dataset.
 
 The manifest keys every part by its source video's size and SHA-256 (plus its mtime, so a reader
-re-hashes only files that were touched), by the episode's place in the data table and by a hash of
-its timestamps. `open_frame_cache` checks all of it, and that every part is present and whole,
-before anything is read: a stale, truncated or partial cache is refused with a message naming the
-file. Re-running the build re-decodes only the parts that are stale or missing.
+re-hashes only files that were touched; after a hash matches, the new mtime is written back so the
+next open does not hash again), by the episode's place in the data table and by a hash of its
+timestamps, and records a BLAKE2b checksum of each part's whole file.
+
+What is detected, and when:
+- at open (`open_frame_cache`), before anything is read: a stale source (rows, timestamps, video
+  size or content), a missing, truncated or grown part, and a part whose .npy header does not
+  describe the manifest's (length, H, W, 3) uint8 array (one small read per part). Same-size
+  corruption of the frame bytes themselves is NOT detected at open: hashing every part would read
+  the whole cache (20-50x the videos) before the first step.
+- at a rebuild (`build_frame_cache` on an existing cache): every part it would keep is hashed in
+  full and compared with its recorded checksum, so same-size corruption is decoded again. BLAKE2b of
+  the full file, not sampled blocks: a rebuild already hashes every source video, the part is read
+  at memory/disk speed (~1 GB/s per core), and a sampled hash would miss a flipped byte between
+  samples.
+Re-running the build re-decodes only the parts that are stale, corrupt or missing.
+
+The build writes only into an empty folder or a folder that holds a frame cache (its manifest, or
+the marker of an interrupted build), and only ever removes files that an earlier manifest or marker
+lists, or its own temporary files (`.episode_NNNNNN.npy.XXXXXXXX.tmp`): a folder of the user's own
+files is refused.
 
 Where a loader finds a cache: `LeRobotDataset(root, frame_cache=...)` takes a folder, None (never),
-or "auto" (the default): `default_cache_dir(root)` when a manifest is there, which is where
-`kilovla data cache SRC` writes unless told `--out`.
+or "auto" (the default): `default_cache_dir(root)`, which is where `kilovla data cache SRC` writes
+unless told `--out`. With "auto" a cache that cannot serve the request (partial: other cameras;
+interrupted: no manifest; stale) is passed over with one warning line and frames are decoded from
+the videos; a folder named explicitly is refused instead, with the reason.
 """
 
 from __future__ import annotations
@@ -39,7 +58,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -53,6 +71,11 @@ from kilovla.errors import DatasetError, KilovlaError
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# Written at the start of a build and removed once the manifest is in place: marks the folder as a
+# frame cache being built (so a rerun after a crash may continue there) and lists every file the
+# build may leave behind (so that only those are ever removed).
+BUILDING = ".kilovla-frame-cache-building.json"
+_TMP_PART = re.compile(r"^\.episode_\d{6}\.npy\.[0-9a-f]{8}\.tmp$")
 FORMAT = "kilovla-frame-cache"
 VERSION = 1
 # Frames decoded per chunk while building a part, which bounds the builder's memory whatever the
@@ -75,6 +98,14 @@ def default_cache_dir(root: str | Path) -> Path:
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def blake2b_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
@@ -166,10 +197,11 @@ def decode_episode_parts(root: str, out: str, episode: int, cameras: list[str], 
                     array[start:stop] = frames
                 array.flush()
                 del array
+                checksum = blake2b_file(tmp)  # just written: read back from the page cache
                 os.replace(tmp, target)
             finally:
                 tmp.unlink(missing_ok=True)
-            parts.append(part.to_json())
+            parts.append(part.to_json() | {"blake2b": checksum})
     finally:
         pool.close()
     return parts
@@ -224,7 +256,8 @@ def build_frame_cache(root: str | Path, out: str | Path | None = None, *, camera
             raise DatasetError(path, "video file is missing")
         stamps[rel] = file_stamp(path)
     wanted = {(c, e): _episode_request(meta, columns, c, e)[2] for c in cameras for e in range(len(meta.episodes))}
-    keep = _reusable_parts(out, wanted, stamps, backend)
+    old_manifest, known_files = _claim_folder(out)
+    keep = _reusable_parts(out, old_manifest, wanted, stamps, backend)
     todo: dict[int, list[str]] = {}  # episode -> its cameras whose part must be decoded
     for c, e in sorted(wanted, key=lambda k: (k[1], cameras.index(k[0]))):
         if (c, e) not in keep:
@@ -235,7 +268,10 @@ def build_frame_cache(root: str | Path, out: str | Path | None = None, *, camera
         progress(done, total)
     out.mkdir(parents=True, exist_ok=True)
     # A manifest describes a complete cache: take it away while parts change, so that a build that
-    # dies half-way leaves a cache that readers refuse rather than one they half-use.
+    # dies half-way leaves a cache that readers refuse rather than one they half-use. The marker
+    # keeps what the old manifest said, so a rerun can still reuse and clean up.
+    _write_json(out / BUILDING, {"format": FORMAT, "manifest": old_manifest,
+                                 "files": sorted(known_files | {p.file for p in wanted.values()})})
     (out / MANIFEST).unlink(missing_ok=True)
     built: list[dict] = []
     used = "none"
@@ -248,7 +284,7 @@ def build_frame_cache(root: str | Path, out: str | Path | None = None, *, camera
             if progress is not None:
                 progress(done, total)
     by_key = {(p["camera"], p["episode"]): p for p in built}
-    parts = [by_key.get(k) or keep[k].to_json() for k in sorted(wanted)]
+    parts = [by_key.get(k) or keep[k] for k in sorted(wanted)]
     for p in parts:
         if os.path.getsize(out / p["file"]) != p["bytes"]:
             raise DatasetError(out / p["file"], f"has {os.path.getsize(out / p['file'])} bytes, expected {p['bytes']}")
@@ -259,10 +295,9 @@ def build_frame_cache(root: str | Path, out: str | Path | None = None, *, camera
         "videos": {rel: stamps[rel] for rel in videos},
         "parts": parts,
     }
-    tmp = out / f".{MANIFEST}.{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / MANIFEST)
-    _remove_orphans(out, {p["file"] for p in parts})
+    _write_json(out / MANIFEST, manifest)
+    _remove_orphans(out, known_files | {p.file for p in wanted.values()}, {p["file"] for p in parts}, cameras)
+    (out / BUILDING).unlink(missing_ok=True)
     return CacheBuild(path=out, parts=len(parts), decoded=len(by_key), frames=meta.total_frames * len(cameras),
                       cache_bytes=sum(p["bytes"] for p in parts), video_bytes=sum(s["size"] for s in stamps.values()),
                       engine=used)
@@ -335,42 +370,105 @@ def ray_task_failure(e: BaseException) -> KilovlaError | None:
     return None
 
 
-def _reusable_parts(out: Path, wanted: dict, stamps: dict, backend: str) -> dict:
-    """Parts of an earlier build that still match their source, whole and of the same backend."""
-    path = out / MANIFEST
-    if not path.exists():
-        return {}
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.json-tmp")
     try:
-        old = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    if old.get("format") != FORMAT or old.get("version") != VERSION or old.get("backend") != backend:
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _claim_folder(out: Path) -> tuple[dict | None, set[str]]:
+    """The earlier manifest in `out` (None if none) and every file an earlier build accounts for.
+
+    Refuses a folder that is neither empty nor a frame cache (no manifest, no build marker): the
+    build would mix its files with the user's, and its clean-up must never touch those.
+    """
+    if not out.exists():
+        return None, set()
+    if not out.is_dir():
+        raise KilovlaError(f"{out}: --out must be a folder, this is a file")
+    manifest = _read_json(out / MANIFEST)
+    marker = _read_json(out / BUILDING)
+    if manifest is not None and manifest.get("format") != FORMAT:
+        manifest = None
+    if marker is not None and marker.get("format") != FORMAT:
+        marker = None
+    if manifest is None and marker is None:
+        if any(out.iterdir()):
+            raise KilovlaError(f"{out}: the folder is not empty and holds no frame cache ({MANIFEST}); "
+                               "pick an empty or new folder for --out")
+        return None, set()
+    if manifest is None:
+        manifest = marker.get("manifest") if isinstance(marker.get("manifest"), dict) else None
+    known: set[str] = set()
+    for source in (manifest, marker):
+        if source is None:
+            continue
+        known |= {p["file"] for p in source.get("parts", []) if isinstance(p, dict) and isinstance(p.get("file"), str)}
+        known |= {f for f in source.get("files", []) if isinstance(f, str)}
+    # Only paths of the shape this build writes (<camera>/episode_NNNNNN.npy): a hand-edited list
+    # must not make the clean-up reach outside the cache folder.
+    known = {f for f in known if re.fullmatch(r"[^/\\]+/episode_\d{6}\.npy", f) and ".." not in f.split("/")}
+    return manifest, known
+
+
+def _reusable_parts(out: Path, old: dict | None, wanted: dict, stamps: dict, backend: str) -> dict:
+    """Manifest entries of an earlier build that still match their source, of the same backend, and
+    whose file still hashes to its recorded checksum (a part without one is decoded again)."""
+    if old is None or old.get("version") != VERSION or old.get("backend") != backend:
         return {}
     old_videos = old.get("videos", {})
+    fields = set(EpisodePart.__dataclass_fields__)
     keep = {}
     for p in old.get("parts", []):
         key = (p.get("camera"), p.get("episode"))
         want = wanted.get(key)
-        if want is None or EpisodePart(**p) != want:
+        try:
+            if want is None or EpisodePart(**{k: v for k, v in p.items() if k in fields}) != want:
+                continue
+        except TypeError:
             continue
         src = old_videos.get(p["video"], {})
         if src.get("sha256") != stamps[p["video"]]["sha256"] or src.get("size") != stamps[p["video"]]["size"]:
             continue
         f = out / p["file"]
-        if f.exists() and f.stat().st_size == p["bytes"]:
-            keep[key] = want
+        if not (f.exists() and f.stat().st_size == p["bytes"]):
+            continue
+        if p.get("blake2b") is None or blake2b_file(f) != p["blake2b"]:
+            log.warning("%s: does not match its recorded checksum; decoding it again", f)
+            continue
+        keep[key] = want.to_json() | {"blake2b": p["blake2b"]}
     return keep
 
 
-def _remove_orphans(out: Path, files: set[str]) -> None:
-    for path in out.rglob("*.npy"):
-        if str(path.relative_to(out)) not in files:
-            path.unlink()
-    for path in out.rglob(".*.tmp"):
-        path.unlink()
-    for d in sorted((p for p in out.iterdir() if p.is_dir()), reverse=True):
+def _remove_orphans(out: Path, known: set[str], used: set[str], cameras: list[str]) -> None:
+    """Remove what an earlier build left and this one no longer uses: files it listed, its own
+    temporary files, and camera folders left empty. Nothing else in `out` is touched."""
+    for rel in known - used:
+        (out / rel).unlink(missing_ok=True)
+    folders = {rel.split("/")[0] for rel in known} | set(cameras)
+    for name in folders:
+        d = out / name
+        if not d.is_dir():
+            continue
+        for path in d.iterdir():
+            if _TMP_PART.match(path.name):
+                path.unlink(missing_ok=True)
         if not any(d.iterdir()):
-            shutil.rmtree(d)
+            d.rmdir()
+    for path in out.iterdir():
+        if re.fullmatch(r"\.(manifest\.json|" + re.escape(BUILDING[1:]) + r")\.[0-9a-f]{8}\.json-tmp", path.name):
+            path.unlink(missing_ok=True)
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -445,8 +543,11 @@ def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str]) 
     Refused, with a DatasetError naming the file: no manifest (never finished, or being rebuilt), a
     manifest of another format or dataset shape, a camera of `cameras` missing or of another
     resolution, an episode whose rows or timestamps moved, a source video that changed (size, or
-    content when its mtime moved), a part missing or of the wrong size. Nothing is read before all
-    of that passed.
+    content when its mtime moved), a part missing, of the wrong size, or whose .npy header is not
+    the manifest's array. Nothing is read before all of that passed. Same-size corruption of frame
+    bytes is not detected here (see the module docstring); a rebuild detects it.
+    When a touched video (new mtime) still has its recorded hash, the manifest is rewritten with the
+    new mtime so the next open does not hash it again.
     """
     path = Path(path).expanduser()
     mpath = path / MANIFEST
@@ -481,6 +582,7 @@ def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str]) 
     parts = {(p["camera"], p["episode"]): p for p in manifest.get("parts", [])}
     videos = manifest.get("videos", {})
     checked_videos: set[str] = set()
+    touched: dict[str, int] = {}
     for camera in cameras:
         for e in range(len(meta.episodes)):
             part = parts.get((camera, e))
@@ -493,7 +595,9 @@ def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str]) 
                 raise DatasetError(path / part["file"], f"was decoded for other rows or timestamps of episode {e} "
                                    f"(the dataset changed since the cache was built): {rebuild}")
             if part["video"] not in checked_videos:
-                _check_video(meta.files.path(part["video"]), videos.get(part["video"]), rebuild)
+                mtime = _check_video(meta.files.path(part["video"]), videos.get(part["video"]), rebuild)
+                if mtime is not None:
+                    touched[part["video"]] = mtime
                 checked_videos.add(part["video"])
             f = path / part["file"]
             try:
@@ -503,11 +607,40 @@ def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str]) 
             if size != part["bytes"]:
                 raise DatasetError(f, f"truncated or overwritten: {size} bytes, the manifest says {part['bytes']}; "
                                    f"{rebuild}")
+            _check_part_header(f, (part["length"], *meta.features[camera].shape), rebuild)
+    if touched:
+        _refresh_video_stamps(mpath, manifest, touched)
     row_episode = np.repeat(np.arange(len(meta.episodes)), meta.episodes.length)
     return FrameCache(path, manifest, row_episode)
 
 
-def _check_video(video_path: str, stamp: dict | None, rebuild: str) -> None:
+def _check_part_header(f: Path, shape: tuple[int, ...], rebuild: str) -> None:
+    try:
+        with open(f, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            got_shape, fortran, dtype = read(fh)
+    except (OSError, ValueError) as e:
+        raise DatasetError(f, f"not a readable .npy frame cache part ({e}): {rebuild}") from None
+    if tuple(got_shape) != tuple(shape) or fortran or dtype != np.uint8:
+        raise DatasetError(f, f"header says a {dtype} array of shape {tuple(got_shape)}, the manifest a uint8 "
+                           f"array of shape {tuple(shape)} (corrupt part): {rebuild}")
+
+
+def _refresh_video_stamps(mpath: Path, manifest: dict, touched: dict[str, int]) -> None:
+    """Write the new mtimes of touched-but-unchanged videos into the manifest (atomically), so the
+    next open does not hash them again; on a read-only cache, say once that every open will."""
+    for rel, mtime in touched.items():
+        manifest["videos"][rel]["mtime_ns"] = mtime
+    try:
+        _write_json(mpath, manifest)
+    except OSError as e:
+        log.warning("%s: %d video(s) were touched but are unchanged; cannot record that (%s), so every open "
+                    "hashes them again", mpath, len(touched), e)
+
+
+def _check_video(video_path: str, stamp: dict | None, rebuild: str) -> int | None:
+    """Refuse a changed source video; the new mtime of a touched but unchanged one, else None."""
     if stamp is None:
         raise DatasetError(video_path, f"is not in the frame cache's manifest: {rebuild}")
     try:
@@ -517,8 +650,11 @@ def _check_video(video_path: str, stamp: dict | None, rebuild: str) -> None:
     if st.st_size != stamp["size"]:
         raise DatasetError(video_path, f"changed since the frame cache was built ({st.st_size} bytes, "
                            f"{stamp['size']} then): {rebuild}")
-    if st.st_mtime_ns != stamp["mtime_ns"] and sha256_file(video_path) != stamp["sha256"]:
+    if st.st_mtime_ns == stamp["mtime_ns"]:
+        return None
+    if sha256_file(video_path) != stamp["sha256"]:
         raise DatasetError(video_path, f"changed since the frame cache was built (same size, other content): {rebuild}")
+    return st.st_mtime_ns
 
 
 def resolve_frame_cache(setting, meta, columns: dict, cameras: list[str]) -> FrameCache | None:
@@ -531,5 +667,11 @@ def resolve_frame_cache(setting, meta, columns: dict, cameras: list[str]) -> Fra
         path = default_cache_dir(meta.root)
         if not (path / MANIFEST).exists() and not path.exists():
             return None
-        return open_frame_cache(path, meta, columns, cameras)
+        try:
+            return open_frame_cache(path, meta, columns, cameras)
+        except DatasetError as e:
+            # "auto" is a speed-up the user did not ask for by name: a cache that cannot serve this
+            # request must not make the dataset unloadable.
+            log.warning("not using the frame cache (decoding the videos instead): %s", e)
+            return None
     return open_frame_cache(setting, meta, columns, cameras)

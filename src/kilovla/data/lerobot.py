@@ -443,7 +443,8 @@ class LeRobotDataset:
         frame_cache: camera frames from a decoded-frame cache (`kilovla data cache`, see
             `kilovla.data.frame_cache`) instead of the videos: a cache folder, "auto" (the default:
             the cache at `default_cache_dir(root)` when there is one) or None (always decode). A
-            cache that does not match the dataset is refused with a DatasetError, never half-used.
+            named cache that does not match the dataset is refused with a DatasetError, never
+            half-used; with "auto" such a cache is passed over with one warning and frames decoded.
     """
 
     def __init__(self, root: str | Path, delta_timestamps: dict[str, list[float]] | None = None,

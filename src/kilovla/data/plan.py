@@ -57,6 +57,8 @@ class GlobalBatchPlan:
         n = len(self.lengths)
         if n == 0:
             raise KilovlaError("the plan has no samples")
+        if config.global_batch_tokens is None and config.global_batch_size < 1:
+            raise KilovlaError(f"global_batch_size must be >= 1, not {config.global_batch_size}")
         if self.lengths.max() > config.token_budget:
             raise KilovlaError(f"samples of up to {int(self.lengths.max())} tokens do not fit the token budget "
                                f"of {config.token_budget}")

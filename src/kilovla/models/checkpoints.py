@@ -335,10 +335,18 @@ def load_checkpoint(model: nn.Module, path: str | Path, layout: str = "auto") ->
     A policy folder whose model.safetensors is absent but holds an FSDP run's `state/` shards is read
     with torch.distributed.checkpoint."""
     path = Path(path)
-    if path.is_dir() and not (path / "model.safetensors").exists() and (path / "state").is_dir():
+    if is_sharded_policy_folder(path):
         load_sharded(model, path / "state")
         return "kilovla"
     return load_weights(model, Checkpoint.open(path, layout), source=str(path)).layout
+
+
+def is_sharded_policy_folder(path: str | Path) -> bool:
+    """An FSDP run's intermediate checkpoint: its weights only in `state/` (torch.distributed.checkpoint),
+    no model.safetensors (nor shards) beside it."""
+    path = Path(path).expanduser()
+    return (path.is_dir() and not (path / "model.safetensors").exists()
+            and not (path / "model.safetensors.index.json").exists() and (path / "state").is_dir())
 
 
 def open_init_checkpoint(path: str | Path) -> Checkpoint:

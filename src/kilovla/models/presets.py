@@ -20,6 +20,10 @@
     Qwen3 tokens in the Eagle chat template; min/max normalisation; embodiment ``new_embodiment``
     (31); stretched images + GR00T augmentation.
 
+  These four refuse to train without ``--policy.init_from`` (a random 3B model is never what a
+  fine-tuning recipe means); ``--policy.random_init=true`` allows it. The ``-3b`` presets train from
+  random weights with one warning line saying so.
+
   `policy_defaults(name)` gives the part outside the model config; every item can be overridden per
   run (``--policy.state_in_prompt``, ``--policy.normalization``, ``--freeze_vlm``, ...).
 """
@@ -87,6 +91,9 @@ class PolicyDefaults:
     freeze_vision: bool = False
     freeze_vlm: bool = False  # GR00T: the whole Eagle backbone (tune_llm=False, tune_visual=False)
     embodiment_id: int = 0
+    # A recipe for fine-tuning published weights: training it from random weights is refused unless
+    # asked for (--policy.random_init=true), since a random 3B model is never what such a run wants.
+    needs_weights: bool = False
 
 
 _OPENPI = dict(tokenizer="paligemma", image_resize="pad", augmentation=OPENPI_AUGMENTATION)
@@ -97,11 +104,11 @@ POLICY_DEFAULTS = {
     "pi05-3b": PolicyDefaults(state_in_prompt=True),
     "pi0-3b": PolicyDefaults(),
     "groot-n15-3b": PolicyDefaults(),
-    "pi05-base": PolicyDefaults(state_in_prompt=True, **_OPENPI),
-    "pi05-libero": PolicyDefaults(state_in_prompt=False, **_OPENPI),
-    "pi0-base": PolicyDefaults(normalization="mean_std", **_OPENPI),
+    "pi05-base": PolicyDefaults(state_in_prompt=True, needs_weights=True, **_OPENPI),
+    "pi05-libero": PolicyDefaults(state_in_prompt=False, needs_weights=True, **_OPENPI),
+    "pi0-base": PolicyDefaults(normalization="mean_std", needs_weights=True, **_OPENPI),
     "groot-n15": PolicyDefaults(tokenizer="qwen3", normalization="min_max", augmentation=GROOT_AUGMENTATION,
-                                freeze_vision=True, freeze_vlm=True, embodiment_id=31),
+                                freeze_vision=True, freeze_vlm=True, embodiment_id=31, needs_weights=True),
 }
 
 

@@ -177,7 +177,8 @@ def collective_failure(error: BaseException, world: World, what: str) -> Collect
     if not isinstance(error, getattr(dist, "DistError", ())) and not any(m in text for m in markers):
         return None
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-    return CollectiveTimeout(f"rank {world.rank}: {what}: a collective did not complete within "
+    # The rank that notices cannot tell which peer it waits for (a collective only fails as a whole).
+    return CollectiveTimeout(f"rank {world.rank} waited for {what}: a collective did not complete within "
                              f"{world.timeout_s:g} s, or a peer left ({first[:300]})")
 
 
@@ -227,8 +228,8 @@ class Watchdog:
             with self._lock:
                 what, late = self._what, self._what is not None and time.monotonic() > self._deadline
             if late:
-                print(f"error: rank {self.world.rank}: {what} did not complete within its deadline "
-                      f"(parallel.timeout_s={self.world.timeout_s:g}); a peer is gone or hangs. Ending the run.",
+                print(f"error: rank {self.world.rank} waited for {what} past its deadline "
+                      f"(parallel.timeout_s={self.world.timeout_s:g}); another rank is gone or hangs. Ending the run.",
                       file=sys.stderr, flush=True)
                 os._exit(1)
 

@@ -33,7 +33,8 @@ from kilovla.data import DataLake, GlobalBatchPlan, LakeSource, PlanConfig, Toke
 from kilovla.data.lerobot import DatasetMeta
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import resolve_backend
-from kilovla.models.checkpoints import load_weights, open_init_checkpoint, plan_load
+from kilovla.models.checkpoints import (is_sharded_policy_folder, load_sharded, load_weights, open_init_checkpoint,
+                                        plan_load)
 from kilovla.models.groot import GrootConfig, GrootModel
 from kilovla.models.presets import build_model, policy_defaults, preset
 from kilovla.models.processor import STATS_FOR, PolicyMeta, Processor
@@ -69,6 +70,7 @@ class PolicyConfig:
     # like a goal position, to zero width); "dataset": meta/stats.json as stored.
     stats: str = "recompute"
     init_from: str | None = None  # a checkpoint to fine-tune: policy folder, openpi, LeRobot or Isaac-GR00T
+    random_init: bool = False  # allow a fine-tuning preset (pi05-base, groot-n15...) to start from random weights
     tokenizer: str | None = None  # "byte" or a path; unset: the preset's kind, found next to init_from
     image_resize: str | None = None  # stretch, pad
     augmentation: dict | None = None  # ImageAugmentation fields ({} turns the preset's off)
@@ -86,7 +88,7 @@ class ParallelConfig:
     strategy: str = "ddp"  # or fsdp (one FSDP2 unit per transformer layer)
     bucket_cap_mb: int = 25
     gradient_as_bucket_view: bool = True
-    static_graph: bool = False  # True breaks accumulation over several rows per step (see train/distributed.py)
+    static_graph: bool = False  # refused on several ranks: breaks accumulation over rows (see validate_config)
     find_unused_parameters: bool = False
     timeout_s: float = 1800.0  # a collective (or a step) that takes longer ends the run, naming rank and step
 
@@ -139,6 +141,90 @@ class TrainConfig:
 
 
 # -- setup ---------------------------------------------------------------------------------------------
+PRECISIONS = ("auto", "fp32", "bf16")
+STRATEGIES = ("ddp", "fsdp")
+
+
+def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
+    """Refuse values the run cannot use, before anything is built, read or written."""
+    problems = []
+    if cfg.batch.global_batch_tokens is None and cfg.batch.global_batch_size < 1:
+        problems.append(f"batch.global_batch_size must be >= 1, not {cfg.batch.global_batch_size}")
+    if cfg.batch.global_batch_tokens is not None and cfg.batch.global_batch_tokens < 1:
+        problems.append(f"batch.global_batch_tokens must be >= 1, not {cfg.batch.global_batch_tokens}")
+    if cfg.batch.token_budget < 1:
+        problems.append(f"batch.token_budget must be >= 1, not {cfg.batch.token_budget}")
+    if cfg.precision not in PRECISIONS:
+        problems.append(f"precision must be one of {', '.join(PRECISIONS)}, not {cfg.precision!r}")
+    if cfg.parallel.strategy not in STRATEGIES:
+        problems.append(f"parallel.strategy must be one of {', '.join(STRATEGIES)}, not {cfg.parallel.strategy!r}")
+    if cfg.eval.every < 0 or (cfg.eval.every and cfg.eval.episodes < 1):
+        problems.append(f"eval.every must be >= 0 and eval.episodes >= 1 (got {cfg.eval.every}, {cfg.eval.episodes})")
+    if problems:
+        raise KilovlaError("; ".join(problems))
+    if cfg.parallel.static_graph and cfg.parallel.strategy == "ddp" and world_size > 1:
+        # The plan may give a rank several packed rows in any step; those are accumulated under
+        # no_sync, which DDP's static graph does not support (PyTorch asserts expect_autograd_hooks_
+        # at the first such row), so the run would die inside PyTorch at some step.
+        raise KilovlaError("parallel.static_graph=true cannot be used on several ranks: a step accumulates "
+                           "over several packed rows per rank (no_sync), which DDP's static graph does not "
+                           "support; leave parallel.static_graph=false")
+
+
+def check_evaluation(cfg: TrainConfig, meta: PolicyMeta) -> None:
+    """The checks the first closed-loop evaluation would make (tasks known, policy fits the env's
+    action, state and cameras), made at start so a mismatch costs no training."""
+    from types import SimpleNamespace
+
+    from kilovla.envs.base import check_tasks, env_spec
+    from kilovla.eval.closed_loop import check_compatible
+
+    if cfg.eval.env == "metaworld":
+        from kilovla.envs import metaworld
+
+        check_tasks(cfg.eval.env, list(cfg.eval.tasks), metaworld.task_names())
+    elif not cfg.eval.tasks:
+        raise KilovlaError(f"eval.every is set but eval.tasks is empty: name the {cfg.eval.env} tasks to evaluate")
+    import inspect
+
+    from kilovla.eval.closed_loop import evaluate
+
+    cameras = inspect.signature(evaluate).parameters["cameras"].default  # what _evaluate will run with
+    spec = env_spec(cfg.eval.env, cfg.eval.tasks[0], cameras=cameras,
+                    **({"max_steps": cfg.eval.max_steps} if cfg.eval.max_steps else {}))
+    policy = SimpleNamespace(name=meta.preset, action_dim=meta.action_dim, state_dim=meta.state_dim,
+                             state_keys=list(meta.state_keys),
+                             cameras=tuple(k.removeprefix("observation.images.") for k in meta.camera_map))
+    check_compatible(policy, spec)
+
+
+def attention_in_use(model_cfg, device: torch.device) -> str:
+    """The attention that runs: the varlen backend on the packed path, masked SDPA on the padded one."""
+    if getattr(model_cfg, "packing", False):
+        return resolve_backend(model_cfg.attention_backend, device)
+    return "padded (sdpa)"
+
+
+def _start_weights(cfg: TrainConfig, d) -> None:
+    """Say loudly (or refuse) when a large model would start from random weights."""
+    if cfg.policy.init_from:
+        return
+    if d.needs_weights and not cfg.policy.random_init:
+        raise KilovlaError(f"{cfg.policy.preset} is a fine-tuning recipe: give --policy.init_from=PATH (published "
+                           "weights), or --policy.random_init=true to train it from random weights")
+    if d.needs_weights or cfg.policy.preset.endswith("-3b"):
+        log.warning("%s starts from RANDOM weights (no --policy.init_from): this trains a 3B model from scratch",
+                    cfg.policy.preset)
+
+
+def _check_tokenizer_size(processor: Processor, model_cfg) -> None:
+    tok = processor.tokenizer
+    vocab = model_cfg.lm.vocab_size if hasattr(model_cfg, "lm") else model_cfg.llm.vocab_size
+    if tok.kind != "byte" and tok.vocab_size < 0.5 * vocab:
+        log.warning("the %s tokenizer %s has %d tokens, under half the model's %d-token embedding: is it the "
+                    "tokenizer of these weights?", tok.kind, getattr(tok, "path", "") or "", tok.vocab_size, vocab)
+
+
 def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
     """Fill what the run leaves unset from the preset's fine-tuning defaults; find the tokenizer."""
     d, p = policy_defaults(cfg.policy.preset), cfg.policy
@@ -285,23 +371,33 @@ def _dump_gradients(model, trainable_names: list[str], step: int, world) -> None
 # -- the loop ------------------------------------------------------------------------------------------
 def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     t_start = time.perf_counter()
+    validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     world = distributed.init(cfg.parallel.timeout_s)
     run_dir = Path(cfg.run_dir)
     if not cfg.dataset.roots:
         raise KilovlaError("no dataset: set dataset.roots (a list of LeRobot dataset folders)")
     torch.manual_seed(cfg.seed)
+    _start_weights(cfg, policy_defaults(cfg.policy.preset))
     cfg = with_policy_defaults(cfg)
     overrides = dict(cfg.policy.overrides)
     model_cfg = preset(cfg.policy.preset, **overrides)
     init = None
-    if cfg.policy.init_from:  # checked against the model from the file headers, before any work
+    init_record = None
+    if cfg.policy.init_from and is_sharded_policy_folder(cfg.policy.init_from):
+        # An FSDP run's intermediate checkpoint (weights only in state/): read as load_checkpoint does.
+        model = build_model(cfg.policy.preset, device="meta", **overrides)
+        init_record = {"path": str(Path(cfg.policy.init_from).expanduser().resolve()), "layout": "kilovla"}
+    elif cfg.policy.init_from:  # checked against the model from the file headers, before any work
         init = open_init_checkpoint(cfg.policy.init_from)
         model = build_model(cfg.policy.preset, device="meta", **overrides)
         plan_load(model, init)
+        init_record = {"path": str(init.path.resolve()), "layout": init.layout}
     metas = [DatasetMeta(r) for r in cfg.dataset.roots]
-    meta = policy_meta(cfg, model_cfg, metas,
-                       init_from={"path": str(init.path.resolve()), "layout": init.layout} if init else None)
+    meta = policy_meta(cfg, model_cfg, metas, init_from=init_record)
     processor = Processor(model_cfg, meta)
+    _check_tokenizer_size(processor, model_cfg)
+    if cfg.eval.every:
+        check_evaluation(cfg, meta)
     chunk = _chunk(model_cfg)
     weights = cfg.dataset.weights or [1.0] * len(metas)
     sources = [LakeSource(root=str(r), weight=w, delta_timestamps={"action": [i / m.fps for i in range(chunk)]})
@@ -318,6 +414,10 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     if init is not None:  # materialised from the file tensor by tensor, in the model's (float32) dtype
         load_weights(model, init, device=world.device, progress=cfg.progress and world.is_main)
         log.info("initialised from %s (%s layout, stored %s)", init.path, init.layout, init.dtypes())
+    elif init_record is not None:
+        load_sharded(model, Path(init_record["path"]) / "state")
+        model.to(world.device)
+        log.info("initialised from %s (an FSDP checkpoint's state/)", init_record["path"])
     else:
         model = build_model(cfg.policy.preset, device=world.device, seed=cfg.seed, **overrides)
     apply_freeze(model, freeze_vision=cfg.freeze_vision, freeze_vlm=cfg.freeze_vlm or cfg.expert_only,
@@ -344,16 +444,16 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         state = ckpt.load(folder, model, ema, optimizer, scheduler, world)
         plan.load_state_dict(state["plan"])
         start_step = plan.step
-    backend = resolve_backend(model_cfg.attention_backend, world.device)
+    backend = attention_in_use(model_cfg, world.device)
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
-        log.info("attention backend: %s (%s on %s)", backend, model_cfg.attention_backend, world.device.type)
-        if cfg.progress:
-            print(f"kilovla train: {cfg.policy.preset}, {world.size} rank(s)"
-                  f"{f' ({cfg.parallel.strategy})' if world.size > 1 else ''}, attention {backend}"
-                  f"{f' ({model_cfg.attention_backend})' if backend != model_cfg.attention_backend else ''}, "
-                  f"{'bf16' if bf16 else 'fp32'}, from step {start_step}", flush=True)
+        asked = f" ({model_cfg.attention_backend})" if model_cfg.packing and backend != model_cfg.attention_backend else ""
+        start_line = (f"kilovla train: {cfg.policy.preset}, {world.size} rank(s)"
+                      f"{f' ({cfg.parallel.strategy})' if world.size > 1 else ''}, attention {backend}{asked}, "
+                      f"{'bf16' if bf16 else 'fp32'}, from step {start_step}")
+        log.info("%s", start_line)
+        print(start_line, flush=True)  # once, on rank 0, with or without the progress bar
     logger = MetricsLogger(run_dir, enabled=world.is_main, resume_step=start_step if folder is not None else None)
     steps_left = cfg.steps - start_step
     if steps_left <= 0:

@@ -45,7 +45,7 @@ class DemoRecipe:
     collect_noise: float = 0.1  # std of the Gaussian noise on the expert's actions while recording
     collect_labels: str = "expert"  # the action recorded: "executed" (noisy) or "expert" (noise-free, DART)
     collect_seed: int = 0
-    resolution: int = 64  # both cameras, pixels
+    resolution: int = 32  # both cameras, pixels
     # model: a preset plus config overrides; packing, dynamic padding and the blank third camera's
     # pruning are always on (they change speed, not the result: the equivalence tests say so)
     preset: str = "pi0-tiny"  # pi0 reads the state as one continuous token; pi0.5 only as prompt text

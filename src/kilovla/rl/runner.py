@@ -42,6 +42,7 @@ from kilovla.rl.core.flow import FlowSDE
 from kilovla.rl.learner import AlgoConfig
 from kilovla.train import checkpoint as ckpt
 from kilovla.train.metrics import MetricsLogger
+from kilovla.train.trainer import StepProgress
 
 log = logging.getLogger(__name__)
 # Training episodes use seeds far from the evaluation seeds, disjoint per run seed, worker and env slot:
@@ -479,7 +480,8 @@ class _Loop:
         self.logger.log(record)
         self.records.append(record)
         self._window = {"t": now, **self.counters()}
-        progress.update(self.version, record)
+        sr = record["success_rate"]
+        progress.update(self.version, f"{record['env_steps_per_s']:.0f} env-steps/s  success {'-' if sr is None else f'{sr:.0%}'}")
         if self.version % self.cfg.checkpoint.every == 0 and self.version < self.cfg.steps:
             self.roles.checkpoint(self.version, self.counters(), self.cfg.checkpoint.keep)
 
@@ -504,7 +506,7 @@ class _AsyncLoop(_Loop):
             w.start.remote(roles.server, roles.buffer)
         ranks, batch = len(roles.learners), cfg.learner.batch_segments
         in_batch, pending = 0, []  # segments consumed towards this version; taken, not yet trained
-        with _Progress(cfg.steps, version, cfg.progress) as progress:
+        with StepProgress("rl", cfg.steps, version, cfg.progress) as progress:
             while self.going():
                 replaced = roles.check_envs()
                 for w in replaced:
@@ -538,7 +540,7 @@ class _SyncLoop(_Loop):
         self._start(version, state)
         roles, cfg = self.roles, self.cfg
         ranks, seq = len(roles.learners), 0
-        with _Progress(cfg.steps, version, cfg.progress) as progress:
+        with StepProgress("rl", cfg.steps, version, cfg.progress) as progress:
             while self.going():
                 segments = []
                 while len(segments) < cfg.learner.batch_segments:
@@ -579,32 +581,6 @@ class _SyncLoop(_Loop):
             obs = ray.get([w.observe.remote() for w in roles.envs], timeout=self.cfg.env.timeout_s)
         return [sync_segment((w, self.roles.incarnation[w], e, seq), self.version, steps[w][e], obs[w][e])
                 for w in range(len(roles.envs)) for e in range(self.cfg.env.envs_per_worker)]
-
-
-class _Progress:
-    def __init__(self, total: int, start: int, enabled: bool):
-        self.enabled = enabled
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._p = Progress(TextColumn("rl"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                               TimeRemainingColumn())
-            self._task = self._p.add_task("rl", total=total, completed=start, info="")
-
-    def __enter__(self):
-        if self.enabled:
-            self._p.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self._p.__exit__(*exc)
-
-    def update(self, version: int, record: dict) -> None:
-        if self.enabled:
-            sr = record["success_rate"]
-            self._p.update(self._task, completed=version,
-                           info=f"{record['env_steps_per_s']:.0f} env-steps/s  success {'-' if sr is None else f'{sr:.0%}'}")
 
 
 def _evaluate(folder: Path, cfg: RLConfig) -> dict:

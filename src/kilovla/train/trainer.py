@@ -466,7 +466,7 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     faults = _Faults(world.rank)
     watchdog = distributed.Watchdog(world)
     history: list[dict] = []
-    progress = _Progress(cfg.steps, start_step, enabled=cfg.progress and world.is_main)
+    progress = StepProgress("train", cfg.steps, start_step, enabled=cfg.progress and world.is_main)
     model.train()
     step_loss = step_tokens = step_capacity = data_wait = 0.0
     step_ids: list[int] = []
@@ -530,7 +530,7 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
                     record["sample_ids"] = sorted(i for ids in distributed.all_gather_objects(step_ids, world) for i in ids)
                 logger.log(record)
                 history.append(record)
-                progress.update(step + 1, record)
+                progress.update(step + 1, f"loss {record['loss']:.4f}  {record['samples_per_s']:.0f} samples/s")
                 done = step + 1
                 if done % cfg.checkpoint.every == 0 or done == cfg.steps:
                     phase = f"checkpoint at step {done}"
@@ -613,17 +613,18 @@ def _evaluate(model, meta, cfg, step, logger, world, on_eval) -> None:
     distributed.barrier(world, f"evaluation at step {step}", cfg.eval.timeout_s)
 
 
-class _Progress:
-    """A rich progress bar with loss and throughput; silent when disabled."""
+class StepProgress:
+    """A rich progress bar over steps with a one-line summary beside it; silent when disabled.
+    The trainer and the RL runner both show one."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
+    def __init__(self, label: str, total: int, start: int, enabled: bool):
         self.enabled = enabled
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+            self._p = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                                TimeRemainingColumn())
-            self._task = self._p.add_task("train", total=total, completed=start, info="")
+            self._task = self._p.add_task(label, total=total, completed=start, info="")
 
     def __enter__(self):
         if self.enabled:
@@ -634,7 +635,6 @@ class _Progress:
         if self.enabled:
             self._p.__exit__(*exc)
 
-    def update(self, step: int, record: dict) -> None:
+    def update(self, step: int, info: str) -> None:
         if self.enabled:
-            self._p.update(self._task, completed=step,
-                           info=f"loss {record['loss']:.4f}  {record['samples_per_s']:.0f} samples/s")
+            self._p.update(self._task, completed=step, info=info)

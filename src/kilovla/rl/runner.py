@@ -1,6 +1,6 @@
 """`kilovla rl`: RL fine-tuning of a VLA policy folder, synchronous or fully asynchronous (RL-VLA3).
 
-    kilovla rl --config rl.yaml --mode async --policy demo-output/run/checkpoints/step_002500
+    kilovla rl --config rl.yaml --mode async --policy demo-output/run/checkpoints/step_001000
     kilovla rl --config rl.yaml --mode sync --resume auto
     ray start --head; kilovla rl --config rl.yaml --ray-address auto   # on a cluster
 

@@ -200,3 +200,25 @@ def test_evaluation_renders_only_the_frames_a_policy_or_a_video_looks_at(monkeyp
     from kilovla.data.video import probe_video
 
     assert probe_video(video)["frames"] >= min(steps)  # the recorded episode still has every frame
+
+
+def test_policy_threads_leave_the_env_workers_their_cores_and_restore(monkeypatch):
+    import torch
+
+    from kilovla.eval.closed_loop import policy_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        with policy_threads(3):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 4
+        with policy_threads(0):  # envs in this process: the policy keeps every thread
+            assert torch.get_num_threads() == 4
+        with pytest.raises(RuntimeError), policy_threads(2):
+            assert torch.get_num_threads() == 2
+            raise RuntimeError("an env crashed")
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)

@@ -132,6 +132,13 @@ def test_demo_quick_runs_the_closed_loop(tmp_path, capsys):
     assert "success overall" in printed and "[51%, 100%]" in printed
 
 
+def test_demo_refuses_an_output_path_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "report").write_text("mine")
+    assert main(["demo", "--quick", "--out", str(tmp_path / "report")]) == 2
+    assert "report: exists and is not a folder" in capsys.readouterr().err
+    assert (tmp_path / "report").read_text() == "mine"
+
+
 def test_demo_refuses_to_evaluate_on_demonstration_seeds(tmp_path):
     from kilovla.demo import QUICK, evaluate_both
     from kilovla.eval.closed_loop import episode_seeds

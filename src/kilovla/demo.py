@@ -142,6 +142,8 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
     t0 = time.perf_counter()
     recipe = recipe or (QUICK if quick else FULL)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise KilovlaError(f"{out}: exists and is not a folder; kilovla demo writes its report folder there")
     out.mkdir(parents=True, exist_ok=True)
     console = Console(width=max(Console().width, 100))
     stage_s = {}

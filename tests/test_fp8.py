@@ -21,7 +21,8 @@ from kilovla.models.policy import VLAPolicy, load_checkpoint_policy
 from kilovla.models.presets import build_model, preset
 from kilovla.models.processor import PolicyMeta
 from kilovla.quant import fp8
-from kilovla.quant.fp8 import (Fp8BlockLinear, Fp8Config, checkpoint_bytes, dequantize_fp8_blockwise,
+from kilovla.quant.fp8 import (FP8, Fp8BlockCategoryLinear, Fp8BlockEmbedding, Fp8BlockLinear, Fp8Config, checkpoint_bytes,
+                               dequantize_fp8_blockwise,
                                fake_quantize_activations, quantize_activations_1x128, quantize_fp8_blockwise,
                                quantization_config, quantize_model, select_layers, sqnr_db)
 from kilovla.quant.folder import quantize_policy_folder
@@ -89,8 +90,8 @@ def test_fp8_linear_computes_the_dequantized_math():
     torch.manual_seed(0)
     lin = nn.Linear(200, 300)
     x = torch.randn(2, 5, 200)
-    weight_only = Fp8BlockLinear.from_linear(lin, activations="none")
-    w8a8 = Fp8BlockLinear.from_linear(lin, activations="1x128")
+    weight_only = Fp8BlockLinear.from_module(lin, activations="none")
+    w8a8 = Fp8BlockLinear.from_module(lin, activations="1x128")
     w = dequantize_fp8_blockwise(weight_only.weight, weight_only.weight_scale_inv)
     torch.testing.assert_close(weight_only(x), F.linear(x, w, lin.bias), rtol=0, atol=1e-6)
     torch.testing.assert_close(w8a8(x), F.linear(fake_quantize_activations(x), w, lin.bias), rtol=0, atol=1e-6)
@@ -104,7 +105,7 @@ def test_fp8_linear_computes_the_dequantized_math():
 
 
 def test_casting_a_model_moves_but_never_retypes_the_fp8_payload():
-    layer = Fp8BlockLinear.from_linear(nn.Linear(64, 32))
+    layer = Fp8BlockLinear.from_module(nn.Linear(64, 32))
     q = layer.weight.clone()
     model = nn.Sequential(layer, nn.Linear(32, 8))
     model.to(torch.bfloat16)
@@ -117,8 +118,8 @@ def test_casting_a_model_moves_but_never_retypes_the_fp8_payload():
 
 def test_an_unavailable_kernel_falls_back_loudly_once(caplog, monkeypatch):
     monkeypatch.setattr(fp8, "_warned", set())
-    layer = Fp8BlockLinear.from_linear(nn.Linear(128, 128))
-    other = Fp8BlockLinear.from_linear(nn.Linear(128, 128))
+    layer = Fp8BlockLinear.from_module(nn.Linear(128, 128))
+    other = Fp8BlockLinear.from_module(nn.Linear(128, 128))
     fp8.set_kernel(nn.Sequential(layer, other), "scaled_mm")
     x = torch.randn(4, 128)
     with caplog.at_level(logging.WARNING, logger="kilovla.quant.fp8"):
@@ -238,6 +239,101 @@ def test_a_quantized_groot_samples_actions_close_to_the_original(packing):
     assert not torch.equal(got, want) and sqnr_db(want, got) > 25
 
 
+def _block_magnitudes(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A factor of 2^-6 .. 2^6 per 128x128 block: a scale applied to the wrong block shows at once."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randint(-6, 7, (-(-rows // 128), -(-cols // 128)), generator=g).float()
+    return (2.0**e).repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+
+
+def test_a_stack_of_matrices_is_blocked_matrix_by_matrix():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 200, 140, generator=g) * torch.tensor([1e-3, 1.0, 50.0])[:, None, None]
+    q, s = quantize_fp8_blockwise(w, 128)
+    assert q.shape == w.shape and s.shape == (3, 2, 2)
+    for i in range(3):
+        qi, si = quantize_fp8_blockwise(w[i], 128)
+        assert torch.equal(q[i].view(torch.uint8), qi.view(torch.uint8)) and torch.equal(s[i], si)
+    assert torch.equal(dequantize_fp8_blockwise(q, s), torch.stack([dequantize_fp8_blockwise(q[i], s[i]) for i in range(3)]))
+
+
+def test_a_token_table_looks_up_its_dequantized_rows():
+    table = nn.Embedding(300, 200)
+    with torch.no_grad():
+        table.weight.mul_(_block_magnitudes(300, 200, seed=1))
+    fp = Fp8BlockEmbedding.from_module(table)
+    assert fp.weight.dtype == FP8 and fp.weight_scale_inv.shape == (3, 2)
+    ids = torch.tensor([[0, 127, 128, 299], [5, 256, 255, 1]])  # rows of all three row blocks, both column blocks
+    assert torch.equal(fp(ids), fp.dequantized_weight()[ids])
+    assert sqnr_db(table(ids), fp(ids)) > 25
+    fp.to(torch.bfloat16)
+    assert fp(ids).dtype == torch.bfloat16 and fp.weight.dtype == FP8
+
+
+def test_a_per_embodiment_linear_uses_each_samples_own_matrix():
+    from kilovla.models.groot import CategoryLinear
+
+    layer = CategoryLinear(4, 200, 140)
+    with torch.no_grad():
+        layer.W.mul_(torch.stack([_block_magnitudes(200, 140, seed=c) for c in range(4)]))
+        layer.b.normal_()
+    fp = Fp8BlockCategoryLinear.from_module(layer)
+    assert fp.W.dtype == FP8 and fp.W_scale_inv.shape == (4, 2, 2) and not fp.b.requires_grad
+    x, cat = torch.randn(3, 5, 200), torch.tensor([2, 0, 2])
+    assert torch.equal(fp(x, cat), torch.bmm(x, fp.dequantized_weight()[cat]) + layer.b[cat][:, None].detach())
+    assert sqnr_db(layer(x, cat), fp(x, cat)) > 25
+
+
+def test_scope_all_takes_every_blockable_layer_but_the_vision_tower():
+    pi = build_model("pi05-tiny", device="meta")
+    chosen = set(select_layers(pi, scope="all"))
+    linears = {n for n, m in pi.named_modules() if isinstance(m, nn.Linear) and "vision_tower" not in n}
+    assert chosen == linears | {"paligemma_with_expert.paligemma.model.language_model.embed_tokens"}
+    assert set(select_layers(pi)) < chosen
+    groot = build_model("groot-tiny", device="meta")
+    chosen = set(select_layers(groot, scope="all"))
+    assert {"action_head.action_encoder.W2", "action_head.state_encoder.layer1",
+            "backbone.eagle_model.language_model.model.embed_tokens"} <= chosen
+    assert any("vl_self_attention" in n for n in chosen)
+    assert not any(n.startswith("backbone.eagle_model.vision_model") or n.endswith(("position_embedding", "future_tokens"))
+                   for n in chosen)
+    assert set(select_layers(groot, scope="all", exclude="action_encoder")) == {n for n in chosen if "action_encoder" not in n}
+    # positional tables are read whole (`.weight`), not by index: they cannot be blocked
+    with pytest.raises(KilovlaError, match=r"cannot be blocked .*action_head\.position_embedding \(Embedding"):
+        select_layers(groot, include=r"action_head\.position_embedding")
+    with pytest.raises(KilovlaError, match="choose one"):
+        Fp8Config(scope="all", include="x")
+    with pytest.raises(KilovlaError, match="--scope must be one of"):
+        Fp8Config(scope="everything")
+
+
+def test_scope_all_brings_the_3b_shapes_past_40_percent():
+    for name, default, wide in (("pi05-3b", 0.34, 0.43), ("groot-n15-3b", 0.22, 0.41)):
+        model = build_model(name, device="meta")
+        for scope, floor in (("default", default), ("all", wide)):
+            c = checkpoint_bytes(model, select_layers(model, scope=scope))
+            assert floor < 1 - c["quantized_bytes"] / c["baseline_bytes"] < floor + 0.01, (name, scope)
+
+
+def test_a_groot_quantized_with_scope_all_round_trips_through_its_state_dict():
+    from kilovla.quant.fp8 import prepare_quantized, quantization_config
+
+    model = build_model("groot-tiny").eval()
+    batch = _groot_batch(model.config)
+    noise = torch.randn(2, model.config.action_horizon, model.config.max_action_dim, generator=torch.Generator().manual_seed(1))
+    want = model.sample_actions(batch, noise=noise)
+    config = Fp8Config(scope="all")
+    layers = list(quantize_model(model, config))
+    got = model.sample_actions(batch, noise=noise)
+    assert sqnr_db(want, got) > 20
+    fresh = build_model("groot-tiny").eval()
+    prepare_quantized(fresh, quantization_config(config, layers, fresh), "test")
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    assert torch.equal(fresh.sample_actions(batch, noise=noise), got)
+    kinds = {type(m) for m in fresh.modules()}
+    assert {Fp8BlockLinear, Fp8BlockEmbedding, Fp8BlockCategoryLinear} <= kinds
+
+
 # -- policy folders -----------------------------------------------------------------------------------
 AUGMENTATION = {"crop_scale": 0.7, "brightness": 0.4, "rotate_degrees": 10.0}  # training only: the report must not see it
 
@@ -301,6 +397,28 @@ def test_a_quantized_folder_loads_as_a_policy_and_acts_like_the_original(folders
     variance = np.asarray(rows["action"]).var(axis=0).mean()
     assert a.shape == b.shape == (len(rows["task"]), 8, 6)
     assert 0 < np.mean((a - b) ** 2) < 0.01 * variance
+
+
+def test_a_scope_all_folder_stores_the_token_table_in_fp8_and_acts_like_the_original(folders, tmp_path):
+    out = tmp_path / "all"
+    report = quantize_policy_folder(folders["source"], out, Fp8Config(scope="all"), dataset=folders["dataset"], samples=16,
+                                    latency_repeats=1)
+    table = "paligemma_with_expert.paligemma.model.language_model.embed_tokens"
+    state = load_file(str(out / "model.safetensors"))
+    assert state[f"{table}.weight"].dtype == torch.float8_e4m3fn and f"{table}.weight_scale_inv" in state
+    assert json.loads((out / "policy.json").read_text())["quantization_config"]["scope"] == "all"
+    assert report["size"]["reduction_percent"] > folders["report"]["size"]["reduction_percent"] + 5
+    assert report["layers"][table]["output_sqnr_db"] > 25  # measured on the token ids the policy looked up
+    assert report["actions"]["relative"] < 0.01
+    quantized = load_checkpoint_policy(out)
+    assert isinstance(quantized.model.get_submodule(table), Fp8BlockEmbedding)
+    ds = LeRobotDataset(folders["dataset"])
+    rows = ds.get_batch(np.arange(0, len(ds), 4))
+    torch.manual_seed(0)
+    a = load_checkpoint_policy(folders["source"]).select_action(rows)
+    torch.manual_seed(0)
+    b = quantized.select_action(rows)
+    assert 0 < np.mean((a - b) ** 2) < 0.01 * np.asarray(rows["action"]).var(axis=0).mean()
 
 
 def test_the_report_measures_what_the_issue_asks(folders):
@@ -420,14 +538,20 @@ def test_bench_fp8_writes_the_named_rows(tmp_path):
                          resolution=32, episodes=1)
     result = json.loads(path.read_text())
     rows = {r["name"]: r for r in result["rows"]}
-    assert list(rows) == ["checkpoint_bytes_3b", "checkpoint_bytes_3b_groot", "checkpoint_bytes_tiny",
-                          "min_layer_sqnr_db", "action_mse_rel", "success_rate", "chunk_latency_ms"]
+    assert list(rows) == ["checkpoint_bytes_3b", "checkpoint_bytes_3b_all", "checkpoint_bytes_3b_groot",
+                          "checkpoint_bytes_3b_groot_all", "checkpoint_bytes_tiny", "min_layer_sqnr_db", "action_mse_rel",
+                          "success_rate", "chunk_latency_ms", "checkpoint_bytes_tiny_all", "min_layer_sqnr_db_all",
+                          "action_mse_rel_all", "success_rate_all"]
     assert rows["checkpoint_bytes_3b"]["ratio"] == pytest.approx(1 / (1 - result["pi05-3b"]["reduction"]), rel=1e-3)
     assert result["pi05-3b"]["vision_layers_quantized"] == 0 and result["groot-n15-3b"]["vision_layers_quantized"] == 0
     assert rows["checkpoint_bytes_tiny"]["ours"] == (tmp_path / "out" / "fp8-policy" / "model.safetensors").stat().st_size
     assert rows["min_layer_sqnr_db"]["ours"] > 25 and rows["min_layer_sqnr_db"]["baseline"] is None
     assert 0 <= rows["success_rate"]["baseline"] <= 1 and 0 <= rows["success_rate"]["ours"] <= 1
     assert result["report"]["closed_loop"]["baseline"]["episodes_per_task"] == 1
+    assert rows["checkpoint_bytes_3b_all"]["ours"] < rows["checkpoint_bytes_3b"]["ours"]
+    assert rows["checkpoint_bytes_tiny_all"]["ours"] == (tmp_path / "out" / "fp8-policy-all" / "model.safetensors").stat().st_size
+    assert rows["checkpoint_bytes_tiny_all"]["ours"] < rows["checkpoint_bytes_tiny"]["ours"]
+    assert rows["success_rate_all"]["baseline"] == rows["success_rate"]["baseline"]
 
 
 def test_a_dataset_that_does_not_fit_is_named(folders, tmp_path, capsys):
@@ -475,7 +599,7 @@ def test_tiny_tiles_get_a_floored_scale_and_never_dequantize_to_nan():
     x[0, 3], x[1, 200] = 1e-44, 5e-43
     qa, sa = quantize_activations_1x128(x)
     assert (sa > 0).all() and torch.isfinite(fake_quantize_activations(x)).all()
-    layer = Fp8BlockLinear.from_linear(nn.Linear(256, 256))
+    layer = Fp8BlockLinear.from_module(nn.Linear(256, 256))
     assert torch.isfinite(layer(x)).all()
 
 

@@ -27,7 +27,7 @@ def _layer(n: int, k: int, seed: int = 0) -> tuple[nn.Linear, Fp8BlockLinear]:
         nb, kb = -(-n // 128), -(-k // 128)
         exponents = torch.randint(-6, 7, (nb, kb), generator=g).float()
         lin.weight.mul_((2.0**exponents).repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k])
-    return lin.cuda(), Fp8BlockLinear.from_linear(lin).cuda()
+    return lin.cuda(), Fp8BlockLinear.from_module(lin).cuda()
 
 
 def _check_against_emulation(kernel: str, n: int, k: int, m: int) -> None:

@@ -302,8 +302,8 @@ def cmd_quantize(args) -> int:
     from kilovla.quant.folder import quantize_policy_folder
     from kilovla.quant.report import print_report
 
-    config = Fp8Config(block=args.block, include=args.include, exclude=args.exclude, activations=args.activations,
-                       dtype=args.dtype)
+    config = Fp8Config(block=args.block, include=args.include, exclude=args.exclude, scope=args.scope,
+                       activations=args.activations, dtype=args.dtype)
     if args.eval_episodes < 0:
         raise KilovlaError(f"--eval-episodes {args.eval_episodes}: must be >= 0 (0 skips the closed-loop comparison)")
     evaluation = None
@@ -424,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include", default=None, help="regex over module names (default: the family's language "
                    "model and action expert / DiT)")
     p.add_argument("--exclude", default=None, help="regex over module names to keep unquantized")
+    p.add_argument("--scope", default="default", choices=("default", "all"),
+                   help="without --include: 'default' quantizes the language model and action expert; 'all' every "
+                        "Linear, token table and per-embodiment Linear outside the vision tower (smallest folder)")
     p.add_argument("--activations", default="1x128", choices=["none", "1x128"],
                    help="1x128: W8A8 with per-token 1x128 activation scales; none: weight-only")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],

@@ -4,9 +4,12 @@ Rows (DESIGN.md, Benchmarks):
 
 - checkpoint_bytes_3b / checkpoint_bytes_3b_groot: tensor bytes of the `pi05-3b` / `groot-n15-3b`
   shapes, counted on the meta device from shapes and dtypes: bf16 vs the family's default FP8
-  selection (vision tower, norms, projectors, embeddings kept in bf16);
+  selection (vision tower, norms, projectors, embeddings kept in bf16); the ``_all`` rows: bf16 vs
+  `--scope all` (everything that can be blocked outside the vision tower, token tables included);
 - checkpoint_bytes_tiny: model.safetensors bytes on disk of the demo's trained policy, a bf16 copy
-  vs the `kilovla quantize` folder;
+  vs the `kilovla quantize` folder; ``_all``: vs the `--scope all` folder, whose quality rows are
+  ``min_layer_sqnr_db_all``, ``action_mse_rel_all`` and ``success_rate_all`` (same seeds as
+  ``success_rate``'s baseline);
 - min_layer_sqnr_db: the lowest output SQNR of an FP8 layer on held-out samples (ours only);
 - action_mse_rel: action MSE of the FP8 policy against the unquantized one / action variance (ours only);
 - success_rate: closed-loop success on the demo's tasks, unquantized (baseline) vs FP8 (ours), same seeds
@@ -29,18 +32,20 @@ import torch
 
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 from kilovla.errors import KilovlaError
+from kilovla.quant.folder import quantize_policy_folder
 from kilovla.quant.fp8 import Fp8Config, checkpoint_bytes, quantize_model, select_layers
+from kilovla.quant.report import min_output_sqnr
 
 HELDOUT_SEED = 7  # the demo collects on seed 0: other object and goal positions
 FULL = {"episodes": 50, "heldout_episodes": 2, "samples": 128, "latency_repeats": 10}
 QUICK = {"episodes": 2, "heldout_episodes": 1, "samples": 16, "latency_repeats": 3}
 
 
-def sizes_3b(preset: str) -> dict:
+def sizes_3b(preset: str, scope: str = "default") -> dict:
     from kilovla.models.presets import build_model
 
     model = build_model(preset, device="meta")
-    layers = select_layers(model)
+    layers = select_layers(model, scope=scope)
     counts = checkpoint_bytes(model, layers)
     vision = [n for n in layers if "vision" in n]
     return {**counts, "layers": len(layers), "vision_layers_quantized": len(vision),
@@ -79,14 +84,46 @@ def _latency_3b_cuda(repeats: int) -> Row:
                             f"{cfg.num_inference_steps} flow steps; bf16 vs FP8 ({', '.join(kernels)})")
 
 
+def _scope_all(policy, out: Path, dataset, size: dict, report: dict, evaluation) -> tuple[dict, list[Row]]:
+    """The demo policy quantized with `--scope all`: its size on disk and the same quality rows, its
+    closed-loop success on the seeds the default folder's comparison used (torch seeded alike)."""
+    from kilovla.models.policy import load_checkpoint_policy
+
+    folder = out / "fp8-policy-all"
+    shutil.rmtree(folder, ignore_errors=True)
+    wide = quantize_policy_folder(policy, folder, Fp8Config(scope="all"), dataset=dataset, samples=size["samples"],
+                                  latency_repeats=1)
+    s, a = wide["size"], wide["actions"]
+    worst, worst_db = min_output_sqnr(wide)
+    rows = [
+        Row.compare("checkpoint_bytes_tiny_all", "bytes", s["bf16_bytes"], s["quantized_bytes"], higher_is_better=False,
+                    note=f"demo policy on disk: bf16 copy vs the --scope all FP8 folder ({s['fp8_params']} of "
+                         f"{s['total_params']} params in FP8; the vision tower, kept, is "
+                         f"{100 * (1 - s['fp8_params'] / s['total_params']):.0f} % of the params)"),
+        Row.compare("min_layer_sqnr_db_all", "dB", None, worst_db, higher_is_better=True,
+                    note=f"--scope all: lowest FP8 layer output SQNR over {len(wide['layers'])} layers ({worst})"),
+        Row.compare("action_mse_rel_all", "% of variance", None, 100 * a["relative"], higher_is_better=False,
+                    note=f"--scope all: MSE vs the unquantized actions / action variance, {a['samples']} action steps"),
+    ]
+    c = report.get("closed_loop")
+    if evaluation is not None and c is not None:
+        torch.manual_seed(0)  # as closed_loop_summary seeds each policy's evaluation
+        result = evaluation(load_checkpoint_policy(folder))
+        wide["closed_loop"] = {"overall": result["overall_success_rate"],
+                               "per_task": {t: r["success_rate"] for t, r in result["per_task"].items()}}
+        rows.append(Row.compare("success_rate_all", "fraction", c["baseline"]["overall"], result["overall_success_rate"],
+                                higher_is_better=True,
+                                note=f"same tasks, episodes and seeds as success_rate; unquantized vs --scope all FP8 "
+                                     f"({100 * (result['overall_success_rate'] - c['baseline']['overall']):+.1f} points)"))
+    return wide, rows
+
+
 def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str | Path | None = None,
         dataset: str | Path | None = None, tasks: list[str] | None = None, resolution: int | None = None,
         episodes: int | None = None, console=None) -> Path:
     from kilovla.bench.rl import default_policy
     from kilovla.envs.collect import collect
     from kilovla.eval.closed_loop import evaluate
-    from kilovla.quant.folder import quantize_policy_folder
-    from kilovla.quant.report import min_output_sqnr
 
     size = QUICK if quick else FULL
     out = Path(out_dir)
@@ -94,12 +131,15 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
     rows = []
     extra: dict = {}
     for name, preset_name in (("checkpoint_bytes_3b", "pi05-3b"), ("checkpoint_bytes_3b_groot", "groot-n15-3b")):
-        s = sizes_3b(preset_name)
-        extra[preset_name] = s
-        rows.append(Row.compare(name, "bytes", s["baseline_bytes"], s["quantized_bytes"], higher_is_better=False,
-                                note=f"{preset_name} shapes (meta device): bf16 vs FP8 128x128 on {s['layers']} layers "
-                                     f"({s['fp8_params'] / 1e9:.2f} of {s['total_params'] / 1e9:.2f} B params), "
-                                     f"{100 * s['reduction']:.1f} % smaller; vision tower kept"))
+        for scope, suffix in (("default", ""), ("all", "_all")):
+            s = sizes_3b(preset_name, scope)
+            extra[f"{preset_name}{suffix}"] = s
+            rows.append(Row.compare(f"{name}{suffix}", "bytes", s["baseline_bytes"], s["quantized_bytes"],
+                                    higher_is_better=False,
+                                    note=f"{preset_name} shapes (meta device), --scope {scope}: bf16 vs FP8 128x128 on "
+                                         f"{s['layers']} layers ({s['fp8_params'] / 1e9:.2f} of "
+                                         f"{s['total_params'] / 1e9:.2f} B params), {100 * s['reduction']:.1f} % smaller; "
+                                         "vision tower kept"))
 
     if policy is None:
         try:
@@ -149,7 +189,9 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
                     note=f"demo policy, batch 1, {lat['device']}: fp32 vs FP8 ({lat['kernel']}; emulation "
                          "dequantizes every call, so it is slower on CPU)"),
     ]
+    wide, wide_rows = _scope_all(policy, out, dataset, size, report, evaluation if n else None)
+    rows += wide_rows
     if torch.cuda.is_available():
         rows.append(_latency_3b_cuda(size["latency_repeats"]))
-    extra.update(policy=str(policy), quantized=str(quantized_dir), report=report)
+    extra.update(policy=str(policy), quantized=str(quantized_dir), report=report, report_all=wide)
     return write_suite("fp8", rows, quick=quick, out_dir=out, extra=extra, console=console)

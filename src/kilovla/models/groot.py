@@ -301,7 +301,7 @@ class _DiT(nn.Module):
         self.proj_out_2 = nn.Linear(d.width, d.output_dim)
 
 
-class _CategoryLinear(nn.Module):
+class CategoryLinear(nn.Module):
     def __init__(self, categories: int, n_in: int, n_out: int):
         super().__init__()
         self.W = nn.Parameter(0.02 * torch.randn(categories, n_in, n_out))
@@ -314,7 +314,7 @@ class _CategoryLinear(nn.Module):
 class _CategoryMLP(nn.Module):
     def __init__(self, categories, n_in, hidden, n_out):
         super().__init__()
-        self.layer1, self.layer2 = _CategoryLinear(categories, n_in, hidden), _CategoryLinear(categories, hidden, n_out)
+        self.layer1, self.layer2 = CategoryLinear(categories, n_in, hidden), CategoryLinear(categories, hidden, n_out)
 
     def forward(self, x, cat):
         return self.layer2(F.relu(self.layer1(x, cat)), cat)
@@ -324,9 +324,9 @@ class _ActionEncoder(nn.Module):
     def __init__(self, categories, action_dim, width):
         super().__init__()
         self.width = width
-        self.W1 = _CategoryLinear(categories, action_dim, width)
-        self.W2 = _CategoryLinear(categories, 2 * width, width)
-        self.W3 = _CategoryLinear(categories, width, width)
+        self.W1 = CategoryLinear(categories, action_dim, width)
+        self.W2 = CategoryLinear(categories, 2 * width, width)
+        self.W3 = CategoryLinear(categories, width, width)
 
     def forward(self, actions, t_discrete, cat):
         half = self.width // 2

@@ -37,7 +37,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.quant import report as qreport
-from kilovla.quant.fp8 import (KERNELS, Fp8BlockLinear, Fp8Config, checkpoint_bytes, quantization_config,
+from kilovla.quant.fp8 import (KERNELS, Fp8BlockLinear, Fp8Config, Fp8Weights, checkpoint_bytes, quantization_config,
                                quantize_model, select_layers, set_kernel)
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
         raise KilovlaError(f"--kernel must be one of {KERNELS}, not {kernel!r}")
     _check_out(out)
     meta = read_source(source)
-    select_layers(build_model(meta.preset, device="meta", **meta.overrides), config.include, config.exclude)
+    select_layers(build_model(meta.preset, device="meta", **meta.overrides), config.include, config.exclude, config.scope)
     if dataset is not None:
         check_dataset(dataset, meta)
     device = resolve_device(device)
@@ -197,8 +197,8 @@ def _write_folder(folder: Path, policy, config: Fp8Config, layers: list[str]) ->
 
     policy.save(folder)
     kept = _DTYPES[config.dtype]
-    fp8_keys = {f"{n}.{b}" for n, m in policy.model.named_modules() if isinstance(m, Fp8BlockLinear)
-                for b in ("weight", "weight_scale_inv")}
+    fp8_keys = {f"{n}.{b}" for n, m in policy.model.named_modules() if isinstance(m, Fp8Weights)
+                for b in (m.PAYLOAD, m.PAYLOAD + "_scale_inv")}
     state = {k: v if k in fp8_keys or not v.is_floating_point() else v.to(kept)
              for k, v in policy.model.state_dict().items()}
     save_safetensors(state, folder / "model.safetensors",

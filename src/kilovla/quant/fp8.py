@@ -25,6 +25,10 @@ divide by zero and dequantize its zeros to ``0 * inf = NaN``. Non-finite weights
 to ``emulate`` with one warning line per reason. Which layers are quantized is a regex over module
 names (`select_layers`); each family's default takes the language model and the action expert
 (GR00T: the LLM layers and the DiT) and keeps the vision tower, norms, projectors and embeddings.
+``scope="all"`` takes every layer whose weight can be blocked outside the vision tower: Linear
+layers, the token table (`Fp8BlockEmbedding`: rows dequantized as they are looked up) and GR00T's
+per-embodiment Linear (`Fp8BlockCategoryLinear`: a (C, in, out) stack blocked matrix by matrix). Those
+two are weight-only (no GEMM reads a token table; no batched block-scaled GEMM exists for the stack).
 """
 
 from __future__ import annotations
@@ -64,17 +68,26 @@ FAMILY_DEFAULTS = {
               r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
               r"|action_head\.model\.transformer_blocks\.\d+\.(attn1\.(to_[qkv]|to_out\.0)|ff\.net\.(0\.proj|2)))$"),
 }
+# `--scope all`: every layer whose weight can be blocked (Linear, GR00T's per-embodiment Linear, token
+# tables) except the vision tower's. The paper keeps only the vision tower in high precision; the
+# family defaults leave the token table alone too, which caps pi0.5-3B at 34 % smaller than bf16.
+_PI_TOWER = r"^paligemma_with_expert\.paligemma\.model\.vision_tower\."
+VISION_TOWERS = {"pi05": _PI_TOWER, "pi0": _PI_TOWER, "groot": r"^backbone\.eagle_model\.vision_model\."}
+SCOPES = ("default", "all")
+_TOKEN_TABLE = re.compile(r"(^|\.)embed_tokens$")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Fp8Config:
-    """What `kilovla quantize` does: ``include`` / ``exclude`` are regexes searched in module names
-    (``include=None``: the family's default); ``dtype`` is what the layers that stay unquantized are
-    stored as on disk."""
+    """What `kilovla quantize` does: ``include`` / ``exclude`` are regexes searched in module names;
+    without ``include``, ``scope`` picks the layers ("default": the family's language model and action
+    expert; "all": everything but the vision tower); ``dtype`` is what the layers that stay
+    unquantized are stored as on disk."""
 
     block: int = 128
     include: str | None = None
     exclude: str | None = None
+    scope: str = "default"
     activations: str = "1x128"
     dtype: str = "bfloat16"
 
@@ -86,6 +99,11 @@ class Fp8Config:
             raise KilovlaError(f"--activations must be one of {ACTIVATIONS}, not {self.activations!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise KilovlaError(f"--dtype must be bfloat16, float16 or float32, not {self.dtype!r}")
+        if self.scope not in SCOPES:
+            raise KilovlaError(f"--scope must be one of {SCOPES}, not {self.scope!r}")
+        if self.scope != "default" and self.include is not None:
+            raise KilovlaError(f"--scope {self.scope} and --include {self.include!r}: choose one (--include names the "
+                               "layers itself)")
         for flag, pattern in (("--include", self.include), ("--exclude", self.exclude)):
             if pattern is not None:
                 try:
@@ -96,15 +114,23 @@ class Fp8Config:
 
 # -- the format ------------------------------------------------------------------------------------
 def _blocks(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, tuple[int, int]]:
-    """(N, K) -> zero-padded (N/rows, rows, K/cols, cols) view, and the padded shape's block counts."""
-    n, k = x.shape
+    """(..., N, K) -> zero-padded (..., N/rows, rows, K/cols, cols) view, and the block counts."""
+    n, k = x.shape[-2:]
     nb, kb = math.ceil(n / rows), math.ceil(k / cols)
     padded = F.pad(x, (0, kb * cols - k, 0, nb * rows - n))
-    return padded.view(nb, rows, kb, cols), (nb, kb)
+    return padded.view(*x.shape[:-2], nb, rows, kb, cols), (nb, kb)
+
+
+def scale_shape(shape, block: int) -> tuple[int, ...]:
+    """The `weight_scale_inv` shape of an (..., N, K) weight: (..., ceil(N/block), ceil(K/block))."""
+    *lead, n, k = shape
+    return (*lead, math.ceil(n / block), math.ceil(k / block))
 
 
 def quantize_fp8_blockwise(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (q float8_e4m3fn (N, K), weight_scale_inv float32 (ceil(N/block), ceil(K/block))).
+    """(..., N, K) float -> (q float8_e4m3fn (..., N, K), weight_scale_inv float32 (..., ceil(N/block),
+    ceil(K/block))): block x block tiles of the last two dims (a stack of matrices is blocked matrix
+    by matrix).
 
     Each tile's largest magnitude maps to 448 (e4m3's max); an all-zero tile gets scale 1; a scale never
     falls below `SCALE_FLOOR`. A weight with NaN or inf is refused.
@@ -113,17 +139,17 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block: int = 128) -> tuple[torc
     >>> q.shape, s.shape, s[:, 0].tolist()
     (torch.Size([130, 3]), torch.Size([2, 1]), [0.004464285913854837, 0.004464285913854837])
     """
-    if weight.ndim != 2:
-        raise KilovlaError(f"block-wise FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
+    if weight.ndim < 2:
+        raise KilovlaError(f"block-wise FP8 needs a weight of at least 2 dims, got shape {tuple(weight.shape)}")
     w = weight.detach().float()
     if not bool(torch.isfinite(w).all()):
         bad = int((~torch.isfinite(w)).sum())
         raise KilovlaError(f"the weight has {bad} non-finite values (NaN or inf); FP8 scales cannot represent them")
     tiles, _ = _blocks(w, block, block)
-    scale_inv = _scales(tiles.abs().amax(dim=(1, 3)))  # (nb, kb)
-    q = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    n, k = w.shape
-    return q.flatten(2, 3).flatten(0, 1)[:n, :k].contiguous(), scale_inv.contiguous()
+    scale_inv = _scales(tiles.abs().amax(dim=(-3, -1)))  # (..., nb, kb)
+    q = (tiles / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    n, k = w.shape[-2:]
+    return q.flatten(-2, -1).flatten(-3, -2)[..., :n, :k].contiguous(), scale_inv.contiguous()
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:
@@ -133,14 +159,15 @@ def _scales(amax: torch.Tensor) -> torch.Tensor:
 
 def dequantize_fp8_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128,
                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The inverse of `quantize_fp8_blockwise`: W[i, j] = q[i, j] * scale_inv[i // block, j // block]."""
-    n, k = q.shape
-    expected = (math.ceil(n / block), math.ceil(k / block))
+    """The inverse of `quantize_fp8_blockwise`: W[..., i, j] = q[..., i, j] * scale_inv[..., i // block, j // block]."""
+    expected = scale_shape(q.shape, block)
     if tuple(scale_inv.shape) != expected:
+        n, k = q.shape[-2:]
         raise KilovlaError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}; a {n}x{k} weight in "
                            f"{block}x{block} blocks needs {expected}")
     tiles, _ = _blocks(q.float(), block, block)
-    return (tiles * scale_inv[:, None, :, None].float()).flatten(2, 3).flatten(0, 1)[:n, :k].to(dtype)
+    n, k = q.shape[-2:]
+    return (tiles * scale_inv[..., :, None, :, None].float()).flatten(-2, -1).flatten(-3, -2)[..., :n, :k].to(dtype)
 
 
 def quantize_activations_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,8 +204,55 @@ def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
     return max(-SQNR_CAP_DB, min(SQNR_CAP_DB, value))
 
 
-# -- the layer -------------------------------------------------------------------------------------
-class Fp8BlockLinear(nn.Module):
+# -- the layers ------------------------------------------------------------------------------------
+class Fp8Weights(nn.Module):
+    """What every FP8 module shares: a float8 payload buffer ``PAYLOAD`` and its float32 inverse
+    scales ``PAYLOAD + "_scale_inv"``, which keep their dtypes when the model is cast."""
+
+    PAYLOAD = "weight"
+
+    def _apply(self, fn, recurse=True):
+        # `.float()` / `.to(bfloat16)` on the whole model may move the FP8 payload and its scales,
+        # never re-type them: q cast to bf16 reads as wrong weights, silently.
+        keys = (self.PAYLOAD, self.PAYLOAD + "_scale_inv")
+        payload = {key: self._buffers[key] for key in keys}
+        super()._apply(fn, recurse)
+        for key, before in payload.items():
+            after = self._buffers[key]
+            if after.dtype != before.dtype:
+                self._buffers[key] = before.to(after.device)
+        return self
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_fp8_blockwise(self._buffers[self.PAYLOAD], self._buffers[self.PAYLOAD + "_scale_inv"],
+                                        self.block, dtype)
+
+    def _register_payload(self, shape, block: int, device) -> None:
+        self.block = block
+        self.register_buffer(self.PAYLOAD, torch.empty(shape, dtype=FP8, device=device))
+        self.register_buffer(self.PAYLOAD + "_scale_inv", torch.ones(scale_shape(shape, block), dtype=torch.float32,
+                                                                     device=device))
+
+    @classmethod
+    def empty_like(cls, module: nn.Module, block: int = 128, activations: str = "1x128") -> Fp8Weights:
+        """An FP8 module of `module`'s shape on its device, payload unset (to load a state dict into)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_module(cls, module: nn.Module, block: int = 128, activations: str = "1x128") -> Fp8Weights:
+        """`module` quantized: its weight (named like ``PAYLOAD``) block-wise FP8, its other parameters
+        (bias) copied, frozen."""
+        new = cls.empty_like(module, block, activations)
+        q, s = quantize_fp8_blockwise(getattr(module, cls.PAYLOAD), block)
+        new._buffers[cls.PAYLOAD].copy_(q)
+        new._buffers[cls.PAYLOAD + "_scale_inv"].copy_(s)
+        for name, p in module.named_parameters(recurse=False):
+            if name != cls.PAYLOAD:
+                setattr(new, name, nn.Parameter(p.detach().clone(), requires_grad=False))
+        return new
+
+
+class Fp8BlockLinear(Fp8Weights):
     """A Linear whose weight is block-wise FP8: buffers ``weight`` (float8_e4m3fn, (N, K)) and
     ``weight_scale_inv`` (float32), an optional ``bias``. Output dtype = input dtype.
 
@@ -189,42 +263,20 @@ class Fp8BlockLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, block: int = 128,
                  activations: str = "1x128", device=None):
         super().__init__()
-        self.in_features, self.out_features, self.block, self.activations = in_features, out_features, block, activations
+        self.in_features, self.out_features, self.activations = in_features, out_features, activations
         self.kernel = "auto"
         self.kernel_used: dict[str, str] = {}
-        nb, kb = math.ceil(out_features / block), math.ceil(in_features / block)
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
-        self.register_buffer("weight_scale_inv", torch.ones(nb, kb, dtype=torch.float32, device=device))
+        self._register_payload((out_features, in_features), block, device)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, block: int = 128, activations: str = "1x128") -> Fp8BlockLinear:
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, block=block,
-                    activations=activations, device=linear.weight.device)
-        q, s = quantize_fp8_blockwise(linear.weight, block)
-        layer.weight.copy_(q)
-        layer.weight_scale_inv.copy_(s)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        return layer
+    def empty_like(cls, linear: nn.Linear, block: int = 128, activations: str = "1x128") -> Fp8BlockLinear:
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, block=block,
+                   activations=activations, device=linear.weight.device)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"block={self.block}, activations={self.activations}, kernel={self.kernel}")
-
-    def _apply(self, fn, recurse=True):
-        # `.float()` / `.to(bfloat16)` on the whole model may move the FP8 payload and its scales,
-        # never re-type them: q cast to bf16 reads as wrong weights, silently.
-        payload = {key: self._buffers[key] for key in ("weight", "weight_scale_inv")}
-        super()._apply(fn, recurse)
-        for key, before in payload.items():
-            after = self._buffers[key]
-            if after.dtype != before.dtype:
-                self._buffers[key] = before.to(after.device)
-        return self
-
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_fp8_blockwise(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
@@ -232,6 +284,63 @@ class Fp8BlockLinear(nn.Module):
         if kernel is None:
             kernel = self.kernel_used[device] = select_kernel(self, x)
         return _GEMMS[kernel](self, x)
+
+
+class Fp8BlockEmbedding(Fp8Weights):
+    """A token table (an Embedding read by index) in block-wise FP8: ``weight`` (V, D) float8 with
+    (ceil(V/block), ceil(D/block)) scales. Only the looked-up rows are dequantized, so a lookup costs
+    what it did; the output has the dtype the rest of the model computes in (tracked through casts).
+    No GEMM reads the table, so there is nothing to quantize on the activation side."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, block: int = 128, device=None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.out_dtype = num_embeddings, embedding_dim, dtype
+        self._register_payload((num_embeddings, embedding_dim), block, device)
+
+    @classmethod
+    def empty_like(cls, table: nn.Embedding, block: int = 128, activations: str = "1x128") -> Fp8BlockEmbedding:
+        return cls(table.num_embeddings, table.embedding_dim, block=block, device=table.weight.device,
+                   dtype=table.weight.dtype)
+
+    def _apply(self, fn, recurse=True):
+        self.out_dtype = fn(torch.zeros((), dtype=self.out_dtype)).dtype  # follow the model's casts
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, block={self.block}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight[ids].to(self.out_dtype)
+        scales = self.weight_scale_inv[ids // self.block].repeat_interleave(self.block, dim=-1)[..., :self.embedding_dim]
+        return rows * scales.to(self.out_dtype)
+
+
+class Fp8BlockCategoryLinear(Fp8Weights):
+    """GR00T's per-embodiment Linear (`CategoryLinear`: one (in, out) matrix per embodiment, picked
+    per sample) in block-wise FP8: ``W`` (C, in, out) float8 with (C, ceil(in/block), ceil(out/block))
+    scales, ``b`` kept. Weight-only: the matrices of the batch's embodiments are dequantized to the
+    input's dtype and multiplied there (there is no batched block-scaled GEMM to call)."""
+
+    PAYLOAD = "W"
+
+    def __init__(self, categories: int, n_in: int, n_out: int, *, block: int = 128, device=None):
+        super().__init__()
+        self.categories, self.n_in, self.n_out = categories, n_in, n_out
+        self._register_payload((categories, n_in, n_out), block, device)
+        self.b = nn.Parameter(torch.zeros(categories, n_out, device=device), requires_grad=False)
+
+    @classmethod
+    def empty_like(cls, layer, block: int = 128, activations: str = "1x128") -> Fp8BlockCategoryLinear:
+        c, n_in, n_out = layer.W.shape
+        return cls(c, n_in, n_out, block=block, device=layer.W.device)
+
+    def extra_repr(self) -> str:
+        return f"categories={self.categories}, n_in={self.n_in}, n_out={self.n_out}, block={self.block}"
+
+    def forward(self, x: torch.Tensor, cat: torch.Tensor) -> torch.Tensor:
+        w = dequantize_fp8_blockwise(self.W[cat], self.W_scale_inv[cat], self.block, x.dtype)
+        return torch.bmm(x, w) + self.b[cat][:, None].to(x.dtype)
 
 
 def _emulate(layer: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
@@ -377,31 +486,50 @@ def set_kernel(model: nn.Module, kernel: str) -> None:
 
 
 # -- which layers ----------------------------------------------------------------------------------
-def select_layers(model: nn.Module, include: str | None = None, exclude: str | None = None) -> list[str]:
-    """Names of the Linear layers to quantize.
+def fp8_class(name: str, module: nn.Module) -> type[Fp8Weights] | None:
+    """The FP8 module that can replace `module` (None: its weight cannot be blocked). Embeddings only
+    as token tables (``embed_tokens``, read by index); positional tables are read whole as ``.weight``."""
+    from kilovla.models.groot import CategoryLinear
 
-    The regexes are searched in the names of the modules that own parameters. A match that is not a
-    Linear (a norm's 1-D weight, a conv's 4-D kernel, an embedding table read by index, a stack of
-    per-embodiment matrices) cannot be blocked and stops with a message naming it.
+    if isinstance(module, nn.Embedding):
+        return Fp8BlockEmbedding if _TOKEN_TABLE.search(name) else None
+    return {nn.Linear: Fp8BlockLinear, CategoryLinear: Fp8BlockCategoryLinear}.get(type(module))
+
+
+def select_layers(model: nn.Module, include: str | None = None, exclude: str | None = None,
+                  scope: str = "default") -> list[str]:
+    """Names of the layers to quantize.
+
+    With ``include`` the regex is searched in the names of the modules that own parameters, and a
+    match whose weight cannot be blocked (a norm's 1-D weight, a conv's 4-D kernel, a positional
+    table read whole) stops with a message naming it. Without it, ``scope`` decides: "default" is the
+    family's regex (`FAMILY_DEFAULTS`), "all" every layer that can be blocked outside the vision tower.
+    ``exclude`` then removes matches.
     """
     from kilovla.models.checkpoints import model_family
 
-    pattern = include if include is not None else FAMILY_DEFAULTS[model_family(model)]
-    inc = re.compile(pattern)
+    if any(isinstance(m, Fp8Weights) for m in model.modules()):
+        raise KilovlaError("the model is already quantized to FP8")
+    family = model_family(model)
     exc = re.compile(exclude) if exclude else None
     owners = [(n, m) for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
-    chosen = [(n, m) for n, m in owners if inc.search(n) and not (exc and exc.search(n))]
-    if any(isinstance(m, Fp8BlockLinear) for m in model.modules()):
-        raise KilovlaError("the model is already quantized to FP8")
+    if include is None and scope == "all":
+        tower = re.compile(VISION_TOWERS[family])
+        pattern = f"--scope all{f' --exclude {exclude!r}' if exclude else ''}"
+        chosen = [(n, m) for n, m in owners if fp8_class(n, m) and not tower.search(n) and not (exc and exc.search(n))]
+    else:
+        regex = include if include is not None else FAMILY_DEFAULTS[family]
+        inc = re.compile(regex)
+        pattern = f"--include {regex!r}{f' --exclude {exclude!r}' if exclude else ''}"
+        chosen = [(n, m) for n, m in owners if inc.search(n) and not (exc and exc.search(n))]
     if not chosen:
-        raise KilovlaError(f"--include {pattern!r}{f' --exclude {exclude!r}' if exclude else ''} selects no layer; "
-                           f"layers look like {', '.join(n for n, _ in owners[:3])}")
+        raise KilovlaError(f"{pattern} selects no layer; layers look like {', '.join(n for n, _ in owners[:3])}")
     bad = [f"{n} ({type(m).__name__}, weight {tuple(next(m.parameters(recurse=False)).shape)})"
-           for n, m in chosen if not isinstance(m, nn.Linear)]
+           for n, m in chosen if fp8_class(n, m) is None]
     if bad:
         shown = "; ".join(bad[:5]) + (f" ... ({len(bad)} in all)" if len(bad) > 5 else "")
-        raise KilovlaError(f"--include {pattern!r} selects layers whose weights cannot be blocked (only Linear "
-                           f"weights (N, K) can): {shown}; narrow --include or add them to --exclude")
+        raise KilovlaError(f"{pattern} selects layers whose weights cannot be blocked (Linear, per-embodiment Linear "
+                           f"and token-table weights can): {shown}; narrow --include or add them to --exclude")
     return [n for n, _ in chosen]
 
 
@@ -412,21 +540,21 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, config: Fp8Config) -> dict[str, float]:
-    """Replace the selected Linear layers by Fp8BlockLinear in place; returns each layer's weight
-    SQNR (dB) against its original weight."""
-    names = select_layers(model, config.include, config.exclude)
+    """Replace the selected layers by their FP8 modules in place; returns each layer's weight SQNR
+    (dB) against its original weight."""
+    names = select_layers(model, config.include, config.exclude, config.scope)
+    weights = {n: getattr(model.get_submodule(n), fp8_class(n, model.get_submodule(n)).PAYLOAD) for n in names}
     # Checked before any layer is replaced, so a refusal leaves the model as it was.
-    bad = [f"{n} ({int(c)} of {model.get_submodule(n).weight.numel()} values)" for n in names
-           if (c := (~torch.isfinite(model.get_submodule(n).weight)).sum())]
+    bad = [f"{n} ({int(c)} of {w.numel()} values)" for n, w in weights.items() if (c := (~torch.isfinite(w)).sum())]
     if bad:
         shown = "; ".join(bad[:5]) + (f" ... ({len(bad)} layers in all)" if len(bad) > 5 else "")
         raise KilovlaError(f"non-finite weights (NaN or inf) in {shown}: FP8 block scales cannot represent them; "
                            "fix the checkpoint or --exclude those layers")
     sqnr = {}
     for name in names:
-        linear = model.get_submodule(name)
-        layer = Fp8BlockLinear.from_linear(linear, config.block, config.activations)
-        sqnr[name] = sqnr_db(linear.weight, layer.dequantized_weight())
+        module = model.get_submodule(name)
+        layer = fp8_class(name, module).from_module(module, config.block, config.activations)
+        sqnr[name] = sqnr_db(weights[name], layer.dequantized_weight())
         _replace(model, name, layer)
     return sqnr
 
@@ -438,15 +566,16 @@ def quantization_config(config: Fp8Config, layers: list[str], model: nn.Module) 
     ``weight_block_size``, ``modules_to_not_convert`` (every Linear of `model` that is not in `layers`)
     and, for 1x128 activations only, ``activation_scheme: "dynamic"`` (HF knows no weight-only scheme,
     so a weight-only folder carries none). kilovla's own keys: ``activations`` ("1x128" or "none",
-    what the loader runs), ``modules`` (the FP8 layers), ``kept_dtype``, ``include``, ``exclude``."""
+    what the loader runs), ``modules`` (the FP8 layers), ``kept_dtype``, ``scope``, ``include``, ``exclude``.
+    A module's kind (Linear, token table, per-embodiment Linear) is the model's own at that name."""
     chosen = set(layers)
     fields = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [config.block, config.block]}
     if config.activations == "1x128":
         fields["activation_scheme"] = "dynamic"
     fields["modules_to_not_convert"] = sorted(n for n, m in model.named_modules()
                                               if isinstance(m, nn.Linear) and n not in chosen)
-    fields.update(activations=config.activations, kept_dtype=config.dtype, include=config.include,
-                  exclude=config.exclude, modules=list(layers))
+    fields.update(activations=config.activations, kept_dtype=config.dtype, scope=config.scope,
+                  include=config.include, exclude=config.exclude, modules=list(layers))
     return fields
 
 
@@ -474,18 +603,19 @@ def _read_quantization_config(qconfig, source: str) -> tuple[int, str, list[str]
 
 
 def prepare_quantized(model: nn.Module, qconfig: dict, source: str) -> None:
-    """Turn the Linear layers a policy.json's `quantization_config` names into empty Fp8BlockLinear
-    (on the model's device, typically meta) so the quantized state dict loads strictly."""
+    """Turn the layers a policy.json's `quantization_config` names into empty FP8 modules (on the
+    model's device, typically meta) so the quantized state dict loads strictly."""
     block, activations, names = _read_quantization_config(qconfig, source)
     for name in names:
         try:
-            linear = model.get_submodule(name)
+            module = model.get_submodule(name)
         except AttributeError:
             raise KilovlaError(f"{source}: quantization_config names {name!r}, which this model does not have") from None
-        if not isinstance(linear, nn.Linear):
-            raise KilovlaError(f"{source}: quantization_config names {name!r}, a {type(linear).__name__}, not a Linear")
-        _replace(model, name, Fp8BlockLinear(linear.in_features, linear.out_features, linear.bias is not None,
-                                             block=block, activations=activations, device=linear.weight.device))
+        cls = fp8_class(name, module)
+        if cls is None:
+            raise KilovlaError(f"{source}: quantization_config names {name!r}, a {type(module).__name__}, "
+                               "whose weight cannot be blocked")
+        _replace(model, name, cls.empty_like(module, block, activations))
 
 
 def _check_block_size(model: nn.Module, folder, source: str) -> None:
@@ -498,7 +628,7 @@ def _check_block_size(model: nn.Module, folder, source: str) -> None:
     from kilovla.models.checkpoints import read_header
 
     path = Path(folder) / "model.safetensors"
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Weights)}
     if not layers or not path.is_file():
         return
     block = next(iter(layers.values())).block
@@ -509,11 +639,13 @@ def _check_block_size(model: nn.Module, folder, source: str) -> None:
                            f"blocks {path.name} was quantized with; restore weight_block_size [{written}, {written}]")
     stored = read_header(path)
     for name, layer in layers.items():
-        t = stored.get(f"{name}.weight_scale_inv")
-        if t is not None and tuple(t.shape) != tuple(layer.weight_scale_inv.shape):
-            raise KilovlaError(f"{source}: weight_block_size [{block}, {block}] does not match {name}.weight_scale_inv: "
-                               f"a {layer.out_features}x{layer.in_features} weight in {block}x{block} blocks has "
-                               f"{tuple(layer.weight_scale_inv.shape)} scales, the file stores {tuple(t.shape)}")
+        key = f"{layer.PAYLOAD}_scale_inv"
+        t, want = stored.get(f"{name}.{key}"), layer._buffers[key]
+        if t is not None and tuple(t.shape) != tuple(want.shape):
+            shape = "x".join(map(str, layer._buffers[layer.PAYLOAD].shape))
+            raise KilovlaError(f"{source}: weight_block_size [{block}, {block}] does not match {name}.{key}: "
+                               f"a {shape} weight in {block}x{block} blocks has "
+                               f"{tuple(want.shape)} scales, the file stores {tuple(t.shape)}")
 
 
 def load_quantized_weights(model: nn.Module, qconfig: dict, path, source: str) -> None:
@@ -533,11 +665,11 @@ def checkpoint_bytes(model: nn.Module, layers: list[str], block: int = 128, kept
     chosen = set(layers)
     baseline = quantized = fp8_params = 0
     for name, module in model.named_modules():
+        payload = fp8_class(name, module).PAYLOAD if name in chosen else None
         for pname, p in module.named_parameters(recurse=False):
             baseline += p.numel() * kept_bytes
-            if name in chosen and pname == "weight":
-                n, k = p.shape
-                quantized += p.numel() + 4 * math.ceil(n / block) * math.ceil(k / block)
+            if pname == payload:
+                quantized += p.numel() + 4 * math.prod(scale_shape(p.shape, block))
                 fp8_params += p.numel()
             else:
                 quantized += p.numel() * kept_bytes

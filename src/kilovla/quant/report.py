@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kilovla.quant.fp8 import Fp8BlockLinear, sqnr_db
+from kilovla.quant.fp8 import Fp8Weights, sqnr_db
 
-CAPTURE_ROWS = 4096  # activation rows kept per layer for its output SQNR
+CAPTURE_ROWS = 4096  # activation rows (or token ids) per layer for its output SQNR, in whole calls
 
 
 def chunk_length(config) -> int:
@@ -62,16 +62,16 @@ def _noise(policy, batch_size: int, generator: torch.Generator) -> torch.Tensor:
 def compare_actions(baseline, quantized, rows: list[dict], seed: int = 0) -> dict:
     """Action chunks of both policies on the same rows and noise, and every FP8 layer's output SQNR
     on the activations the baseline produced there."""
-    names = {n for n, m in quantized.model.named_modules() if isinstance(m, Fp8BlockLinear)}
-    captured: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    names = {n for n, m in quantized.model.named_modules() if isinstance(m, Fp8Weights)}
+    captured: dict[str, list[tuple]] = {n: [] for n in names}  # whole calls: GR00T's per-embodiment layers take two inputs
     counts = dict.fromkeys(names, 0)
 
     def capture(name):
         def hook(module, args):
             if counts[name] < CAPTURE_ROWS:
-                x = args[0].detach().reshape(-1, args[0].shape[-1])[: CAPTURE_ROWS - counts[name]]
-                captured[name].append(x.cpu())
-                counts[name] += len(x)
+                captured[name].append(tuple(a.detach().cpu() for a in args))
+                x = args[0]
+                counts[name] += x.numel() // x.shape[-1] if x.is_floating_point() else x.numel()
         return hook
 
     handles = [baseline.model.get_submodule(n).register_forward_pre_hook(capture(n)) for n in names]
@@ -109,8 +109,9 @@ def _output_sqnr(baseline, quantized, names, captured) -> dict[str, float | None
         if not captured[name]:  # pi0.5's last prefix layer: q, o and MLP weights that inference never reads
             layers[name] = None
             continue
-        x = torch.cat(captured[name]).to(baseline.device)
-        layers[name] = sqnr_db(baseline.model.get_submodule(name)(x), quantized.model.get_submodule(name)(x))
+        calls = [tuple(a.to(baseline.device) for a in args) for args in captured[name]]
+        ref, got = baseline.model.get_submodule(name), quantized.model.get_submodule(name)
+        layers[name] = sqnr_db(torch.cat([ref(*a).flatten() for a in calls]), torch.cat([got(*a).flatten() for a in calls]))
     return layers
 
 

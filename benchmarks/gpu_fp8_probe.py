@@ -1,15 +1,17 @@
 """Where batch-1 FP8 latency goes on a GPU: per-GEMM and whole-chunk timings, eager and CUDA-graphed.
 
-Run on a CUDA machine: `python benchmarks/gpu_fp8_probe.py OUT.json`. Every section is independent
-(one failing prints its error and the rest still run). Prints a table and writes JSON.
+Run on a CUDA machine: `python benchmarks/gpu_fp8_probe.py [--no-gemms] [--kernel K] [OUT.json]`. Every
+section is independent (one failing prints its error and the rest still run). Prints each section's
+numbers and writes JSON. `--kernel scaled_mm` skips auto's timing of the candidates (torchao's Triton
+kernel compiles per shape, which takes minutes for a whole model).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 import traceback
 
@@ -19,8 +21,13 @@ import torch.nn.functional as F
 from kilovla.bench.models import libero_batch
 from kilovla.models.presets import build_model, preset
 from kilovla.quant import fp8
-from kilovla.quant.fp8 import Fp8BlockLinear, Fp8Config, quantize_model
+from kilovla.quant.fp8 import Fp8BlockLinear, Fp8Config, quantize_model, set_kernel
 
+parser = argparse.ArgumentParser()
+parser.add_argument("out", nargs="?")
+parser.add_argument("--no-gemms", action="store_true", help="skip the per-GEMM section")
+parser.add_argument("--kernel", default="auto", help="the FP8 kernel of the whole-model sections")
+args = parser.parse_args()
 results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
@@ -73,6 +80,7 @@ def eager_time(fn, repeats=20):
 
 
 compiled_quant = None
+eager_quant = fp8.quantize_activations_1x128
 
 
 @section("compile_quantizer")
@@ -87,8 +95,7 @@ def _():
             "equal_s": bool(torch.equal(s, s2))}
 
 
-@section("gemms")
-def _():
+def gemms():
     rows = {}
     shapes = {"lm_qkv": (816, 2048, 2560), "lm_gate_up": (816, 2048, 32768), "lm_down": (816, 16384, 2048),
               "ex_qkv": (50, 1024, 2560), "ex_gate_up": (50, 1024, 8192), "ex_down": (50, 4096, 1024)}
@@ -119,10 +126,15 @@ def _():
     return rows
 
 
+if not args.no_gemms:
+    section("gemms")(gemms)
+
+
 cfg = preset("pi05-3b")
 base = build_model("pi05-3b", device="cuda").to(torch.bfloat16).eval()
 ours = copy.deepcopy(base)
 quantize_model(ours, Fp8Config())
+set_kernel(ours, args.kernel)
 batch = libero_batch(cfg, 1, seed=0).to("cuda")
 noise = torch.randn(1, cfg.chunk_size, cfg.max_action_dim, device="cuda")
 
@@ -196,9 +208,23 @@ if compiled_quant is not None:
         chunk, loop_only = graphed_loop(ours)
         return {"chunk_ms": eager_time(chunk, 10) / 1e3, "loop_replay_ms": eager_time(loop_only, 10) / 1e3}
     section("chunk_graphed_loop_fp8_compiled_quant")(_graphed_cq)
+    fp8.quantize_activations_1x128 = eager_quant  # the bench row below measures the shipped code
 
 results["kernels_used"] = sorted({k for m in ours.modules() for k in getattr(m, "kernel_used", {}).values()})
+del base, ours  # room for the bench's own pair of models
+torch.cuda.empty_cache()
+
+
+@section("bench_row_chunk_latency_ms_3b")
+def _():
+    import dataclasses
+
+    from kilovla.bench.fp8 import _latency_3b_cuda
+
+    return dataclasses.asdict(_latency_3b_cuda(10))
+
+
 print(json.dumps(results, indent=1, default=str))
-if len(sys.argv) > 1:
-    with open(sys.argv[1], "w") as f:
+if args.out:
+    with open(args.out, "w") as f:
         json.dump(results, f, indent=1, default=str)

@@ -77,3 +77,21 @@ def test_a_layer_the_kernels_cannot_take_falls_back_to_emulation():
     x = torch.randn(4, 200, device="cuda")
     torch.testing.assert_close(layer(x), fp8._emulate(layer, x))
     assert layer.kernel_used["cuda"] == "emulate"
+
+
+@cuda
+def test_token_tables_and_per_embodiment_stacks_run_on_the_gpu_as_on_the_cpu():
+    from kilovla.models.groot import CategoryLinear
+    from kilovla.quant.fp8 import Fp8BlockCategoryLinear, Fp8BlockEmbedding
+
+    table = Fp8BlockEmbedding.from_module(nn.Embedding(300, 200))
+    ids = torch.tensor([[0, 127, 128, 299], [5, 256, 255, 1]])
+    want = table(ids)
+    got = table.cuda().to(torch.bfloat16)(ids.cuda())
+    assert got.dtype == torch.bfloat16 and table.weight.dtype == fp8.FP8
+    assert sqnr_db(want, got.float().cpu()) > 40  # bf16 rounding of the product only
+    stack = Fp8BlockCategoryLinear.from_module(CategoryLinear(4, 200, 140))
+    x, cat = torch.randn(3, 5, 200), torch.tensor([2, 0, 2])
+    want = stack(x, cat)
+    got = stack.cuda()(x.cuda().to(torch.bfloat16), cat.cuda())
+    assert sqnr_db(want, got.float().cpu()) > 35

@@ -6,12 +6,13 @@ import json
 import re
 import logging
 import math
+import shutil
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kilovla.data.lerobot import LeRobotDataset
@@ -419,6 +420,23 @@ def test_a_scope_all_folder_stores_the_token_table_in_fp8_and_acts_like_the_orig
     torch.manual_seed(0)
     b = quantized.select_action(rows)
     assert 0 < np.mean((a - b) ** 2) < 0.01 * np.asarray(rows["action"]).var(axis=0).mean()
+
+
+def test_ema_quantizes_the_folders_ema_weights(folders, tmp_path, capsys):
+    from kilovla.cli import main
+
+    source = tmp_path / "with-ema"
+    shutil.copytree(folders["source"], source)
+    state = load_file(str(source / "model.safetensors"))
+    ema = {k: v * 0.5 if v.is_floating_point() else v for k, v in state.items()}  # weights unlike the last ones
+    save_file(ema, str(source / "ema.safetensors"))
+    report = quantize_policy_folder(source, tmp_path / "q", Fp8Config(), latency_repeats=1, ema=True)
+    stored = load_file(str(tmp_path / "q" / "model.safetensors"))
+    name = report["quantization_config"]["modules"][0]
+    assert report["weights"] == "ema"
+    assert torch.equal(stored[f"{name}.weight_scale_inv"], quantize_fp8_blockwise(ema[f"{name}.weight"])[1])
+    assert main(["quantize", str(folders["source"]), "--out", str(tmp_path / "none"), "--ema"]) == 2
+    assert "ema.safetensors is missing" in capsys.readouterr().err and not (tmp_path / "none").exists()
 
 
 def test_the_report_measures_what_the_issue_asks(folders):

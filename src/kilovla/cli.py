@@ -163,7 +163,7 @@ def cmd_bench(args) -> int:
         "load": lambda: load_bench.run(quick=args.quick, out_dir=args.out),
         "rl": lambda: rl_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, minutes=args.minutes),
         "fp8": lambda: fp8_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, dataset=args.dataset,
-                                     episodes=args.episodes),
+                                     episodes=args.episodes, resolution=args.resolution),
     }
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     if args.suite == "all" and args.policy is None:
@@ -332,7 +332,7 @@ def cmd_quantize(args) -> int:
 
     report = quantize_policy_folder(args.policy_dir, args.out, config, dataset=args.dataset, samples=args.samples,
                                     evaluation=evaluation, seed=args.seed, latency_repeats=args.latency_repeats,
-                                    kernel=args.kernel, device=args.device)
+                                    kernel=args.kernel, device=args.device, ema=args.ema)
     print_report(report, console=_console())
     print(f"wrote {args.out} (policy folder) and {args.out}/quant_report.json")
     return 0
@@ -413,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "demo's checkpoint; fp8 trains one with the demo's recipe when there is none)")
     p.add_argument("--minutes", type=float, default=30.0, help="rl: wall-time budget of the RL fine-tuning run")
     p.add_argument("--dataset", default=None, help="fp8: held-out LeRobot data (default: fresh scripted episodes)")
+    p.add_argument("--resolution", type=int, default=None,
+                   help="fp8: camera pixels of the held-out episodes and the closed loop (default: the demo's)")
     p.add_argument("--episodes", type=int, default=None,
                    help="fp8: closed-loop episodes per task (default 50; 0 skips the comparison)")
     p.set_defaults(func=cmd_bench)
@@ -424,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include", default=None, help="regex over module names (default: the family's language "
                    "model and action expert / DiT)")
     p.add_argument("--exclude", default=None, help="regex over module names to keep unquantized")
+    p.add_argument("--ema", action="store_true",
+                   help="quantize the folder's EMA weights (ema.safetensors, what `kilovla demo` evaluates)")
     p.add_argument("--scope", default="default", choices=("default", "all"),
                    help="without --include: 'default' quantizes the language model and action expert; 'all' every "
                         "Linear, token table and per-embodiment Linear outside the vision tower (smallest folder)")

@@ -84,7 +84,7 @@ def _latency_3b_cuda(repeats: int) -> Row:
                             f"{cfg.num_inference_steps} flow steps; bf16 vs FP8 ({', '.join(kernels)})")
 
 
-def _scope_all(policy, out: Path, dataset, size: dict, report: dict, evaluation) -> tuple[dict, list[Row]]:
+def _scope_all(policy, out: Path, dataset, size: dict, report: dict, evaluation, ema: bool) -> tuple[dict, list[Row]]:
     """The demo policy quantized with `--scope all`: its size on disk and the same quality rows, its
     closed-loop success on the seeds the default folder's comparison used (torch seeded alike)."""
     from kilovla.models.policy import load_checkpoint_policy
@@ -92,7 +92,7 @@ def _scope_all(policy, out: Path, dataset, size: dict, report: dict, evaluation)
     folder = out / "fp8-policy-all"
     shutil.rmtree(folder, ignore_errors=True)
     wide = quantize_policy_folder(policy, folder, Fp8Config(scope="all"), dataset=dataset, samples=size["samples"],
-                                  latency_repeats=1)
+                                  latency_repeats=1, ema=ema)
     s, a = wide["size"], wide["actions"]
     worst, worst_db = min_output_sqnr(wide)
     rows = [
@@ -147,10 +147,11 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
         except KilovlaError:
             policy, demo_tasks, demo_resolution = _demo_policy(out, quick)
             tasks, resolution = tasks or demo_tasks, resolution or demo_resolution
+    from kilovla.demo import FULL as DEMO_FULL
     from kilovla.envs.metaworld import DEFAULT_TASKS
 
     tasks = tasks or list(DEFAULT_TASKS)
-    resolution = resolution or 64
+    resolution = resolution or DEMO_FULL.resolution  # the policy is the demo's unless --policy says otherwise
     if dataset is None:
         dataset = out / "fp8-heldout"
         collect(dataset, tasks=tasks, episodes_per_task=size["heldout_episodes"], resolution=resolution,
@@ -159,11 +160,15 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
     shutil.rmtree(quantized_dir, ignore_errors=True)
     n = size["episodes"] if episodes is None else episodes
 
-    def evaluation(p):
-        return evaluate(p, tasks=tasks, episodes=n, seed=0, batch_size=10, resolution=resolution, num_workers=2)
+    ema = (Path(policy) / "ema.safetensors").is_file()  # the demo evaluates its EMA weights: quantize those
+
+    def evaluation(p):  # on the demo's evaluation seeds, disjoint from the demonstrations'
+        return evaluate(p, tasks=tasks, episodes=n, seed=DEMO_FULL.eval_seed, batch_size=10, resolution=resolution,
+                        num_workers=2)
 
     report = quantize_policy_folder(policy, quantized_dir, Fp8Config(), dataset=dataset, samples=size["samples"],
-                                    evaluation=evaluation if n else None, latency_repeats=size["latency_repeats"])
+                                    evaluation=evaluation if n else None, latency_repeats=size["latency_repeats"],
+                                    ema=ema)
     s, a, lat = report["size"], report["actions"], report["latency"]
     worst, worst_db = min_output_sqnr(report)
     rows += [
@@ -182,14 +187,15 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
     if c is not None:
         rows.append(Row.compare("success_rate", "fraction", c["baseline"]["overall"], c["quantized"]["overall"],
                                 higher_is_better=True,
-                                note=f"{len(tasks)} Meta-World tasks x {n} episodes, same seeds; unquantized vs FP8 "
+                                note=f"{len(tasks)} Meta-World tasks x {n} episodes, same seeds, {report['weights']} weights; "
+                                     "unquantized vs FP8 "
                                      f"({c['difference_points']:+.1f} points)"))
     rows += [
         Row.compare("chunk_latency_ms", "ms", 1e3 * lat["baseline_s"], 1e3 * lat["quantized_s"], higher_is_better=False,
                     note=f"demo policy, batch 1, {lat['device']}: fp32 vs FP8 ({lat['kernel']}; emulation "
                          "dequantizes every call, so it is slower on CPU)"),
     ]
-    wide, wide_rows = _scope_all(policy, out, dataset, size, report, evaluation if n else None)
+    wide, wide_rows = _scope_all(policy, out, dataset, size, report, evaluation if n else None, ema)
     rows += wide_rows
     if torch.cuda.is_available():
         rows.append(_latency_3b_cuda(size["latency_repeats"]))

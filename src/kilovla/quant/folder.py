@@ -137,12 +137,13 @@ def _check_out(out: Path) -> None:
 def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Config = Fp8Config(), *,
                            dataset: str | Path | None = None, samples: int = 64,
                            evaluation: Callable[[object], dict] | None = None, seed: int = 0,
-                           latency_repeats: int = 5, kernel: str = "auto", device: str = "cpu") -> dict:
+                           latency_repeats: int = 5, kernel: str = "auto", device: str = "cpu", ema: bool = False) -> dict:
     """Quantize `source` into the new folder `out`; returns the report (also written there).
 
     `dataset` (held-out LeRobot data) adds the action MSE and the layers' output SQNR; `evaluation`
     (policy -> `evaluate` report) adds the closed-loop comparison (check the env against
-    `describe_source(source)` before calling). `device` ("cpu", "cuda", "auto") is where both policies
+    `describe_source(source)` before calling). `ema` quantizes (and compares against) the folder's EMA
+    weights instead of its last ones. `device` ("cpu", "cuda", "auto") is where both policies
     run for the measurements, so it decides which FP8 kernels `kernel` can get. Everything that can be
     checked without the weights is checked first; nothing is written on any refusal.
     """
@@ -161,9 +162,11 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     select_layers(build_model(meta.preset, device="meta", **meta.overrides), config.include, config.exclude, config.scope)
     if dataset is not None:
         check_dataset(dataset, meta)
+    if ema and not (source / "ema.safetensors").is_file():
+        raise KilovlaError(f"--ema: {source / 'ema.safetensors'} is missing; only runs with ema_decay write EMA weights")
     device = resolve_device(device)
 
-    baseline = load_checkpoint_policy(source, device=device)
+    baseline = load_checkpoint_policy(source, device=device, ema=ema)
     model = copy.deepcopy(baseline.model).cpu()
     weight_sqnr = quantize_model(model, config)  # non-finite weights stop here, before anything is written
 
@@ -177,6 +180,7 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
         set_kernel(quantized.model, kernel)
         report = _report(source, out, tmp, baseline, quantized, config, weight_sqnr, dataset=dataset, samples=samples,
                          evaluation=evaluation, seed=seed, latency_repeats=latency_repeats)
+        report["weights"] = "ema" if ema else "last"
         qreport.write_report(tmp, report)
         os.replace(tmp, out)
     except BaseException:

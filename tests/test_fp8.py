@@ -333,6 +333,12 @@ def test_a_groot_quantized_with_scope_all_round_trips_through_its_state_dict():
     assert torch.equal(fresh.sample_actions(batch, noise=noise), got)
     kinds = {type(m) for m in fresh.modules()}
     assert {Fp8BlockLinear, Fp8BlockEmbedding, Fp8BlockCategoryLinear} <= kinds
+    # the stack's bytes by hand: one FP8 byte per value, a float32 scale per block of every category's matrix
+    meta = build_model("groot-tiny", device="meta")
+    c, n_in, n_out = meta.action_head.action_encoder.W2.W.shape
+    counts = checkpoint_bytes(meta, ["action_head.action_encoder.W2"])
+    hand = c * n_in * n_out + 4 * c * math.ceil(n_in / 128) * math.ceil(n_out / 128)
+    assert counts["baseline_bytes"] - counts["quantized_bytes"] == 2 * c * n_in * n_out - hand
 
 
 # -- policy folders -----------------------------------------------------------------------------------
@@ -762,9 +768,56 @@ def test_block_size_mismatch_is_named_from_the_scale_shapes_too(tmp_path):
 
     save_safetensors(model.state_dict(), tmp_path / "model.safetensors")  # no block size in the metadata
     fresh = nn.Sequential(nn.Linear(256, 200))
-    with pytest.raises(KilovlaError, match=r"weight_block_size \[64, 64\] does not match 0.weight_scale_inv: .* "
+    with pytest.raises(KilovlaError, match=r"weight_block_size \[64, 64\] does not match 0.weight_scale_inv in .*: .* "
                                            r"\(4, 4\) scales, the file stores \(2, 2\)"):
         load_quantized_weights(fresh, {**qcfg, "weight_block_size": [64, 64]}, tmp_path, "policy.json")
+
+
+def _damaged_copy(folder, tmp_path, edit):
+    """A copy of a quantized folder whose model.safetensors went through `edit(state)`, metadata kept."""
+    from safetensors import safe_open
+
+    out = tmp_path / "damaged"
+    shutil.copytree(folder, out)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        metadata = f.metadata()
+    state = load_file(str(out / "model.safetensors"))
+    edit(state)
+    save_file(state, str(out / "model.safetensors"), metadata=metadata)
+    return out
+
+
+TABLE = "paligemma_with_expert.paligemma.model.language_model.embed_tokens"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.__setitem__(f"{TABLE}.weight_scale_inv", s[f"{TABLE}.weight_scale_inv"][:1]),
+     rf"model.safetensors: {TABLE}.weight_scale_inv is damaged: .* the file stores \(1, 1\)"),
+    (lambda s: s[f"{TABLE}.weight_scale_inv"].__setitem__(0, float("nan")),
+     rf"model.safetensors: {TABLE}.weight_scale_inv has 1 scales that are not finite"),
+    (lambda s: s.__setitem__(f"{TABLE}.weight", s[f"{TABLE}.weight"].to(torch.bfloat16)),
+     rf"{TABLE}.weight is stored as BF16, but the quantized layer reads it as float8_e4m3fn"),
+])
+def test_a_damaged_quantized_file_is_named(folders, tmp_path, edit, message):
+    source = tmp_path / "all"
+    quantize_policy_folder(folders["source"], source, Fp8Config(scope="all"), latency_repeats=1)
+    with pytest.raises(KilovlaError, match=message):
+        load_checkpoint_policy(_damaged_copy(source, tmp_path, edit))
+
+
+def test_a_truncated_quantized_file_is_named_not_a_traceback(folders, tmp_path):
+    broken = tmp_path / "truncated"
+    shutil.copytree(folders["out"], broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(KilovlaError, match="lies outside the file"):
+        load_checkpoint_policy(broken)
+
+
+def test_a_token_table_refuses_negative_ids_as_an_embedding_does():
+    fp = Fp8BlockEmbedding.from_module(nn.Embedding(300, 8))
+    with pytest.raises(IndexError):
+        fp(torch.tensor([-1]))
 
 
 def test_a_policy_json_that_is_a_list_is_named(tmp_path, capsys):

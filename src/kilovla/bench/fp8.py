@@ -98,8 +98,8 @@ def _scope_all(policy, out: Path, dataset, size: dict, report: dict, evaluation,
     rows = [
         Row.compare("checkpoint_bytes_tiny_all", "bytes", s["bf16_bytes"], s["quantized_bytes"], higher_is_better=False,
                     note=f"demo policy on disk: bf16 copy vs the --scope all FP8 folder ({s['fp8_params']} of "
-                         f"{s['total_params']} params in FP8; the vision tower, kept, is "
-                         f"{100 * (1 - s['fp8_params'] / s['total_params']):.0f} % of the params)"),
+                         f"{s['total_params']} params in FP8; the rest, kept in bf16, is the vision tower, norms and "
+                         "biases)"),
         Row.compare("min_layer_sqnr_db_all", "dB", None, worst_db, higher_is_better=True,
                     note=f"--scope all: lowest FP8 layer output SQNR over {len(wide['layers'])} layers ({worst})"),
         Row.compare("action_mse_rel_all", "% of variance", None, 100 * a["relative"], higher_is_better=False,
@@ -109,8 +109,11 @@ def _scope_all(policy, out: Path, dataset, size: dict, report: dict, evaluation,
     if evaluation is not None and c is not None:
         torch.manual_seed(0)  # as closed_loop_summary seeds each policy's evaluation
         result = evaluation(load_checkpoint_policy(folder))
-        wide["closed_loop"] = {"overall": result["overall_success_rate"],
-                               "per_task": {t: r["success_rate"] for t, r in result["per_task"].items()}}
+        quantized = {"overall": result["overall_success_rate"],
+                     "per_task": {t: r["success_rate"] for t, r in result["per_task"].items()},
+                     "episodes_per_task": result["episodes_per_task"]}
+        wide["closed_loop"] = {"baseline": c["baseline"], "quantized": quantized,  # the shape of report["closed_loop"]
+                               "difference_points": 100 * (quantized["overall"] - c["baseline"]["overall"])}
         rows.append(Row.compare("success_rate_all", "fraction", c["baseline"]["overall"], result["overall_success_rate"],
                                 higher_is_better=True,
                                 note=f"same tasks, episodes and seeds as success_rate; unquantized vs --scope all FP8 "

@@ -295,6 +295,13 @@ def plan_load(model: nn.Module, checkpoint: Checkpoint, source: str | None = Non
     if odd:
         raise CheckpointError(f"{source or checkpoint.path}: weights stored as {', '.join(odd)}; kilovla loads float "
                               "weights (a quantized checkpoint needs `kilovla eval`, not loading as float)")
+    # ... and an FP8 payload only from its own dtype: casting bf16 values to FP8 would drop their scales.
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    recast = sorted(k for k, t in plan.items() if state[k].dtype in fp8 and DTYPES[t.dtype] != state[k].dtype)
+    if recast:
+        raise CheckpointError(f"{source or checkpoint.path}: {recast[0]} is stored as {plan[recast[0]].dtype}, but the "
+                              f"quantized layer reads it as {str(state[recast[0]].dtype).removeprefix('torch.')}"
+                              + (f" ({len(recast)} such tensors)" if len(recast) > 1 else ""))
     return plan
 
 

@@ -38,6 +38,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -189,18 +190,25 @@ def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return tiles.flatten(1)[:, :k].reshape(x.shape).to(x.dtype)
 
 
-def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
+def sqnr_db(reference: torch.Tensor, test: torch.Tensor, chunk: int = 1 << 24) -> float:
     """Signal-to-quantization-noise ratio, 20 log10(|ref| / |ref - test|) (torchao's `compute_error`),
     always a finite number in [-SQNR_CAP_DB, SQNR_CAP_DB] so that reports stay valid JSON and a minimum
     over layers never skips a broken one: no noise at all (an all-zero layer, an exact match) is
-    +SQNR_CAP_DB; NaN or inf on either side, or noise without signal, is -SQNR_CAP_DB (the worst)."""
-    ref, got = reference.detach().double(), test.detach().double()
-    if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(got).all())):
-        return -SQNR_CAP_DB
-    n = (ref - got).norm()
-    if n == 0:
+    +SQNR_CAP_DB; NaN or inf on either side, or noise without signal, is -SQNR_CAP_DB (the worst).
+    Sums run in float64 over `chunk` elements at a time (a 3B model's token table is 0.5 B values)."""
+    ref, got = reference.detach().reshape(-1), test.detach().reshape(-1)
+    signal = noise = 0.0
+    for i in range(0, len(ref), chunk):
+        r, g = ref[i:i + chunk].double(), got[i:i + chunk].double()
+        if not (bool(torch.isfinite(r).all()) and bool(torch.isfinite(g).all())):
+            return -SQNR_CAP_DB
+        signal += float(r.square().sum())
+        noise += float((r - g).square().sum())
+    if noise == 0:
         return SQNR_CAP_DB
-    value = float(20 * torch.log10(ref.norm() / n))
+    if signal == 0:
+        return -SQNR_CAP_DB
+    value = 10 * math.log10(signal / noise)
     return max(-SQNR_CAP_DB, min(SQNR_CAP_DB, value))
 
 
@@ -311,9 +319,10 @@ class Fp8BlockEmbedding(Fp8Weights):
         return f"{self.num_embeddings}, {self.embedding_dim}, block={self.block}"
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight[ids].to(self.out_dtype)
-        scales = self.weight_scale_inv[ids // self.block].repeat_interleave(self.block, dim=-1)[..., :self.embedding_dim]
-        return rows * scales.to(self.out_dtype)
+        flat = ids.reshape(-1)  # index_select refuses negative ids, as nn.Embedding does
+        rows = self.weight.index_select(0, flat).to(self.out_dtype)
+        scales = self.weight_scale_inv.index_select(0, flat // self.block).repeat_interleave(self.block, dim=-1)
+        return (rows * scales[:, :self.embedding_dim].to(self.out_dtype)).view(*ids.shape, self.embedding_dim)
 
 
 class Fp8BlockCategoryLinear(Fp8Weights):
@@ -621,8 +630,6 @@ def prepare_quantized(model: nn.Module, qconfig: dict, source: str) -> None:
 def _check_block_size(model: nn.Module, folder, source: str) -> None:
     """The block size policy.json claims against the one model.safetensors was written with (its
     metadata) and against every stored scale's shape: a wrong block dequantizes silently wrong."""
-    from pathlib import Path
-
     from safetensors import safe_open
 
     from kilovla.models.checkpoints import read_header
@@ -632,20 +639,36 @@ def _check_block_size(model: nn.Module, folder, source: str) -> None:
     if not layers or not path.is_file():
         return
     block = next(iter(layers.values())).block
+    stored = read_header(path)  # first: a truncated file is named here, before safetensors reads it
     with safe_open(str(path), "pt") as f:
         written = (f.metadata() or {}).get("weight_block_size")
     if written is not None and written != str(block):
         raise KilovlaError(f"{source}: weight_block_size [{block}, {block}] does not match the {written}x{written} "
                            f"blocks {path.name} was quantized with; restore weight_block_size [{written}, {written}]")
-    stored = read_header(path)
     for name, layer in layers.items():
         key = f"{layer.PAYLOAD}_scale_inv"
         t, want = stored.get(f"{name}.{key}"), layer._buffers[key]
         if t is not None and tuple(t.shape) != tuple(want.shape):
             shape = "x".join(map(str, layer._buffers[layer.PAYLOAD].shape))
-            raise KilovlaError(f"{source}: weight_block_size [{block}, {block}] does not match {name}.{key}: "
-                               f"a {shape} weight in {block}x{block} blocks has "
-                               f"{tuple(want.shape)} scales, the file stores {tuple(t.shape)}")
+            mismatch = (f"a {shape} weight in {block}x{block} blocks has {tuple(want.shape)} scales, the file stores "
+                        f"{tuple(t.shape)}")
+            if written is None:  # no block size in the file's metadata: either side may be wrong
+                raise KilovlaError(f"{source}: weight_block_size [{block}, {block}] does not match {name}.{key} in "
+                                   f"{path}: {mismatch}")
+            raise KilovlaError(f"{path}: {name}.{key} is damaged: {mismatch} (the file says it was written with "
+                               f"{written}x{written} blocks)")
+
+
+def _check_scales(model: nn.Module, path) -> None:
+    """Every loaded inverse scale finite and positive: a NaN or zero scale turns its whole tile into
+    NaN or zeros, silently."""
+    for name, layer in model.named_modules():
+        if isinstance(layer, Fp8Weights):
+            scales = layer._buffers[f"{layer.PAYLOAD}_scale_inv"]
+            bad = int((~(torch.isfinite(scales) & (scales > 0))).sum())
+            if bad:
+                raise KilovlaError(f"{path}: {name}.{layer.PAYLOAD}_scale_inv has {bad} scales that are not finite "
+                                   "positive numbers; the file is damaged")
 
 
 def load_quantized_weights(model: nn.Module, qconfig: dict, path, source: str) -> None:
@@ -656,6 +679,8 @@ def load_quantized_weights(model: nn.Module, qconfig: dict, path, source: str) -
     prepare_quantized(model, qconfig, source)
     _check_block_size(model, path, source)
     load_checkpoint(model, path)  # reads each tensor into the model's own dtype: FP8 as FP8, the rest float32
+    file = Path(path) / "model.safetensors"
+    _check_scales(model, file if file.is_file() else path)
 
 
 def checkpoint_bytes(model: nn.Module, layers: list[str], block: int = 128, kept_bytes: int = 2) -> dict[str, int]:

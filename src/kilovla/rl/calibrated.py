@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import timeit
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,12 +107,7 @@ def act(model, compute: ComputeSection | None, observations: list[dict], generat
 
 
 def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def _fit_line(xs: list[int], ys: list[float]) -> tuple[float, float]:

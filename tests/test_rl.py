@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from kilovla.errors import KilovlaError
 
@@ -97,6 +96,8 @@ def test_sync_mode_with_two_ddp_learners_and_collective_weight_sync(policy_dir, 
 def test_calibrated_compute_runs_the_whole_schedule_but_not_the_model(policy_dir, local_ray, tmp_path):
     """`compute.model: calibrated`: the run calibrates itself on the real policy, then the server and learner
     sleep instead of computing; versions, staleness, consumption and weight sync still happen."""
+    import torch
+
     from kilovla.models.checkpoints import read_safetensors
     from kilovla.rl import runner
 

@@ -93,6 +93,32 @@ def test_sync_mode_with_two_ddp_learners_and_collective_weight_sync(policy_dir, 
     assert all(r["learner/logp_gap"] < 1e-4 for r in records)  # nothing stale: the learner rescores the chains exactly
 
 
+def test_calibrated_compute_runs_the_whole_schedule_but_not_the_model(policy_dir, local_ray, tmp_path):
+    """`compute.model: calibrated`: the run calibrates itself on the real policy, then the server and learner
+    sleep instead of computing; versions, staleness, consumption and weight sync still happen."""
+    import torch
+
+    from kilovla.models.checkpoints import read_safetensors
+    from kilovla.rl import runner
+
+    cfg = _config(policy_dir, tmp_path / "run", "--compute.model=calibrated", "--learner.max_staleness=1",
+                  "--eval.episodes=0")
+    summary = runner.run(cfg)
+    fitted = summary["compute"]
+    assert fitted["model"] == "calibrated" and fitted["infer_base_s"] + fitted["infer_per_sample_s"] > 0
+    assert fitted["learn_base_s"] + fitted["learn_per_sample_s"] > 0 and fitted["learn_bootstrap_s"] > 0
+    records = _records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["learner/compute_sleep_s"] >= fitted["learn_base_s"] for r in records)
+    assert not any("learner/policy_loss" in r for r in records)  # the loss was never computed
+    lags = records[-1]["staleness_histogram"]
+    assert set(lags) <= {"0", "1"} and sum(lags.values()) == 3 * 4 * 3  # 3 batches x 4 segments x 3 steps, once each
+    assert records[-1]["env_steps_executed"] >= summary["env_steps"] > 0
+    start, end = read_safetensors(Path(policy_dir) / "model.safetensors"), read_safetensors(
+        Path(summary["checkpoint"]) / "model.safetensors")
+    assert end and all(torch.equal(start[k], end[k]) for k in end)  # no backward ran: the published weights are the start's
+
+
 def test_a_hung_weight_sync_ends_the_run_with_one_message(policy_dir, local_ray, tmp_path):
     from kilovla.rl import runner
 

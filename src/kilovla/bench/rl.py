@@ -1,13 +1,27 @@
 """`kilovla bench rl`: RL-VLA3 against the synchronous baseline, same workers, same policy, same algorithm.
 
 Throughput rows `env_steps_per_s_sigma_{0,0.5,1.0,1.5}` and `env_steps_per_s_straggler`: Meta-World
-envs (2 env workers x 12 envs, reach-v3 and push-v3, 32 px, two cameras rendered every step) behind
-`LatencyWrapper` (lognormal step latency with the given sigma around a 50 ms mean; straggler: 5 %
-of steps take 10x), the policy acting through the inference server and training on every global
-batch. Baseline: `--mode sync` (all envs in lock step, then training); ours: `--mode async`
-(max_staleness 1). Env steps per second over the run after its first policy version.
+envs (2 env workers x 12 envs, reach-v3 and push-v3, 32 px, two cameras rendered once per chunk)
+behind `LatencyWrapper` (lognormal step latency with the given sigma around the workload's mean;
+straggler: 5 % of steps take 10x), the policy acting through the inference server and training on
+every global batch. Baseline: `--mode sync` (all envs in lock step, then training); ours: `--mode
+async` (max_staleness 1). Env steps the workers executed per second, from the end of the first
+policy version to the end of the last (the envs' own counters, so segments that async runs ahead
+of the learner count when they are played, not when the learner takes them).
 
-Batcher grid (async, sigma 1.0): B_max x T_max -> env steps/s and p99 queue wait (table, JSON, PNG).
+Two workloads (`Workload`), each the same for both modes:
+- full: 50 ms/step mean latency, 4-step segments, 24 per global batch, the real model. On a
+  CPU-only box the model's inference and training share the cores with the envs, so both modes
+  are compute-bound and the schedule hardly shows.
+- `--quick`: the model's compute as calibrated sleeps (`rl/calibrated.py`): the real policy is timed
+  once, in this process, before the runs (inference at batch 1, 16, 24; a learner micro-batch of 4
+  and 32; one bootstrap value; one optimizer step), the fitted lines go into every run, the suite
+  JSON (`model_compute`) and every row's note. 200 ms/step mean latency (the envs' rendering then
+  needs under one of the two cores), 1-step segments (one chunk), 96 per global batch (four per
+  env), 3 policy versions per run. The policy does not learn in these runs; they measure the schedule.
+
+Batcher grid (async, sigma 1.0): B_max x T_max -> env steps/s and p99 queue wait (table, JSON, PNG);
+in --quick the throughput row's async run is the default batcher's (B_max 16, T_max 0) point.
 
 Learning (not in --quick; `FINETUNE` is the recipe): from the same supervised checkpoint, sync and
 async RL on the weak tasks (3 seeds each, `minutes / 6` each, success rate of training episodes
@@ -18,12 +32,14 @@ run of at most `minutes` minutes, minus before (baseline: the supervised checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from dataclasses import dataclass
 
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 from kilovla.errors import KilovlaError
@@ -47,57 +63,104 @@ FINETUNE = ("--env.workers=2", "--env.envs_per_worker=6", "--env.resolution=64",
             "--checkpoint.every=20")
 
 
-def throughput_config(policy: str, run_dir: Path, mode: str, latency: dict, steps: int, **rollout):
+@dataclass(frozen=True)
+class Workload:
+    """The throughput runs: the same for both modes; `compute` None runs the model, else its calibrated sleeps."""
+
+    latency_mean_s: float
+    segment_steps: int
+    batch_segments: int
+    steps: int  # policy versions per run; the first (start-up) is not measured
+    grid_steps: int
+    grid_sizes: tuple = (4, 16)
+    grid_waits: tuple = (0.0, 0.02)
+    compute: object = None
+
+    def latency(self, setting: str) -> dict:
+        return {**SETTINGS[setting], "mean_s": self.latency_mean_s}
+
+    def describe(self) -> str:
+        return (f"metaworld reach+push, 24 envs in 2 workers, 32 px, 2 cameras, {self.segment_steps}-step segments, "
+                f"{self.batch_segments} per global batch")
+
+
+FULL = Workload(LATENCY_MEAN_S, segment_steps=4, batch_segments=24, steps=8, grid_steps=6, grid_sizes=(4, 12, 24),
+                grid_waits=(0.0, 0.005, 0.02))
+# --quick: the model's compute as calibrated sleeps (a cluster runs it on accelerators). Rendering two
+# cameras costs ~30 ms of CPU per chunk here (llvmpipe), so 24 envs at 50 ms/step would need ~2.5 of the
+# 2 cores; at 200 ms/step they need ~0.8, which leaves the schedule, not this CPU, setting the pace.
+# One-chunk segments, four per env per global batch (sync: four lock steps per version): a slow env holds
+# back async's version barrier by one chunk, not a whole segment (2-step segments, 48 per batch: 1.8x at
+# sigma 1.0 against 2.4x in a side-by-side trial).
+QUICK = Workload(0.2, segment_steps=1, batch_segments=96, steps=3, grid_steps=3)
+
+
+def throughput_config(policy: str, run_dir: Path, mode: str, latency: dict, steps: int, compute=None,
+                      segment_steps: int = 4, batch_segments: int = 24, **rollout):
+    """The throughput workload; `compute` (a `ComputeSection`) replaces the model's arithmetic with its sleeps."""
     from kilovla.rl import runner
 
     overrides = [f"--run_dir={run_dir}", f"--policy={policy}", f"--mode={mode}", f"--steps={steps}",
                  f"--env.tasks=[{','.join(WEAK_TASKS)}]", "--env.workers=2", "--env.envs_per_worker=12",
-                 "--env.resolution=32", "--rollout.segment_steps=4", "--learner.batch_segments=24",
-                 "--learner.max_staleness=1", "--eval.episodes=0", "--progress=false",
-                 f"--checkpoint.every={steps + 1}", "--env.latency=" + json.dumps(latency)]
+                 "--env.resolution=32", f"--rollout.segment_steps={segment_steps}",
+                 f"--learner.batch_segments={batch_segments}", "--learner.max_staleness=1", "--eval.episodes=0",
+                 "--progress=false", f"--checkpoint.every={steps + 1}", "--env.latency=" + json.dumps(latency)]
     overrides += [f"--rollout.{k}={v}" for k, v in rollout.items()]
+    if compute is not None:
+        overrides += [f"--compute.{k}={v}" for k, v in vars(compute).items()]
     return runner.load(None, overrides)
 
 
+def _workload_config(policy: str, run_dir: Path, mode: str, work: Workload, setting: str, steps: int, **rollout):
+    return throughput_config(policy, run_dir, mode, work.latency(setting), steps, work.compute,
+                             segment_steps=work.segment_steps, batch_segments=work.batch_segments, **rollout)
+
+
 def _env_steps_per_s(summary: dict, run_dir: Path) -> float:
+    """Env steps the workers executed per second between the first policy version and the last (the envs'
+    own counters: segments run ahead of the learner count when they are stepped, not when consumed)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    after_first = records[1:] or records
-    steps = records[-1]["env_steps"] - (records[0]["env_steps"] if len(records) > 1 else 0)
-    wall = records[-1]["wall_s"] - (records[0]["wall_s"] if len(records) > 1 else 0)
-    return steps / wall if wall > 0 else statistics.median(r["env_steps_per_s"] for r in after_first)
+    first, last = (records[0], records[-1]) if len(records) > 1 else ({"env_steps_executed": 0, "wall_s": 0.0}, records[-1])
+    return (last["env_steps_executed"] - first["env_steps_executed"]) / (last["wall_s"] - first["wall_s"])
 
 
-def _throughput_rows(policy: str, tmp: Path, steps: int, settings: dict) -> tuple[list[Row], dict]:
+def _throughput_rows(policy: str, tmp: Path, work: Workload, settings=tuple(SETTINGS)) -> tuple[list[Row], dict]:
     from kilovla.rl import runner
 
+    compute = "real" if work.compute is None else work.compute.describe()
     rows, raw = [], {}
-    for name, latency in settings.items():
-        speeds = {}
+    for name in settings:
+        latency, speeds = work.latency(name), {}
         for mode in ("sync", "async"):
             run_dir = tmp / f"{name}-{mode}"
-            summary = runner.run(throughput_config(policy, run_dir, mode, latency, steps))
+            summary = runner.run(_workload_config(policy, run_dir, mode, work, name, work.steps))
             speeds[mode] = _env_steps_per_s(summary, run_dir)
-            raw[f"{name}/{mode}"] = {"env_steps_per_s": speeds[mode], "staleness": summary["staleness_histogram"]}
+            raw[f"{name}/{mode}"] = {"env_steps_per_s": speeds[mode], "staleness": summary["staleness_histogram"],
+                                     "run_dir": str(run_dir)}
         rows.append(Row.compare(f"env_steps_per_s_{name}", "env-steps/s", speeds["sync"], speeds["async"],
                                 higher_is_better=True,
-                                note=f"metaworld reach+push, 24 envs in 2 workers, {latency['distribution']} latency "
-                                     f"mean {LATENCY_MEAN_S * 1000:.0f} ms/step"
+                                note=f"{work.describe()}, {latency['distribution']} latency "
+                                     f"mean {latency['mean_s'] * 1000:.0f} ms/step"
                                      f"{', sigma ' + str(latency['sigma']) if 'sigma' in latency else ''}; "
-                                     "sync (lock step, then train) vs async (max_staleness 1)"))
+                                     f"sync (lock step, then train) vs async (max_staleness 1); model compute: {compute}"))
     return rows, raw
 
 
-def _batcher_grid(policy: str, tmp: Path, steps: int, sizes, waits) -> list[dict]:
+def _batcher_grid(policy: str, tmp: Path, work: Workload, done: dict | None = None) -> list[dict]:
+    """Async at sigma 1.0 over B_max x T_max; `done` maps (B_max, T_max) to a run directory already measured
+    with the same workload (the throughput row's async run is the default batcher's point)."""
     from kilovla.rl import runner
 
     grid = []
-    for b in sizes:
-        for t in waits:
-            run_dir = tmp / f"grid-b{b}-t{t}"
-            summary = runner.run(throughput_config(policy, run_dir, "async", SETTINGS["sigma_1.0"], steps,
-                                                   max_batch_size=b, max_wait_s=t))
-            last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-            grid.append({"max_batch_size": b, "max_wait_s": t, "env_steps_per_s": _env_steps_per_s(summary, run_dir),
+    for b in work.grid_sizes:
+        for t in work.grid_waits:
+            run_dir = (done or {}).get((b, t))
+            if run_dir is None:
+                run_dir = tmp / f"grid-b{b}-t{t}"
+                runner.run(_workload_config(policy, run_dir, "async", work, "sigma_1.0", work.grid_steps,
+                                            max_batch_size=b, max_wait_s=t))
+            last = json.loads((Path(run_dir) / "metrics.jsonl").read_text().splitlines()[-1])
+            grid.append({"max_batch_size": b, "max_wait_s": t, "env_steps_per_s": _env_steps_per_s({}, Path(run_dir)),
                          "queue_wait_p50_s": last["queue_wait_p50_s"], "queue_wait_p99_s": last["queue_wait_p99_s"],
                          "mean_batch_size": last["mean_batch_size"]})
     return grid
@@ -199,10 +262,24 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kilovla-bench-rl-") as tmp:
         tmp = Path(tmp)
-        rows, raw = _throughput_rows(policy, tmp, 3 if quick else 8, SETTINGS)
-        grid = _batcher_grid(policy, tmp, 3 if quick else 6, (4, 16) if quick else (4, 12, 24),
-                             (0.0, 0.02) if quick else (0.0, 0.005, 0.02))
-        extra = {"throughput": raw, "batcher_grid": grid, "policy": policy}
+        work = FULL
+        if quick:  # the model's compute as sleeps timed from the real policy, here, once for every run
+            from kilovla.rl import runner
+            from kilovla.rl.calibrated import ComputeSection
+
+            calibrating = _workload_config(policy, tmp / "calibrate", "async", QUICK, "sigma_1.0", 1)
+            work = dataclasses.replace(QUICK, compute=runner.calibrate(
+                dataclasses.replace(calibrating, compute=ComputeSection("calibrated"))))
+        from kilovla.rl.runner import RolloutSection
+
+        rows, raw = _throughput_rows(policy, tmp, work)
+        default, run_dirs = RolloutSection(), {k: v.pop("run_dir") for k, v in raw.items()}
+        same = {(default.max_batch_size, default.max_wait_s): run_dirs["sigma_1.0/async"]} \
+            if work.grid_steps == work.steps else {}
+        grid = _batcher_grid(policy, tmp, work, same)
+        extra = {"throughput": raw, "batcher_grid": grid, "policy": policy,
+                 "workload": {k: v for k, v in vars(work).items() if k != "compute"},
+                 "model_compute": "real" if work.compute is None else vars(work.compute)}
         curves = {}
         if not quick:
             curves = learning_curves(policy, tmp, minutes=minutes / 6)  # 6 runs: as long as the fine-tuning

@@ -21,15 +21,23 @@ The optimizer, its schedule and gradient clipping are the supervised trainer's (
 with the value head in its own parameter group; freezing is the trainer's `apply_freeze`; on
 several ranks the model is wrapped by the trainer's `distributed.parallelize` (DDP) and only the
 micro-batch that completes a global batch reduces gradients (`distributed.gradient_sync`).
+
+With calibrated compute (`calibrated.ComputeSection`, throughput benchmarks only) the model's
+arithmetic is replaced by sleeps of the measured times: the bootstrap value is the stored value of
+the segment's last step, each micro-batch sleeps instead of forward + backward, the optimizer step
+sleeps; the data handling, GAE, advantage scale, `StreamingStep`'s once-per-global-batch step and the
+version bump stay as they are.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from kilovla.rl.calibrated import ComputeSection, sleep_until
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.losses import decoupled_ppo_loss, gae, value_loss
 from kilovla.rl.core.streaming import StreamingStep
@@ -97,8 +105,9 @@ class AdvantageScale:
 
 class Learner:
     def __init__(self, model: ActorCritic, cfg: AlgoConfig, segments_per_step: int, segment_steps: int,
-                 total_steps: int, world: distributed.World | None = None):
+                 total_steps: int, world: distributed.World | None = None, compute: ComputeSection | None = None):
         self.cfg, self.world = cfg, world or distributed.World()
+        self.compute = compute if compute is not None and compute.calibrated else None
         self.model = model
         apply_freeze(model.vla, freeze_vision=cfg.freeze_vision, freeze_vlm=cfg.freeze_vlm)
         self.step_model = distributed.parallelize(model, "ddp", self.world)
@@ -109,11 +118,19 @@ class Learner:
         self.version = 0
         self.adv_scale = AdvantageScale(cfg.advantage_rms_momentum)
         self._stats: list[dict] = []
+        self._no_loss = torch.zeros((), requires_grad=True)  # calibrated compute: a backward that touches no weight
 
     def advantages(self, segment: trajectory.Segment) -> tuple[np.ndarray, np.ndarray]:
         """GAE over a segment: (advantages, returns), bootstrapped with the current critic after the segment
         and with the stored value of the last acted-on observation at a truncation."""
-        last = 0.0 if segment.done[-1] else float(self.model.value(trajectory.stack([segment.next_obs]))[0])
+        if segment.done[-1]:
+            last = 0.0
+        elif self.compute is not None:
+            t0 = time.monotonic()
+            last = float(segment.value[-1])
+            sleep_until(t0, self.compute.learn_bootstrap_s)
+        else:
+            last = float(self.model.value(trajectory.stack([segment.next_obs]))[0])
         truncated = segment.truncated if segment.truncated is not None else np.zeros(len(segment), bool)
         value = torch.tensor(segment.value)
         adv, ret = gae(torch.tensor(segment.reward, dtype=torch.float32), value, torch.tensor(segment.done),
@@ -134,9 +151,12 @@ class Learner:
         stepped = None
         for start in range(0, n, self.cfg.micro_batch):
             rows = np.arange(start, min(n, start + self.cfg.micro_batch))
-            with distributed.gradient_sync(self.step_model, sync=self.stream.completes(len(rows))):
-                loss, stats = self._loss(data, rows, scale)
-                out = self.stream.backward(loss, len(rows))
+            if self.compute is not None:
+                out, stats = self._calibrated_backward(len(rows))
+            else:
+                with distributed.gradient_sync(self.step_model, sync=self.stream.completes(len(rows))):
+                    loss, stats = self._loss(data, rows, scale)
+                    out = self.stream.backward(loss, len(rows))
             self._stats.append(stats)
             if out is not None:
                 stepped = self._finish_step(out)
@@ -151,6 +171,14 @@ class Learner:
         stats.update(policy_loss=policy.mean().item(), value_loss=critic.mean().item(),
                      logp_gap=(logp.detach() - behav).abs().mean().item(), advantage=t("adv").mean().item())
         return (policy + self.cfg.value_coef * critic).sum(), stats
+
+    def _calibrated_backward(self, n: int) -> tuple[dict | None, dict]:
+        """A micro-batch of n samples with the model's compute as sleeps: the stream still counts the samples
+        and steps the optimizer (on no gradients: the weights stay) when the global batch is complete."""
+        t0 = time.monotonic()
+        seconds = self.compute.learn_s(n) + (self.compute.learn_step_s if self.stream.completes(n) else 0.0)
+        sleep_until(t0, seconds)
+        return self.stream.backward(self._no_loss, n), {"compute_sleep_s": seconds}
 
     def _finish_step(self, out: dict) -> dict:
         self.version += 1

@@ -20,10 +20,14 @@ Env workers that crash or hang are replaced (their running segments are dropped 
 weight sync that does not finish within `weight_sync_timeout_s` ends the run with one line; a
 killed driver continues from its last checkpoint with `--resume`. Metrics per policy version go to
 run_dir/metrics.jsonl; the final policy is evaluated closed loop with the trainer's `evaluate`.
+`compute.model: calibrated` replaces the model's arithmetic with sleeps timed from the real policy
+(calibrated.py): for throughput benchmarks of the schedule where the env CPUs would otherwise also
+run the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +42,7 @@ import torch
 from kilovla import config as config_mod
 from kilovla.data.ray_cluster import connect_ray
 from kilovla.errors import KilovlaError
+from kilovla.rl.calibrated import ComputeSection
 from kilovla.rl.core.flow import FlowSDE
 from kilovla.rl.learner import AlgoConfig
 from kilovla.train import checkpoint as ckpt
@@ -118,6 +123,7 @@ class RLConfig:
     learner: LearnerSection = field(default_factory=LearnerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    compute: ComputeSection = field(default_factory=ComputeSection)  # real, or calibrated sleeps (calibrated.py)
     weight_sync: str = "auto"  # object_store, collective (NCCL on GPUs, gloo on CPU), auto: collective on CUDA
     weight_sync_timeout_s: float = 120.0
     inference_threads: int = 1
@@ -145,6 +151,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     version = state.get("version", 0)
+    if cfg.compute.calibrated and not cfg.compute.fitted:
+        cfg = dataclasses.replace(cfg, compute=calibrate(dataclasses.replace(cfg, policy=policy_dir)))
 
     connect_ray(ray_address, num_cpus=max(2, os.cpu_count() or 2), what="kilovla rl")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -160,6 +168,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
         loop.run(version, state)
         final = roles.checkpoint(loop.version, loop.counters(), keep=cfg.checkpoint.keep)
         summary = {"mode": cfg.mode, "steps": loop.version, "checkpoint": str(final), **loop.summary()}
+        if cfg.compute.calibrated:
+            summary["compute"] = {k: v for k, v in vars(cfg.compute).items()}
     finally:
         roles.shutdown()
         logger.close()
@@ -221,6 +231,22 @@ def _check_policy_fits_env(cfg: RLConfig, policy_dir: str, meta: dict) -> None:
     check_compatible(declared, spec)
 
 
+def calibrate(cfg: RLConfig) -> ComputeSection:
+    """The calibrated compute of this run's policy: times measured here, in this process, on an observation
+    of the run's env (`calibrated.calibrate`), at batch sizes up to every env at once."""
+    from kilovla.rl.calibrated import calibrate as measure, env_observation
+
+    meta = json.loads((Path(cfg.policy) / "policy.json").read_text())
+    n_action_steps = cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
+    n_envs = cfg.env.workers * cfg.env.envs_per_worker
+    fitted = measure(cfg.policy, _sde(cfg, meta), n_action_steps, env_observation(cfg.env, cfg.seed), cfg.learner.algo,
+                     batch_sizes=sorted({1, min(cfg.rollout.max_batch_size, n_envs), n_envs}),
+                     micro_batches=sorted({min(4, cfg.learner.algo.micro_batch), cfg.learner.algo.micro_batch}),
+                     threads=cfg.inference_threads)
+    log.warning("compute.model calibrated: the model does not run; %s", fitted.describe())
+    return fitted
+
+
 def _sde(cfg: RLConfig, meta: dict) -> FlowSDE:
     from kilovla.models.presets import preset
 
@@ -240,7 +266,7 @@ class _Roles:
         self.cfg, self.policy_dir, self.faults = cfg, policy_dir, faults
         self.meta = json.loads((Path(policy_dir) / "policy.json").read_text())
         self.server = workers.InferenceServer.remote(policy_dir, sde, n_action_steps, cfg.rollout.max_batch_size,
-                                                     cfg.rollout.max_wait_s, cfg.seed, cfg.inference_threads)
+                                                     cfg.rollout.max_wait_s, cfg.seed, cfg.inference_threads, cfg.compute)
         if faults.get("server"):
             ray.get(self.server.inject.remote(faults["server"]))
         ray.get(self.server.stats.remote())  # started: weight syncs are timed from here
@@ -249,7 +275,7 @@ class _Roles:
         ranks = cfg.learner.ranks
         self.learners = [workers.LearnerWorker.remote(policy_dir, sde, n_action_steps, cfg.learner.algo,
                                                       cfg.learner.batch_segments, cfg.rollout.segment_steps, cfg.steps,
-                                                      cfg.learner_threads) for _ in range(ranks)]
+                                                      cfg.learner_threads, cfg.compute) for _ in range(ranks)]
         store = ray.get(self.learners[0].address.remote()) if ranks > 1 else None
         ray.get([lw.start.remote(rank, ranks, store) for rank, lw in enumerate(self.learners)])
         seeds = state.get("next_seeds") or {}
@@ -404,6 +430,7 @@ class _Roles:
             except Exception:  # noqa: BLE001  a dying worker reports nothing; the health check replaces it
                 continue
         out["env_busy_fraction"] = float(np.mean([b["busy_fraction"] for b in beats])) if beats else 0.0
+        out["env_steps_executed"] = sum(b["env_steps"] for b in beats)
         out["env_nodes"] = sorted({b["node"] for b in beats})
         return out
 
@@ -469,6 +496,7 @@ class _Loop:
                   "env_steps_per_s": (self.env_steps - w["env_steps"]) / dt, "wall_s": now - self.t_start,
                   "success_rate": (self.successes - w["successes"]) / episodes if episodes else None,
                   "episodes": episodes, **{f"learner/{k}": v for k, v in learner_stats.items() if k != "version"},
+                  "env_steps_executed": stats["env_steps_executed"],
                   "busy/env": stats["env_busy_fraction"], "busy/inference": inference["busy_fraction"],
                   "busy/learner": stats["learner_busy_fraction"], "batch_size_histogram": inference["batch_size_histogram"],
                   "mean_batch_size": inference["mean_batch_size"], "queue_wait_p50_s": inference["queue_wait_p50_s"],

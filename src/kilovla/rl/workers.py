@@ -7,6 +7,8 @@
 - `InferenceServer`: a policy replica; `act(obs)` requests from every env go through a
   `DynamicBatcher`, a background task runs each batch in one forward; `act_batch` is the synchronous
   path (one forward over all envs). Weights arrive with a version (`set_weights`) between batches.
+  With calibrated compute (`calibrated.py`) a batch sleeps its fitted time and answers with
+  stand-in actions instead of running the model; batching, versions and weight loading are unchanged.
 - `TrajectoryBuffer`: the `StalenessGate` and the queue of finished segments; envs wait here for
   admission, the runner takes segments for the learner, each segment id at most once.
 - `LearnerWorker`: a `Learner` (learner.py) in an actor; several form a DDP group (gloo on CPU, NCCL
@@ -28,6 +30,7 @@ import numpy as np
 import ray
 import torch
 
+from kilovla.rl import calibrated
 from kilovla.rl.core.batcher import DynamicBatcher
 from kilovla.rl.core.flow import FlowSDE
 from kilovla.rl.core.staleness import StalenessGate
@@ -233,11 +236,12 @@ class WeightChannel:
 @ray.remote(num_cpus=0)
 class InferenceServer:
     def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, max_batch_size: int, max_wait_s: float,
-                 seed: int, threads: int = 1):
+                 seed: int, threads: int = 1, compute=None):
         from kilovla.rl.policy import load_actor_critic
 
         torch.set_num_threads(threads)
         self.model = load_actor_critic(policy_dir, sde, n_action_steps).eval()
+        self.compute = compute
         self.batcher = DynamicBatcher(max_batch_size, max_wait_s)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
@@ -250,7 +254,7 @@ class InferenceServer:
 
     def _forward(self, observations: list[dict]) -> list[dict]:
         t0 = time.monotonic()
-        out = self.model.act(stack(observations), self.generator)
+        out = calibrated.act(self.model, self.compute, observations, self.generator)
         self.busy.add(time.monotonic() - t0)
         return [{k: v[i] for k, v in out.items()} | {"version": self.version} for i in range(len(observations))]
 
@@ -422,13 +426,14 @@ class LearnerWorker:
     whose TCP store lives on rank 0's node."""
 
     def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, algo, segments_per_step: int,
-                 segment_steps: int, total_steps: int, threads: int = 1):
+                 segment_steps: int, total_steps: int, threads: int = 1, compute=None):
         from kilovla.rl.policy import load_actor_critic
 
         torch.set_num_threads(threads)
         torch.manual_seed(0)
         self.model = load_actor_critic(policy_dir, sde, n_action_steps).eval()  # eval: no dropout, as when acting
         self.args = (algo, segments_per_step, segment_steps, total_steps)
+        self.compute = compute
         self.busy = _Busy()
 
     def address(self) -> tuple[str, int]:
@@ -449,7 +454,7 @@ class LearnerWorker:
             host, port = store
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                     init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
-        self.learner = Learner(self.model, *self.args[:3], self.args[3], distributed.World(rank=rank, size=world_size))
+        self.learner = Learner(self.model, *self.args, distributed.World(rank=rank, size=world_size), self.compute)
 
     def consume(self, segments: list[Segment]) -> dict | None:
         t0 = time.monotonic()

@@ -165,7 +165,10 @@ class EnvWorker:
 
     # sync mode: the runner steps every env at once
     def observe(self) -> list[dict]:
-        return list(self.obs)
+        # On each env's own thread, so after any chunk still running there: a round abandoned because
+        # another worker died leaves this worker's step_all going, and its mid-chunk observations
+        # were never rendered (the actor serves calls concurrently).
+        return [f.result() for f in [t.submit(lambda i=i: self.obs[i]) for i, t in enumerate(self._threads)]]
 
     def step_all(self, actions: list[np.ndarray]) -> list[tuple[float, bool, bool, list[Episode], int]]:
         return [f.result() for f in [t.submit(self._execute, i, a) for i, (t, a) in enumerate(zip(self._threads, actions))]]

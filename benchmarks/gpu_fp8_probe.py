@@ -44,17 +44,23 @@ def section(name):
     return wrap
 
 
-def graph_time(fn, repeats=50):
-    """Microseconds per call of fn() replayed from a CUDA graph (launch overhead gone)."""
+def capture(fn, warmups=3):
+    """fn() captured as a CUDA graph after warm-up calls on a side stream; -> (graph, fn's output)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for _ in range(3):
+        for _ in range(warmups):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        out = fn()
+    return g, out
+
+
+def graph_time(fn, repeats=50):
+    """Microseconds per call of fn() replayed from a CUDA graph (launch overhead gone)."""
+    g, _ = capture(fn)
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -155,15 +161,7 @@ def graphed_loop(model):
                 x = x + dt * field(x, t)
             return x
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                loop()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = loop()
+        g, out = capture(loop, warmups=2)
 
     def chunk():
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):

@@ -206,26 +206,12 @@ def _env_cameras(env: str, flag: str | None) -> tuple[str, ...]:
     return tuple(flag.split(",")) if flag else env_spec(env, "").cameras
 
 
-def _task_progress(total_tasks: int, label: str):
-    """A rich progress bar with one row per task; returns (context manager, callback)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    rows: dict[str, int] = {}
-
-    def update(task: str, done: int, total: int) -> None:
-        if task not in rows:
-            rows[task] = progress.add_task(f"{label} {task}", total=total)
-        progress.update(rows[task], completed=done)
-
-    return progress, update
-
-
 def cmd_collect(args) -> int:
     from kilovla.envs.collect import collect
+    from kilovla.eval.closed_loop import task_progress
 
     tasks = _tasks(args.env, args.tasks)
-    progress, update = _task_progress(len(tasks), "collect")
+    progress, update = task_progress("collect")
     with progress:
         report = collect(args.out, env=args.env, tasks=tasks, episodes_per_task=args.episodes_per_task,
                          cameras=tuple(args.cameras.split(",")), resolution=args.resolution, noise_std=args.noise,
@@ -240,12 +226,12 @@ def cmd_collect(args) -> int:
 def cmd_eval(args) -> int:
     from rich.table import Table
 
-    from kilovla.eval.closed_loop import evaluate, load_policy
+    from kilovla.eval.closed_loop import evaluate, load_policy, task_progress
 
     tasks = _tasks(args.env, args.tasks)
     policy = load_policy(args.policy, env=args.env, seed=args.seed)
     cameras = _env_cameras(args.env, args.cameras)
-    progress, update = _task_progress(len(tasks), "eval")
+    progress, update = task_progress("eval")
     with progress:
         report = evaluate(policy, env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
                           batch_size=args.batch_size, n_action_steps=args.n_action_steps, num_workers=args.workers,
@@ -309,7 +295,7 @@ def cmd_quantize(args) -> int:
     evaluation = None
     if args.eval_episodes:
         from kilovla.envs.base import env_spec
-        from kilovla.eval.closed_loop import check_compatible, evaluate
+        from kilovla.eval.closed_loop import check_compatible, evaluate, task_progress
         from kilovla.quant.folder import describe_source
 
         tasks = _tasks(args.env, args.tasks)
@@ -324,7 +310,7 @@ def cmd_quantize(args) -> int:
         check_compatible(describe_source(args.policy_dir), env_spec(args.env, tasks[0], cameras=cameras, **steps))
 
         def evaluation(policy):
-            progress, update = _task_progress(len(tasks), f"eval {policy.name}")
+            progress, update = task_progress(f"eval {policy.name}")
             with progress:
                 return evaluate(policy, env=args.env, tasks=tasks, episodes=args.eval_episodes, seed=args.seed,
                                 batch_size=args.batch_size, resolution=args.resolution, num_workers=args.workers,

@@ -56,6 +56,22 @@ def episode_seeds(seed: int, task_index: int, episodes: int) -> list[int]:
     return [seed * EVAL_SEED_STRIDE + task_index * 1000 + i for i in range(episodes)]
 
 
+def task_progress(label: str):
+    """A rich progress bar with one row per task, for `evaluate`'s and `collect`'s ``progress``
+    callback; returns (context manager, callback)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    rows: dict[str, int] = {}
+
+    def update(task: str, done: int, total: int) -> None:
+        if task not in rows:
+            rows[task] = progress.add_task(f"{label} {task}", total=total)
+        progress.update(rows[task], completed=done)
+
+    return progress, update
+
+
 def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int, seed: int = 0,
              batch_size: int = 8, n_action_steps: int | None = None, num_workers: int = 0,
              cameras: tuple[str, ...] = ("scene", "wrist"), resolution: int = 96, max_steps: int | None = None,

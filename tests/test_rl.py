@@ -69,6 +69,8 @@ def test_async_run_replaces_a_crashed_and_a_hung_env_worker(policy_dir, local_ra
     assert set(summary["staleness_histogram"]) <= {"0", "1"}  # max_staleness 1
     records = _records(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3]
+    executed = [r["env_steps_executed"] for r in records]  # a replaced worker's steps stay counted
+    assert executed == sorted(executed) and executed[-1] >= summary["env_steps"]
     assert {"env_steps_per_s", "success_rate", "busy/env", "busy/inference", "busy/learner", "batch_size_histogram",
             "queue_wait_p50_s", "queue_wait_p99_s", "staleness_histogram", "learner/policy_loss"} <= set(records[-1])
     final = Path(summary["checkpoint"])
@@ -91,6 +93,20 @@ def test_sync_mode_with_two_ddp_learners_and_collective_weight_sync(policy_dir, 
     assert records[-1]["mean_batch_size"] == 4  # one forward over all four envs per lock step
     assert all(r["learner/grad_norm"] > 0 for r in records)
     assert all(r["learner/logp_gap"] < 1e-4 for r in records)  # nothing stale: the learner rescores the chains exactly
+
+
+def test_a_calibrated_run_does_not_resume_as_a_real_one(policy_dir, tmp_path):
+    """A calibrated run's weights never trained; resuming it with real compute (or the reverse) is refused
+    before Ray starts."""
+    import shutil
+
+    from kilovla.rl import runner
+
+    folder = tmp_path / "run" / "checkpoints" / "step_000002"
+    shutil.copytree(policy_dir, folder)
+    (folder / "rl_state.json").write_text(json.dumps({"version": 2, "compute_model": "calibrated"}))
+    with pytest.raises(KilovlaError, match="model compute was 'calibrated' .* compute.model='real'"):
+        runner.run(_config(policy_dir, tmp_path / "run", "--eval.episodes=0"), resume=str(folder))
 
 
 def test_calibrated_compute_runs_the_whole_schedule_but_not_the_model(policy_dir, local_ray, tmp_path):
@@ -163,6 +179,7 @@ def test_env_workers_spread_over_a_two_node_cluster(policy_dir, tmp_path):
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()  # under load the second node may register after the workers are placed
     try:
         ray.init(address=cluster.address, logging_level="ERROR")
         summary = runner.run(_config(policy_dir, tmp_path / "run", "--steps=2", "--eval.episodes=0"))

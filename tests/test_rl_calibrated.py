@@ -104,8 +104,13 @@ def test_the_fit_recovers_a_line_and_times_never_go_negative():
 def test_compute_config_is_checked():
     with pytest.raises(KilovlaError, match="compute.model must be one of"):
         ComputeSection("gpu")
-    with pytest.raises(KilovlaError, match="compute times must be >= 0"):
-        ComputeSection("calibrated", infer_base_s=-1.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(KilovlaError, match="compute times must be finite numbers >= 0"):
+            ComputeSection("calibrated", infer_base_s=bad, infer_per_sample_s=1.0, learn_base_s=1.0)
+    with pytest.raises(KilovlaError, match="compute.model is real, so infer_base_s would be ignored"):
+        ComputeSection("real", infer_base_s=0.5)
+    with pytest.raises(KilovlaError, match="calibrated with only learn_base_s: give the inference and learner"):
+        ComputeSection("calibrated", learn_base_s=0.5)
     assert not ComputeSection("calibrated").fitted and COMPUTE.fitted
     assert COMPUTE.inference_s(10) == pytest.approx(0.07)
     assert "calibrated sleeps from a measured step: inference 30.0 + 4.00*B ms" in COMPUTE.describe()

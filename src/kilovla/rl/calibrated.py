@@ -21,6 +21,7 @@ as compute on another device would.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import timeit
@@ -49,8 +50,16 @@ class ComputeSection:
         if self.model not in MODELS:
             raise KilovlaError(f"compute.model must be one of {MODELS}, not {self.model!r}")
         times = {k: v for k, v in vars(self).items() if k != "model"}
-        if any(v < 0 for v in times.values()):
-            raise KilovlaError(f"compute times must be >= 0: {times}")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in times.values()):
+            raise KilovlaError(f"compute times must be finite numbers >= 0: {times}")
+        given = [k for k, v in times.items() if v]
+        if self.model == "real" and given:
+            raise KilovlaError(f"compute.model is real, so {', '.join(given)} would be ignored: set compute.model="
+                               "calibrated, or leave the times out")
+        if self.calibrated and given and not self.fitted:
+            raise KilovlaError(f"compute.model calibrated with only {', '.join(given)}: give the inference and learner "
+                               "times together (infer_base_s / infer_per_sample_s and learn_base_s / learn_per_sample_s), "
+                               "or none to measure them")
 
     @property
     def calibrated(self) -> bool:

@@ -151,6 +151,10 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     version = state.get("version", 0)
+    if state.get("compute_model", "real") != cfg.compute.model:
+        raise KilovlaError(f"{folder}: this run's model compute was {state.get('compute_model', 'real')!r} (its weights "
+                           f"{'never trained' if state.get('compute_model') == 'calibrated' else 'trained'}); resuming "
+                           f"it with compute.model={cfg.compute.model!r} would mix the two: start a new run_dir")
     if cfg.compute.calibrated and not cfg.compute.fitted:
         cfg = dataclasses.replace(cfg, compute=calibrate(dataclasses.replace(cfg, policy=policy_dir)))
 
@@ -280,6 +284,7 @@ class _Roles:
         ray.get([lw.start.remote(rank, ranks, store) for rank, lw in enumerate(self.learners)])
         seeds = state.get("next_seeds") or {}
         self.envs, self.next_seed, self._seen, self._checked, self.incarnation = [], {}, {}, 0.0, {}
+        self._executed: dict[tuple[int, int], int] = {}  # (worker, incarnation) -> its last reported env steps
         self._answered: dict[int, bool] = {}  # has this incarnation answered a heartbeat (built its envs)?
         self._build_failures: dict[int, int] = {}  # consecutive incarnations that died before answering
         for w in range(cfg.env.workers):
@@ -398,7 +403,7 @@ class _Roles:
                          tmp / "value_head.safetensors")
         torch.save(learner_state, tmp / "learner.pt")
         (tmp / "policy.json").write_text(json.dumps(self.meta, indent=2))
-        state = {"version": version, "started_from": self.started_from,
+        state = {"version": version, "started_from": self.started_from, "compute_model": self.cfg.compute.model,
                  "next_seeds": {str(w): s for w, s in self.next_seed.items()},
                  "replaced_workers": self.replaced, **counters}
         (tmp / "rl_state.json").write_text(json.dumps(state, indent=2))
@@ -424,13 +429,15 @@ class _Roles:
         out = {"inference": ray.get(self.server.stats.remote()), "buffer": ray.get(self.buffer.stats.remote()),
                "learner_busy_fraction": ray.get(self.learners[0].busy_fraction.remote())}
         beats = []
-        for worker in self.envs:
+        for w, worker in enumerate(self.envs):
             try:
                 beats.append(ray.get(worker.heartbeat.remote(), timeout=5))
             except Exception:  # noqa: BLE001  a dying worker reports nothing; the health check replaces it
                 continue
+            self._executed[(w, self.incarnation.get(w, 0))] = beats[-1]["env_steps"]
         out["env_busy_fraction"] = float(np.mean([b["busy_fraction"] for b in beats])) if beats else 0.0
-        out["env_steps_executed"] = sum(b["env_steps"] for b in beats)
+        # a running total over every incarnation: a replaced (or silent) worker's steps stay counted
+        out["env_steps_executed"] = sum(self._executed.values())
         out["env_nodes"] = sorted({b["node"] for b in beats})
         return out
 

@@ -179,7 +179,7 @@ def test_env_workers_spread_over_a_two_node_cluster(policy_dir, tmp_path):
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()  # under load the second node may register after the workers are placed
+    cluster.wait_for_nodes()
     try:
         ray.init(address=cluster.address, logging_level="ERROR")
         summary = runner.run(_config(policy_dir, tmp_path / "run", "--steps=2", "--eval.episodes=0"))

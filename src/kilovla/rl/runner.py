@@ -151,7 +151,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     version = state.get("version", 0)
-    if state.get("compute_model", "real") != cfg.compute.model:
+    if folder is not None and state.get("compute_model", "real") != cfg.compute.model:
         raise KilovlaError(f"{folder}: this run's model compute was {state.get('compute_model', 'real')!r} (its weights "
                            f"{'never trained' if state.get('compute_model') == 'calibrated' else 'trained'}); resuming "
                            f"it with compute.model={cfg.compute.model!r} would mix the two: start a new run_dir")
@@ -258,6 +258,17 @@ def _sde(cfg: RLConfig, meta: dict) -> FlowSDE:
     return FlowSDE(steps=steps, noise_level=cfg.rollout.noise_level, stochastic=cfg.rollout.stochastic)
 
 
+def _spread(w: int):
+    """Env worker `w` on the w-th alive node, round robin (soft: anywhere if that node is gone). Ray's
+    "SPREAD" is best effort and, for actors that ask for no CPU, was seen to put both of two workers on
+    one node of two."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    return NodeAffinitySchedulingStrategy(nodes[w % len(nodes)], soft=True)
+
+
 class _Roles:
     """The actors of a run, their creation, replacement and weight sync."""
 
@@ -312,7 +323,7 @@ class _Roles:
         self._seen[w] = time.monotonic() + STARTUP_S  # building envs (imports, renderers) takes a while
         self._answered[w] = False
         self.incarnation[w] = self.incarnation.get(w, -1) + 1
-        return workers.EnvWorker.options(scheduling_strategy="SPREAD").remote(
+        return workers.EnvWorker.options(scheduling_strategy=_spread(w)).remote(
             w, self.incarnation[w], configs, self.cfg.rollout.segment_steps, env.reward_scale, env.success_bonus, fault)
 
     def check_envs(self, force: bool = False) -> list[int]:

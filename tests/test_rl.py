@@ -182,7 +182,9 @@ def test_env_workers_spread_over_a_two_node_cluster(policy_dir, tmp_path):
     cluster.wait_for_nodes()
     try:
         ray.init(address=cluster.address, logging_level="ERROR")
-        summary = runner.run(_config(policy_dir, tmp_path / "run", "--steps=2", "--eval.episodes=0"))
+        # sync: every round needs every worker, so a worker still starting on the fresh node cannot be
+        # left out of a short run (async may finish on the first worker's segments alone)
+        summary = runner.run(_config(policy_dir, tmp_path / "run", "--mode=sync", "--steps=2", "--eval.episodes=0"))
         assert summary["steps"] == 2 and summary["env_nodes"] == 2
     finally:
         ray.shutdown()

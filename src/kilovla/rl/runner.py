@@ -296,6 +296,7 @@ class _Roles:
         seeds = state.get("next_seeds") or {}
         self.envs, self.next_seed, self._seen, self._checked, self.incarnation = [], {}, {}, 0.0, {}
         self._executed: dict[tuple[int, int], int] = {}  # (worker, incarnation) -> its last reported env steps
+        self._nodes: dict[tuple[int, int], str] = {}  # (worker, incarnation) -> the node it reported from
         self._answered: dict[int, bool] = {}  # has this incarnation answered a heartbeat (built its envs)?
         self._build_failures: dict[int, int] = {}  # consecutive incarnations that died before answering
         for w in range(cfg.env.workers):
@@ -446,10 +447,11 @@ class _Roles:
             except Exception:  # noqa: BLE001  a dying worker reports nothing; the health check replaces it
                 continue
             self._executed[(w, self.incarnation.get(w, 0))] = beats[-1]["env_steps"]
+            self._nodes[(w, self.incarnation.get(w, 0))] = beats[-1]["node"]
         out["env_busy_fraction"] = float(np.mean([b["busy_fraction"] for b in beats])) if beats else 0.0
         # a running total over every incarnation: a replaced (or silent) worker's steps stay counted
         out["env_steps_executed"] = sum(self._executed.values())
-        out["env_nodes"] = sorted({b["node"] for b in beats})
+        out["env_nodes"] = sorted(set(self._nodes.values()))  # every node a worker has reported from
         return out
 
     def shutdown(self) -> None:

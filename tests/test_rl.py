@@ -169,7 +169,9 @@ def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
     assert steps[-3:] == [3, 4, 5] and steps.count(3) == 1  # continued after step 2; nothing logged twice
 
 
-def test_env_workers_spread_over_a_two_node_cluster(policy_dir, tmp_path):
+def test_env_workers_spread_over_a_two_node_cluster_and_survive_losing_one(policy_dir, tmp_path):
+    import threading
+
     import ray
     from ray.cluster_utils import Cluster
 
@@ -178,14 +180,30 @@ def test_env_workers_spread_over_a_two_node_cluster(policy_dir, tmp_path):
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
+    second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
+    out = {}
     try:
         ray.init(address=cluster.address, logging_level="ERROR")
-        # sync: every round needs every worker, so a worker still starting on the fresh node cannot be
-        # left out of a short run (async may finish on the first worker's segments alone)
-        summary = runner.run(_config(policy_dir, tmp_path / "run", "--mode=sync", "--steps=2", "--eval.episodes=0"))
-        assert summary["steps"] == 2 and summary["env_nodes"] == 2
+        # sync: every round needs every worker, so both have played (and reported their node) by step 1
+        cfg = _config(policy_dir, tmp_path / "run", "--mode=sync", "--steps=4", "--eval.episodes=0")
+
+        def drive():
+            try:
+                out["summary"] = runner.run(cfg)
+            except Exception as e:  # noqa: BLE001  reported by the assertion below
+                out["error"] = e
+
+        driver = threading.Thread(target=drive, daemon=True)
+        driver.start()
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while driver.is_alive() and not (metrics.is_file() and metrics.read_text().strip()):
+            time.sleep(0.2)
+        cluster.remove_node(second)  # the env worker there dies; the server, buffer, learner are the driver's
+        driver.join(300)
+        assert "summary" in out, repr(out.get("error"))
+        summary = out["summary"]
+        assert summary["steps"] == 4 and summary["env_nodes"] == 2 and summary["replaced_workers"] >= 1
     finally:
         ray.shutdown()
         cluster.shutdown()

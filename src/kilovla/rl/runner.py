@@ -259,14 +259,24 @@ def _sde(cfg: RLConfig, meta: dict) -> FlowSDE:
 
 
 def _spread(w: int):
-    """Env worker `w` on the w-th alive node, round robin (soft: anywhere if that node is gone). Ray's
-    "SPREAD" is best effort and, for actors that ask for no CPU, was seen to put both of two workers on
-    one node of two."""
+    """Env worker `w` on the w-th alive node, round robin. The affinity is hard: Ray's "SPREAD", and a
+    soft affinity on a loaded machine, were both seen to put two CPU-less workers on one node of two.
+    A worker whose node is gone by the time it is scheduled, or dies later, fails; the health check
+    then re-creates it on a node alive at that time."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-    return NodeAffinitySchedulingStrategy(nodes[w % len(nodes)], soft=True)
+    return NodeAffinitySchedulingStrategy(nodes[w % len(nodes)], soft=False)
+
+
+def _here():
+    """The driver's node, hard: the inference server, buffer and learners hold the run's state, so they
+    live and die with the driver (which then resumes) while env nodes may come and go."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 class _Roles:
@@ -280,23 +290,24 @@ class _Roles:
 
         self.cfg, self.policy_dir, self.faults = cfg, policy_dir, faults
         self.meta = json.loads((Path(policy_dir) / "policy.json").read_text())
-        self.server = workers.InferenceServer.remote(policy_dir, sde, n_action_steps, cfg.rollout.max_batch_size,
-                                                     cfg.rollout.max_wait_s, cfg.seed, cfg.inference_threads, cfg.compute)
+        self.server = workers.InferenceServer.options(scheduling_strategy=_here()).remote(
+            policy_dir, sde, n_action_steps, cfg.rollout.max_batch_size, cfg.rollout.max_wait_s, cfg.seed,
+            cfg.inference_threads, cfg.compute)
         if faults.get("server"):
             ray.get(self.server.inject.remote(faults["server"]))
         ray.get(self.server.stats.remote())  # started: weight syncs are timed from here
         self.collective = cfg.weight_sync == "collective" or (cfg.weight_sync == "auto" and torch.cuda.is_available())
-        self.buffer = workers.TrajectoryBuffer.remote(cfg.learner.max_staleness, cfg.learner.batch_segments, version)
+        self.buffer = workers.TrajectoryBuffer.options(scheduling_strategy=_here()).remote(
+            cfg.learner.max_staleness, cfg.learner.batch_segments, version)
         ranks = cfg.learner.ranks
-        self.learners = [workers.LearnerWorker.remote(policy_dir, sde, n_action_steps, cfg.learner.algo,
-                                                      cfg.learner.batch_segments, cfg.rollout.segment_steps, cfg.steps,
-                                                      cfg.learner_threads, cfg.compute) for _ in range(ranks)]
+        self.learners = [workers.LearnerWorker.options(scheduling_strategy=_here()).remote(
+            policy_dir, sde, n_action_steps, cfg.learner.algo, cfg.learner.batch_segments, cfg.rollout.segment_steps,
+            cfg.steps, cfg.learner_threads, cfg.compute) for _ in range(ranks)]
         store = ray.get(self.learners[0].address.remote()) if ranks > 1 else None
         ray.get([lw.start.remote(rank, ranks, store) for rank, lw in enumerate(self.learners)])
         seeds = state.get("next_seeds") or {}
         self.envs, self.next_seed, self._seen, self._checked, self.incarnation = [], {}, {}, 0.0, {}
-        self._executed: dict[tuple[int, int], int] = {}  # (worker, incarnation) -> its last reported env steps
-        self._nodes: dict[tuple[int, int], str] = {}  # (worker, incarnation) -> the node it reported from
+        self._beats: dict[tuple[int, int], dict] = {}  # (worker, incarnation) -> its last heartbeat
         self._answered: dict[int, bool] = {}  # has this incarnation answered a heartbeat (built its envs)?
         self._build_failures: dict[int, int] = {}  # consecutive incarnations that died before answering
         for w in range(cfg.env.workers):
@@ -344,12 +355,14 @@ class _Roles:
             why = None
             if ref in ready:
                 try:
-                    beat = ray.get(ref)
+                    beat = self._beats[(w, self.incarnation[w])] = ray.get(ref)
                     self._seen[w] = now
                     self._answered[w], self._build_failures[w] = True, 0
                     self.next_seed[w] = list(beat["next_seed"])
                     if beat["stuck_s"] > self.cfg.env.timeout_s:
                         why = f"an env step has taken {beat['stuck_s']:.0f} s"
+                except ray.exceptions.ActorUnschedulableError:
+                    why = "its node is gone"  # not a failure to build its envs: the next one goes to a live node
                 except ray.exceptions.RayActorError as e:
                     why = "its process died"
                     if not self._answered[w]:
@@ -446,12 +459,11 @@ class _Roles:
                 beats.append(ray.get(worker.heartbeat.remote(), timeout=5))
             except Exception:  # noqa: BLE001  a dying worker reports nothing; the health check replaces it
                 continue
-            self._executed[(w, self.incarnation.get(w, 0))] = beats[-1]["env_steps"]
-            self._nodes[(w, self.incarnation.get(w, 0))] = beats[-1]["node"]
+            self._beats[(w, self.incarnation[w])] = beats[-1]
         out["env_busy_fraction"] = float(np.mean([b["busy_fraction"] for b in beats])) if beats else 0.0
-        # a running total over every incarnation: a replaced (or silent) worker's steps stay counted
-        out["env_steps_executed"] = sum(self._executed.values())
-        out["env_nodes"] = sorted(set(self._nodes.values()))  # every node a worker has reported from
+        # over every incarnation's last heartbeat: a replaced (or silent) worker's steps stay counted
+        out["env_steps_executed"] = sum(b["env_steps"] for b in self._beats.values())
+        out["env_nodes"] = sorted({b["node"] for b in self._beats.values()})  # every node a worker reported from
         return out
 
     def shutdown(self) -> None:
@@ -594,7 +606,8 @@ class _SyncLoop(_Loop):
                 while len(segments) < cfg.learner.batch_segments:
                     try:
                         segments += self._round(seq)
-                    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError,
+                            ray.exceptions.GetTimeoutError):  # a worker died, its node is gone, or it hangs
                         self.dropped += len(roles.envs) * cfg.env.envs_per_worker  # every env's partial segment
                         for w in roles.check_envs(force=True):  # a worker died or hangs: the round's steps are dropped
                             log.warning("sync round restarted after env worker %d was replaced", w)

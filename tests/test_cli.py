@@ -105,9 +105,12 @@ def test_bench_data_quick_writes_the_named_rows(tmp_path):
     assert rows["rank_imbalance_attention"]["ours"] < rows["rank_imbalance_attention"]["baseline"]
 
 
-def test_demo_quick_runs_the_closed_loop(tmp_path, capsys):
+def test_demo_quick_runs_the_closed_loop(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KILOVLA_CACHE_DIR", str(tmp_path / "caches"))
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
+    # training read the frames the demo decoded once, not the videos
+    assert report["train"]["frames_from_cache"] and report["frame_cache"]["path"].startswith(str(tmp_path / "caches"))
     assert {"tasks", "policy_success_rate", "expert_success_rate", "policy_success_ci95", "train", "wall_s"} <= set(report)
     assert {"steps", "samples_per_s", "padding_fraction", "final_loss", "data_wait_fraction"} <= set(report["train"])
     assert report["train"]["steps"] == 30 and report["expert_success_rate"] == 1.0

@@ -46,6 +46,9 @@ class DemoRecipe:
     collect_labels: str = "expert"  # the action recorded: "executed" (noisy) or "expert" (noise-free, DART)
     collect_seed: int = 0
     resolution: int = 32  # both cameras, pixels
+    # decode the demonstrations' videos once into a frame cache (data/frame_cache.py) before training:
+    # bit-identical frames, and the ~12 epochs of training stop decoding on the training cores
+    frame_cache: bool = True
     # model: a preset plus config overrides; packing, dynamic padding and the blank third camera's
     # pruning are always on (they change speed, not the result: the equivalence tests say so)
     preset: str = "pi0-tiny"  # pi0 reads the state as one continuous token; pi0.5 only as prompt text
@@ -110,6 +113,14 @@ def collect_demonstrations(recipe: DemoRecipe, data: Path):
                    batch_size=5, num_workers=recipe.workers, overwrite=True)
 
 
+def build_demo_cache(data: Path):
+    """The demonstrations' frame cache, at the place training looks for it (`frame_cache="auto"`); a
+    re-run over a re-collected dataset re-decodes what changed."""
+    from kilovla.data.frame_cache import build_frame_cache
+
+    return build_frame_cache(data, engine="local")  # 32-64 px decodes in seconds: Ray's start-up would not pay
+
+
 def train_policy(recipe: DemoRecipe, data: Path, run: Path, progress: bool = True) -> dict:
     from kilovla.train.trainer import TrainConfig, train
 
@@ -153,6 +164,13 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
     collected = collect_demonstrations(recipe, data)
     info = DatasetMeta(data).summary()
     stage_s["collect"] = time.perf_counter() - t0
+    cache = None
+    if recipe.frame_cache:
+        t = time.perf_counter()
+        cache = build_demo_cache(data)
+        stage_s["cache"] = time.perf_counter() - t
+        console.print(f"frame cache: {cache.frames} frames decoded into {cache.path} "
+                      f"({cache.cache_bytes / 2**20:.0f} MiB, {stage_s['cache']:.0f} s); training reads it")
 
     console.rule(f"2/4 train {recipe.preset} with packing")
     t = time.perf_counter()
@@ -166,6 +184,8 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
 
     console.rule("4/4 report")
     report = build_report(recipe, out, collected, info, summary, learned, expert, quick=quick)
+    report["frame_cache"] = None if cache is None else {"path": str(cache.path), "bytes": cache.cache_bytes,
+                                                        "video_bytes": cache.video_bytes}
     report["machine"] = machine_info()
     report["stage_s"] = stage_s
     report["wall_s"] = time.perf_counter() - t0
@@ -201,6 +221,7 @@ def build_report(recipe: DemoRecipe, out: Path, collected, info: dict, summary: 
         "train": {"steps": summary["steps"], "samples_per_s": summary["samples_per_s"],
                   "padding_fraction": summary["padding_fraction"], "final_loss": summary["final_loss"],
                   "data_wait_fraction": summary["data_wait_fraction"], "wall_s": summary["wall_s"],
+                  "frames_from_cache": summary["frames_from_cache"],
                   "checkpoint": summary["checkpoint"]},
         "evaluation": {"episodes_per_task": recipe.eval_episodes, "seed": recipe.eval_seed,
                        "seeds": {t: learned["per_task"][t]["seeds"] for t in tasks},
@@ -290,7 +311,9 @@ def report_markdown(report: dict) -> str:
         lines += ["", f"The learned policy reaches **{report['relative_success']:.0%}** of the expert's success."]
     lines += ["", f"Dataset: {d['episodes']} episodes, {d['frames']} frames. Training: {tr['steps']} steps at "
               f"{tr['samples_per_s']:.0f} samples/s, row padding {tr['padding_fraction']:.1%}, data wait "
-              f"{tr['data_wait_fraction']:.1%} of step time, final loss {tr['final_loss']:.3f}.",
+              f"{tr['data_wait_fraction']:.1%} of step time (frames read from "
+              f"{'a decoded-frame cache' if tr.get('frames_from_cache') else 'the videos'}), final loss "
+              f"{tr['final_loss']:.3f}.",
               f"Wall time {report['wall_s'] / 60:.1f} min"
               + (f" ({', '.join(f'{k} {v / 60:.1f}' for k, v in report['stage_s'].items())})" if "stage_s" in report
                  else "")

@@ -445,13 +445,16 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         plan.load_state_dict(state["plan"])
         start_step = plan.step
     backend = attention_in_use(model_cfg, world.device)
+    video_sources = [d for d in lake.datasets if d.meta.video_keys]
+    frames_from_cache = bool(video_sources) and all(d.frame_cache is not None for d in video_sources)
     if world.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
         asked = f" ({model_cfg.attention_backend})" if model_cfg.packing and backend != model_cfg.attention_backend else ""
         start_line = (f"kilovla train: {cfg.policy.preset}, {world.size} rank(s)"
                       f"{f' ({cfg.parallel.strategy})' if world.size > 1 else ''}, attention {backend}{asked}, "
-                      f"{'bf16' if bf16 else 'fp32'}, from step {start_step}")
+                      f"{'bf16' if bf16 else 'fp32'}, from step {start_step}"
+                      f"{', frames from the frame cache' if frames_from_cache else ''}")
         log.info("%s", start_line)
         print(start_line, flush=True)  # once, on rank 0, with or without the progress bar
     logger = MetricsLogger(run_dir, enabled=world.is_main, resume_step=start_step if folder is not None else None)
@@ -565,7 +568,7 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
                    "padding_fraction": statistics.mean(r["padding_fraction"] for r in history),
                    "data_wait_fraction": statistics.mean(r["data_wait_fraction"] for r in tail),
                    "final_loss": history[-1]["loss"], "checkpoint": str(ckpt.latest(run_dir / "checkpoints")),
-                   "attention_backend": backend,
+                   "attention_backend": backend, "frames_from_cache": frames_from_cache,
                    "plot": str(plot) if plot else None, "wall_s": time.perf_counter() - t_start}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     distributed.shutdown()

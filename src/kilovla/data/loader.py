@@ -23,9 +23,9 @@ between steps resumes exactly there.
 from __future__ import annotations
 
 import logging
-from collections import deque
+import queue
+import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -93,9 +93,10 @@ class _Loader:
 class InProcessLoader(_Loader):
     """Fetches rows in the calling process.
 
-    `prefetch` rows are fetched ahead by one background thread, so decoding overlaps the caller's
-    work (video decoding and numpy release the GIL); 0 fetches each row only when it is asked for.
-    Rows come out in plan order either way, and an error while fetching surfaces at the row it hit.
+    With `prefetch` > 0 one background thread walks the plan (packing each step's rows) and fetches
+    up to `prefetch` rows ahead, so both overlap the caller's work (video decoding and numpy release
+    the GIL); 0 plans and fetches each row only when it is asked for. Rows come out in plan order
+    either way, and an error while planning or fetching surfaces at the row it hit.
     """
 
     def __init__(self, lake, plan, rank=0, world_size=1, steps=None, prefetch: int = 2):
@@ -110,22 +111,41 @@ class InProcessLoader(_Loader):
             for step, j, n, ids in keys:
                 yield self._advance(_stamp(fetch_row(self.lake, ids), step, j, n))
             return
-        pending: deque = deque()
-        with ThreadPoolExecutor(1, thread_name_prefix="kilovla-prefetch") as executor:
-            try:
-                for key in keys:
-                    pending.append((key, executor.submit(fetch_row, self.lake, key[3])))
-                    if len(pending) > self.prefetch:
-                        yield self._take(pending)
-                while pending:
-                    yield self._take(pending)
-            finally:
-                for _, future in pending:
-                    future.cancel()
+        ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
 
-    def _take(self, pending: deque) -> dict:
-        (step, j, n, _), future = pending.popleft()
-        return self._advance(_stamp(future.result(), step, j, n))
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce():
+            try:
+                for step, j, n, ids in keys:
+                    if not put((_stamp(fetch_row(self.lake, ids), step, j, n), None)):
+                        return
+            except BaseException as e:  # noqa: BLE001  handed to the consumer at the row it hit
+                put((None, e))
+                return
+            put((None, None))
+
+        producer = threading.Thread(target=produce, name="kilovla-prefetch", daemon=True)
+        producer.start()
+        try:
+            while True:
+                batch, error = ready.get()
+                if error is not None:
+                    raise error
+                if batch is None:
+                    return
+                yield self._advance(batch)
+        finally:
+            stop.set()
+            producer.join()
 
 
 # Arrays above this size leave a worker as tensors in shared memory; smaller ones are pickled

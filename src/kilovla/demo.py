@@ -171,8 +171,9 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
         t = time.perf_counter()
         cache = build_demo_cache(data)
         stage_s["cache"] = time.perf_counter() - t
-        console.print(f"frame cache: {cache.frames} frames decoded into {cache.path} "
-                      f"({cache.cache_bytes / 2**20:.0f} MiB, {stage_s['cache']:.0f} s); training reads it")
+        console.print(f"frame cache: {cache.path}, {cache.frames} frames ({cache.decoded} of {cache.parts} parts "
+                      f"decoded now, the rest unchanged; {cache.cache_bytes / 2**20:.0f} MiB, "
+                      f"{stage_s['cache']:.0f} s); training reads it")
 
     console.rule(f"2/4 train {recipe.preset} with packing")
     t = time.perf_counter()

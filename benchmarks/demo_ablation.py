@@ -111,12 +111,12 @@ def run_variant(name: str, recipe: DemoRecipe, out: Path) -> dict:
 def table(rows: list[dict]) -> str:
     tasks = list(rows[0]["per_task"]) if rows else []
     lines = ["| variant | change | success [95 % CI] | " + " | ".join(t.removesuffix("-v3") for t in tasks)
-             + " | train min (CPU min) |", "|---" * (4 + len(tasks)) + "|"]
+             + " | final loss | train min (CPU min) |", "|---" * (5 + len(tasks)) + "|"]
     for r in rows:
         train = r["wall_s"].get("train")
         cpu = r["cpu_s"].get("train")
         lines.append(f"| {r['name']} | {r['change']} | {r['success']:.0%} [{r['ci95'][0]:.0%}, {r['ci95'][1]:.0%}] | "
-                     + " | ".join(f"{r['per_task'][t]:.0%}" for t in tasks)
+                     + " | ".join(f"{r['per_task'][t]:.0%}" for t in tasks) + f" | {r['final_loss']:.3f}"
                      + (f" | {train / 60:.1f} ({cpu / 60:.1f}) |" if train is not None else " | (reused) |"))
     return "\n".join(lines)
 

@@ -172,3 +172,16 @@ def test_data_bench_runs_on_a_dataset_smaller_than_the_bench_batch(tiny_root, tm
     rows = {r["name"]: r for r in json.loads((tmp_path / "data.json").read_text())["rows"]}
     assert rows["loader_samples_per_s"]["ours"] > 0
     assert rows["rank_imbalance_attention"]["ours"] <= rows["rank_imbalance_attention"]["baseline"]
+
+
+def test_demo_cache_falls_back_to_the_videos_where_it_cannot_be_written(tiny_copy, tmp_path, monkeypatch, caplog):
+    from kilovla.data.lerobot import LeRobotDataset
+    from kilovla.demo import build_demo_cache
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KILOVLA_CACHE_DIR", str(tmp_path / "a-file" / "caches"))
+    assert build_demo_cache(tiny_copy) is None
+    assert "frame cache not built" in caplog.text and "training decodes the videos" in caplog.text
+    assert LeRobotDataset(tiny_copy).frame_cache is None  # and training reads the videos
+    monkeypatch.setenv("KILOVLA_CACHE_DIR", str(tmp_path / "caches"))
+    assert build_demo_cache(tiny_copy).parts > 0 and LeRobotDataset(tiny_copy).frame_cache is not None

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -170,40 +171,62 @@ def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
 
 
 def test_env_workers_spread_over_a_two_node_cluster_and_survive_losing_one(policy_dir, tmp_path):
-    import threading
-
     import ray
     from ray.cluster_utils import Cluster
-
-    from kilovla.rl import runner
 
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     second = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
-    out = {}
     try:
         ray.init(address=cluster.address, logging_level="ERROR")
         # sync: every round needs every worker, so both have played (and reported their node) by step 1
-        cfg = _config(policy_dir, tmp_path / "run", "--mode=sync", "--steps=4", "--eval.episodes=0")
-
-        def drive():
-            try:
-                out["summary"] = runner.run(cfg)
-            except Exception as e:  # noqa: BLE001  reported by the assertion below
-                out["error"] = e
-
-        driver = threading.Thread(target=drive, daemon=True)
-        driver.start()
+        driver = _Driver(_config(policy_dir, tmp_path / "run", "--mode=sync", "--steps=4", "--eval.episodes=0"))
         metrics = tmp_path / "run" / "metrics.jsonl"
         while driver.is_alive() and not (metrics.is_file() and metrics.read_text().strip()):
             time.sleep(0.2)
         cluster.remove_node(second)  # the env worker there dies; the server, buffer, learner are the driver's
-        driver.join(300)
-        assert "summary" in out, repr(out.get("error"))
-        summary = out["summary"]
+        summary = driver.summary(300)
         assert summary["steps"] == 4 and summary["env_nodes"] == 2 and summary["replaced_workers"] >= 1
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_node_listed_alive_that_takes_no_worker_is_not_tried_again(policy_dir, local_ray, tmp_path, monkeypatch):
+    import ray
+
+    listed = ray.nodes
+
+    def with_a_ghost():  # Ray may list a crashed node as alive for a while
+        nodes = listed()
+        return [*nodes, {**nodes[0], "NodeID": "ab" * 28, "Alive": True}]
+
+    monkeypatch.setattr(ray, "nodes", with_a_ghost)
+    driver = _Driver(_config(policy_dir, tmp_path / "run", "--mode=sync", "--steps=2", "--eval.episodes=0"))
+    summary = driver.summary(240)  # sync needs every worker: re-sent to the ghost, it never ended
+    assert summary["steps"] == 2 and summary["replaced_workers"] == 1 and summary["env_nodes"] == 1
+
+
+class _Driver(threading.Thread):
+    """`runner.run(cfg)` in a thread, so that a test can act on the cluster while it runs."""
+
+    def __init__(self, cfg):
+        super().__init__(daemon=True)
+        self.cfg, self.out = cfg, {}
+        self.start()
+
+    def run(self):
+        from kilovla.rl import runner
+
+        try:
+            self.out["summary"] = runner.run(self.cfg)
+        except Exception as e:  # noqa: BLE001  reported by summary()
+            self.out["error"] = e
+
+    def summary(self, timeout_s: float) -> dict:
+        self.join(timeout_s)
+        assert not self.is_alive(), f"the run did not end within {timeout_s:g} s"
+        assert "summary" in self.out, repr(self.out.get("error"))
+        return self.out["summary"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import time
@@ -34,6 +35,8 @@ from kilovla.envs.metaworld import DEFAULT_TASKS
 from kilovla.errors import KilovlaError
 from kilovla.eval.intervals import wilson_interval
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DemoRecipe:
@@ -47,13 +50,15 @@ class DemoRecipe:
     collect_seed: int = 0
     resolution: int = 32  # both cameras, pixels
     # decode the demonstrations' videos once into a frame cache (data/frame_cache.py) before training:
-    # bit-identical frames, and the ~12 epochs of training stop decoding on the training cores
+    # bit-identical frames, and the ~12 epochs of training stop decoding on the training cores. False
+    # builds none; training still reads a valid one that is already there
     frame_cache: bool = True
     # model: a preset plus config overrides; packing, dynamic padding and the blank third camera's
     # pruning are always on (they change speed, not the result: the equivalence tests say so)
     preset: str = "pi0-tiny"  # pi0 reads the state as one continuous token; pi0.5 only as prompt text
     # the action expert twice the preset's width (its MLP 4x): the preset's 32-wide expert under-fit
-    # (docs/demo_ablation.md, `wide_expert`: 62 % -> 95 % of the expert at the same step count)
+    # (docs/demo_ablation.md, `wide_expert`: 62 % -> 95 % of the expert at the same step count).
+    # A recipe's `model` replaces this dict whole: keep the "expert" entry when changing e.g. "vision"
     model: dict = field(default_factory=lambda: {"expert": {"width": 64, "mlp_dim": 256}})
     state_in_prompt: bool = False  # pi0.5 reads the state only as discretised prompt text
     chunk_size: int = 10  # actions predicted per inference
@@ -117,10 +122,16 @@ def collect_demonstrations(recipe: DemoRecipe, data: Path):
 
 def build_demo_cache(data: Path):
     """The demonstrations' frame cache, at the place training looks for it (`frame_cache="auto"`); a
-    re-run over a re-collected dataset re-decodes what changed."""
+    re-run over a re-collected dataset re-decodes what changed. None, with one warning line, where the
+    cache cannot be built (an unwritable cache folder, a folder of other files): training then
+    decodes the videos, as it would without a cache."""
     from kilovla.data.frame_cache import build_frame_cache
 
-    return build_frame_cache(data, engine="local")  # 32-64 px decodes in seconds: Ray's start-up would not pay
+    try:
+        return build_frame_cache(data, engine="local")  # 32-64 px decodes in seconds: Ray's start-up would not pay
+    except (OSError, KilovlaError) as e:
+        log.warning("frame cache not built (%s); training decodes the videos", e)
+        return None
 
 
 def train_policy(recipe: DemoRecipe, data: Path, run: Path, progress: bool = True) -> dict:
@@ -171,6 +182,7 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
         t = time.perf_counter()
         cache = build_demo_cache(data)
         stage_s["cache"] = time.perf_counter() - t
+    if cache is not None:
         console.print(f"frame cache: {cache.path}, {cache.frames} frames ({cache.decoded} of {cache.parts} parts "
                       f"decoded now, the rest unchanged; {cache.cache_bytes / 2**20:.0f} MiB, "
                       f"{stage_s['cache']:.0f} s); training reads it")

@@ -258,16 +258,17 @@ def _sde(cfg: RLConfig, meta: dict) -> FlowSDE:
     return FlowSDE(steps=steps, noise_level=cfg.rollout.noise_level, stochastic=cfg.rollout.stochastic)
 
 
-def _spread(w: int):
-    """Env worker `w` on the w-th alive node, round robin. The affinity is hard: Ray's "SPREAD", and a
+def _spread(w: int, avoid: set[str]) -> str:
+    """The node for env worker `w`: the w-th alive node, round robin, leaving out `avoid` (nodes a
+    worker could not be placed on) unless that leaves none. The affinity is hard: Ray's "SPREAD", and a
     soft affinity on a loaded machine, were both seen to put two CPU-less workers on one node of two.
     A worker whose node is gone by the time it is scheduled, or dies later, fails; the health check
     then re-creates it on a node alive at that time."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-    return NodeAffinitySchedulingStrategy(nodes[w % len(nodes)], soft=False)
+    alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    nodes = [n for n in alive if n not in avoid] or alive
+    return nodes[w % len(nodes)]
 
 
 def _here():
@@ -310,6 +311,8 @@ class _Roles:
         self._beats: dict[tuple[int, int], dict] = {}  # (worker, incarnation) -> its last heartbeat
         self._answered: dict[int, bool] = {}  # has this incarnation answered a heartbeat (built its envs)?
         self._build_failures: dict[int, int] = {}  # consecutive incarnations that died before answering
+        self._placed: dict[int, str] = {}  # worker -> the node its current incarnation was sent to
+        self._unplaceable: set[str] = set()  # nodes a worker could not be scheduled on
         for w in range(cfg.env.workers):
             self.next_seed[w] = list(seeds.get(str(w), [first_train_seed(cfg.seed, w, e) for e in range(cfg.env.envs_per_worker)]))
             self.envs.append(self._env_worker(w))
@@ -321,6 +324,8 @@ class _Roles:
                      self.server.join_weight_channel.remote(host, port, cfg.weight_sync_timeout_s)])
 
     def _env_worker(self, w: int):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         from kilovla.envs.vector import EnvConfig
         from kilovla.rl import workers
 
@@ -335,7 +340,9 @@ class _Roles:
         self._seen[w] = time.monotonic() + STARTUP_S  # building envs (imports, renderers) takes a while
         self._answered[w] = False
         self.incarnation[w] = self.incarnation.get(w, -1) + 1
-        return workers.EnvWorker.options(scheduling_strategy=_spread(w)).remote(
+        self._placed[w] = _spread(w, self._unplaceable)
+        strategy = NodeAffinitySchedulingStrategy(self._placed[w], soft=False)
+        return workers.EnvWorker.options(scheduling_strategy=strategy).remote(
             w, self.incarnation[w], configs, self.cfg.rollout.segment_steps, env.reward_scale, env.success_bonus, fault)
 
     def check_envs(self, force: bool = False) -> list[int]:
@@ -362,7 +369,10 @@ class _Roles:
                     if beat["stuck_s"] > self.cfg.env.timeout_s:
                         why = f"an env step has taken {beat['stuck_s']:.0f} s"
                 except ray.exceptions.ActorUnschedulableError:
-                    why = "its node is gone"  # not a failure to build its envs: the next one goes to a live node
+                    # not a failure to build its envs; Ray may list the node as alive a while longer,
+                    # so no worker is sent there again in this run
+                    why = "its node is gone"
+                    self._unplaceable.add(self._placed[w])
                 except ray.exceptions.RayActorError as e:
                     why = "its process died"
                     if not self._answered[w]:

@@ -37,9 +37,8 @@ import json
 import logging
 import tempfile
 import time
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 from kilovla.errors import KilovlaError
@@ -95,28 +94,24 @@ FULL = Workload(LATENCY_MEAN_S, segment_steps=4, batch_segments=24, steps=8, gri
 QUICK = Workload(0.2, segment_steps=1, batch_segments=96, steps=3, grid_steps=3)
 
 
-def throughput_config(policy: str, run_dir: Path, mode: str, latency: dict, steps: int, compute=None,
-                      segment_steps: int = 4, batch_segments: int = 24, **rollout):
-    """The throughput workload; `compute` (a `ComputeSection`) replaces the model's arithmetic with its sleeps."""
+def workload_config(policy: str, run_dir: Path, mode: str, work: Workload, setting: str, steps: int, **rollout):
+    """A throughput run of `work` under latency `setting`; `work.compute` (a `ComputeSection`) replaces the
+    model's arithmetic with its sleeps."""
     from kilovla.rl import runner
 
     overrides = [f"--run_dir={run_dir}", f"--policy={policy}", f"--mode={mode}", f"--steps={steps}",
                  f"--env.tasks=[{','.join(WEAK_TASKS)}]", "--env.workers=2", "--env.envs_per_worker=12",
-                 "--env.resolution=32", f"--rollout.segment_steps={segment_steps}",
-                 f"--learner.batch_segments={batch_segments}", "--learner.max_staleness=1", "--eval.episodes=0",
-                 "--progress=false", f"--checkpoint.every={steps + 1}", "--env.latency=" + json.dumps(latency)]
+                 "--env.resolution=32", f"--rollout.segment_steps={work.segment_steps}",
+                 f"--learner.batch_segments={work.batch_segments}", "--learner.max_staleness=1", "--eval.episodes=0",
+                 "--progress=false", f"--checkpoint.every={steps + 1}",
+                 "--env.latency=" + json.dumps(work.latency(setting))]
     overrides += [f"--rollout.{k}={v}" for k, v in rollout.items()]
-    if compute is not None:
-        overrides += [f"--compute.{k}={v}" for k, v in vars(compute).items()]
+    if work.compute is not None:
+        overrides += [f"--compute.{k}={v}" for k, v in vars(work.compute).items()]
     return runner.load(None, overrides)
 
 
-def _workload_config(policy: str, run_dir: Path, mode: str, work: Workload, setting: str, steps: int, **rollout):
-    return throughput_config(policy, run_dir, mode, work.latency(setting), steps, work.compute,
-                             segment_steps=work.segment_steps, batch_segments=work.batch_segments, **rollout)
-
-
-def _env_steps_per_s(summary: dict, run_dir: Path) -> float:
+def _env_steps_per_s(run_dir: Path) -> float:
     """Env steps the workers executed per second between the first policy version and the last (the envs'
     own counters: segments run ahead of the learner count when they are stepped, not when consumed)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -133,8 +128,8 @@ def _throughput_rows(policy: str, tmp: Path, work: Workload, settings=tuple(SETT
         latency, speeds = work.latency(name), {}
         for mode in ("sync", "async"):
             run_dir = tmp / f"{name}-{mode}"
-            summary = runner.run(_workload_config(policy, run_dir, mode, work, name, work.steps))
-            speeds[mode] = _env_steps_per_s(summary, run_dir)
+            summary = runner.run(workload_config(policy, run_dir, mode, work, name, work.steps))
+            speeds[mode] = _env_steps_per_s(run_dir)
             raw[f"{name}/{mode}"] = {"env_steps_per_s": speeds[mode], "staleness": summary["staleness_histogram"],
                                      "run_dir": str(run_dir)}
         rows.append(Row.compare(f"env_steps_per_s_{name}", "env-steps/s", speeds["sync"], speeds["async"],
@@ -157,10 +152,10 @@ def _batcher_grid(policy: str, tmp: Path, work: Workload, done: dict | None = No
             run_dir = (done or {}).get((b, t))
             if run_dir is None:
                 run_dir = tmp / f"grid-b{b}-t{t}"
-                runner.run(_workload_config(policy, run_dir, "async", work, "sigma_1.0", work.grid_steps,
-                                            max_batch_size=b, max_wait_s=t))
+                runner.run(workload_config(policy, run_dir, "async", work, "sigma_1.0", work.grid_steps,
+                                           max_batch_size=b, max_wait_s=t))
             last = json.loads((Path(run_dir) / "metrics.jsonl").read_text().splitlines()[-1])
-            grid.append({"max_batch_size": b, "max_wait_s": t, "env_steps_per_s": _env_steps_per_s({}, Path(run_dir)),
+            grid.append({"max_batch_size": b, "max_wait_s": t, "env_steps_per_s": _env_steps_per_s(Path(run_dir)),
                          "queue_wait_p50_s": last["queue_wait_p50_s"], "queue_wait_p99_s": last["queue_wait_p99_s"],
                          "mean_batch_size": last["mean_batch_size"]})
     return grid
@@ -267,7 +262,7 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
             from kilovla.rl import runner
             from kilovla.rl.calibrated import ComputeSection
 
-            calibrating = _workload_config(policy, tmp / "calibrate", "async", QUICK, "sigma_1.0", 1)
+            calibrating = workload_config(policy, tmp / "calibrate", "async", QUICK, "sigma_1.0", 1)
             work = dataclasses.replace(QUICK, compute=runner.calibrate(
                 dataclasses.replace(calibrating, compute=ComputeSection("calibrated"))))
         from kilovla.rl.runner import RolloutSection

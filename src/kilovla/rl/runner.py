@@ -173,7 +173,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
         final = roles.checkpoint(loop.version, loop.counters(), keep=cfg.checkpoint.keep)
         summary = {"mode": cfg.mode, "steps": loop.version, "checkpoint": str(final), **loop.summary()}
         if cfg.compute.calibrated:
-            summary["compute"] = {k: v for k, v in vars(cfg.compute).items()}
+            summary["compute"] = dict(vars(cfg.compute))
     finally:
         roles.shutdown()
         logger.close()
@@ -291,17 +291,18 @@ class _Roles:
 
         self.cfg, self.policy_dir, self.faults = cfg, policy_dir, faults
         self.meta = json.loads((Path(policy_dir) / "policy.json").read_text())
-        self.server = workers.InferenceServer.options(scheduling_strategy=_here()).remote(
+        here = _here()
+        self.server = workers.InferenceServer.options(scheduling_strategy=here).remote(
             policy_dir, sde, n_action_steps, cfg.rollout.max_batch_size, cfg.rollout.max_wait_s, cfg.seed,
             cfg.inference_threads, cfg.compute)
         if faults.get("server"):
             ray.get(self.server.inject.remote(faults["server"]))
         ray.get(self.server.stats.remote())  # started: weight syncs are timed from here
         self.collective = cfg.weight_sync == "collective" or (cfg.weight_sync == "auto" and torch.cuda.is_available())
-        self.buffer = workers.TrajectoryBuffer.options(scheduling_strategy=_here()).remote(
+        self.buffer = workers.TrajectoryBuffer.options(scheduling_strategy=here).remote(
             cfg.learner.max_staleness, cfg.learner.batch_segments, version)
         ranks = cfg.learner.ranks
-        self.learners = [workers.LearnerWorker.options(scheduling_strategy=_here()).remote(
+        self.learners = [workers.LearnerWorker.options(scheduling_strategy=here).remote(
             policy_dir, sde, n_action_steps, cfg.learner.algo, cfg.learner.batch_segments, cfg.rollout.segment_steps,
             cfg.steps, cfg.learner_threads, cfg.compute) for _ in range(ranks)]
         store = ray.get(self.learners[0].address.remote()) if ranks > 1 else None

@@ -363,11 +363,12 @@ class _TinyActorCritic(torch.nn.Module):
         with torch.no_grad():
             return self.value_head(torch.as_tensor(obs["x"], dtype=torch.float32))[:, 0].numpy()
 
-    def forward(self, obs, chain, stochastic):
+    def forward(self, obs, chain, stochastic, reference=None):
         x = torch.as_tensor(obs["x"], dtype=torch.float32)
         mean = self.vla(x)
         logp = -0.5 * ((chain[:, -1, 0] - mean) ** 2).sum(-1)
-        return logp, self.value_head(x)[:, 0]
+        kl = None if reference is None else 0.5 * ((mean - reference(x).detach()) ** 2).sum(-1)
+        return logp, self.value_head(x)[:, 0], kl
 
 
 def _segments(n, t_len, seed=0):
@@ -426,6 +427,62 @@ def test_a_global_batch_trains_the_same_in_one_call_or_segment_by_segment():
     assert out_whole[0]["advantage_scale"] != 1.0
 
 
+def test_a_kl_penalty_pulls_the_policy_back_to_where_the_run_began():
+    """kl_coef > 0: the learner's gradient includes the KL to the frozen start policy; 0: it does not."""
+    from kilovla.rl.learner import AlgoConfig, Learner
+
+    def distance_after(kl_coef):
+        model = _TinyActorCritic()
+        reference = copy.deepcopy(model.vla).requires_grad_(False)
+        with torch.no_grad():
+            model.vla.bias.add_(1.0)  # where noisy updates took it
+        cfg = AlgoConfig(freeze_vision=False, freeze_vlm=False, micro_batch=4, kl_coef=kl_coef)
+        cfg.optim.lr = 0.05
+        learner = Learner(model, cfg, segments_per_step=4, segment_steps=5, total_steps=10,
+                          reference=reference if kl_coef else None)
+        segments = _segments(4, 5)
+        for seg in segments:  # no advantage anywhere: only the KL can move the policy
+            seg.reward[:], seg.value[:], seg.done[:] = 0.0, 0.0, True
+        out = [learner.consume([seg]) for seg in segments][-1]
+        assert ("kl_to_start" in out) == bool(kl_coef)
+        return (model.vla.bias - reference.bias).abs().sum().item()
+
+    assert distance_after(0.0) == pytest.approx(2.0)  # the policy stays where it was
+    assert distance_after(1.0) < 2.0 - 0.05
+
+
+@pytest.mark.parametrize("stochastic", ["one", "all"])
+def test_the_chain_kl_is_zero_at_the_reference_and_the_gaussians_kl_elsewhere(stochastic):
+    model = _policy_model("pi0-tiny")
+    reference = copy.deepcopy(model)
+    batch = _obs_batch(model.config)
+    cfg = model.config
+    mask = torch.zeros(cfg.chunk_size, cfg.max_action_dim)
+    mask[:5, :4] = 1
+    sde = FlowSDE(steps=4, noise_level=0.5, stochastic=stochastic)
+    g = torch.Generator().manual_seed(3)
+    field, _ = model.velocity_field(batch)
+    chain, steps, _ = sample_chain(field, torch.randn(3, cfg.chunk_size, cfg.max_action_dim, generator=g), sde, mask, g)
+    ref_field, _ = reference.velocity_field(batch)
+    logp, kl = chain_log_prob(field, chain, steps, sde, mask, reference=ref_field)
+    torch.testing.assert_close(logp, chain_log_prob(field, chain, steps, sde, mask))
+    assert kl.abs().max() < 1e-6
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    field, _ = model.velocity_field(batch)
+    _, kl = chain_log_prob(field, chain, steps, sde, mask, reference=ref_field)
+    expected = torch.zeros(3)  # by hand: KL of two Gaussians with one std, per stochastic transition
+    for k in range(sde.steps):
+        kk = torch.full((3,), k)
+        mean, std = sde.transition(chain[:, k], field(chain[:, k], sde.time(kk.float())), kk)
+        ref_mean, _ = sde.transition(chain[:, k], ref_field(chain[:, k], sde.time(kk.float())), kk)
+        per = (((mean - ref_mean) / std) ** 2 * mask).flatten(1).sum(1) / 2
+        expected += torch.where(steps[:, k], per, torch.zeros(3)) / steps.sum(1)
+    torch.testing.assert_close(kl, expected, rtol=1e-4, atol=1e-5)
+    assert kl.min() > 1e-3
+
+
 def test_a_uniformly_good_segment_keeps_positive_advantages():
     from kilovla.rl.learner import AdvantageScale
 
@@ -465,14 +522,18 @@ def test_a_replaced_workers_waiting_env_gets_no_ticket_and_the_new_incarnation_p
     ({"rollout.segment_steps": 0}, "rollout.segment_steps must be >= 1"),
     ({"learner.max_staleness": -1}, "learner.max_staleness must be >= 0"), ({"mode": "lockstep"}, "mode must be sync or async"),
     ({"mode": "sync", "learner.batch_segments": 12}, "must be a multiple of the number of envs"),
+    ({"learner.algo.kl_coef": -0.1}, "learner.algo.kl_coef must be >= 0"),
 ])
 def test_a_bad_rl_config_is_refused_in_one_line_before_ray_starts(override, message, monkeypatch):
     from kilovla.rl import runner
 
     cfg = runner.RLConfig(policy="unused")
     for key, value in override.items():
-        section, _, name = key.rpartition(".")
-        setattr(getattr(cfg, section) if section else cfg, name, value)
+        *sections, name = key.split(".")
+        owner = cfg
+        for section in sections:
+            owner = getattr(owner, section)
+        setattr(owner, name, value)
     monkeypatch.setattr(runner, "connect_ray", lambda *a, **k: pytest.fail("Ray started before the config was checked"))
     with pytest.raises(KilovlaError, match=message) as err:
         runner.run(cfg)
@@ -498,3 +559,24 @@ def test_training_seeds_of_different_slots_workers_and_runs_never_meet():
 
     starts = sorted(first_train_seed(s, w, e) for s in range(3) for w in range(8) for e in range(100))
     assert all(b - a >= 10_000 for a, b in zip(starts, starts[1:]))  # room for 10_000 episodes per slot
+
+
+@pytest.mark.parametrize("name", ["pi0-tiny", "groot-tiny"])
+def test_the_critic_sees_the_state_the_prefix_does_not_carry(name):
+    """pi0 and GR00T put the state in the action stream: the value head must read it itself, or two
+    observations with the same images and prompt but the hand elsewhere get the same value."""
+    from kilovla.models.processor import PolicyMeta
+    from kilovla.rl.policy import ActorCritic
+
+    model = _policy_model(name)
+    stats = {k: {"q01": [-1.0] * 4, "q99": [1.0] * 4} for k in ("observation.state", "action")}
+    critic = ActorCritic(model, PolicyMeta(preset=name, state_dim=4, action_dim=4, stats=stats), FlowSDE(), n_action_steps=5)
+    batch = _obs_batch(model.config)
+    moved = dataclasses.replace(batch, state=batch.state + 1.0)
+    with torch.no_grad():
+        _, features = model.velocity_field(batch)
+        _, same_features = model.velocity_field(moved)
+        values, moved_values = critic._value(features, batch), critic._value(same_features, moved)
+    if name == "pi0-tiny":
+        torch.testing.assert_close(features, same_features)  # the prefix alone cannot tell them apart
+    assert (values - moved_values).abs().min() > 1e-4

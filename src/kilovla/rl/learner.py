@@ -15,7 +15,8 @@ segments arrive (`StreamingStep`): the loss of a micro-batch is the sum of decou
 losses over its samples, scaled by 1 / (samples in a global batch); the optimizer steps when the
 global batch (B segments x T steps, spread over the learner ranks) is complete. The proximal policy
 of the decoupled loss is the learner's policy as it consumes the sample: with no staleness it is the
-behaviour policy and the loss is plain PPO.
+behaviour policy and the loss is plain PPO. With `kl_coef` > 0 each sample also pays kl_coef x the KL of
+its stochastic transitions from the frozen policy the run began with (a second, gradient-free forward).
 
 The optimizer, its schedule and gradient clipping are the supervised trainer's (`train.optim`),
 with the value head in its own parameter group; freezing is the trainer's `apply_freeze`; on
@@ -56,6 +57,10 @@ class AlgoConfig:
     value_coef: float = 0.5
     value_clip: float = 10.0
     value_lr: float = 1e-3
+    # A penalty on the KL of the stochastic transitions from the policy the run began with (Flow-GRPO's
+    # ||mean - mean_ref||^2 / (2 std^2)), per sample: it pulls back what the noise of small batches moves
+    # without a consistent advantage. 0 (RLinf's default): no reference model is kept.
+    kl_coef: float = 0.0
     normalize_advantages: bool = True  # divide by the running RMS of past global batches' advantages
     advantage_rms_momentum: float = 0.9  # EMA of the per-batch mean square (bias-corrected)
     micro_batch: int = 32  # samples per forward/backward on a learner rank
@@ -105,8 +110,9 @@ class AdvantageScale:
 
 class Learner:
     def __init__(self, model: ActorCritic, cfg: AlgoConfig, segments_per_step: int, segment_steps: int,
-                 total_steps: int, world: distributed.World | None = None, compute: ComputeSection | None = None):
-        self.cfg, self.world = cfg, world or distributed.World()
+                 total_steps: int, world: distributed.World | None = None, compute: ComputeSection | None = None,
+                 reference: torch.nn.Module | None = None):
+        self.cfg, self.world, self.reference = cfg, world or distributed.World(), reference
         self.compute = compute if compute is not None and compute.calibrated else None
         self.model = model
         apply_freeze(model.vla, freeze_vision=cfg.freeze_vision, freeze_vlm=cfg.freeze_vlm)
@@ -164,13 +170,18 @@ class Learner:
 
     def _loss(self, data: dict, rows: np.ndarray, scale: float) -> tuple[torch.Tensor, dict]:
         t = lambda k, dtype=torch.float32: torch.as_tensor(data[k][rows], dtype=dtype)  # noqa: E731
-        logp, values = self.step_model(trajectory.index(data["obs"], rows), t("chain"), t("stochastic", torch.bool))
+        logp, values, kl = self.step_model(trajectory.index(data["obs"], rows), t("chain"), t("stochastic", torch.bool),
+                                           self.reference)
         behav, adv = t("logp"), t("adv") / scale
         policy, stats = decoupled_ppo_loss(logp, logp.detach(), behav, adv, self.cfg.clip, self.cfg.behav_cap)
         critic = value_loss(values, t("ret"), t("value"), self.cfg.value_clip)
+        loss = policy + self.cfg.value_coef * critic
+        if kl is not None:
+            loss = loss + self.cfg.kl_coef * kl
+            stats["kl_to_start"] = kl.mean().item()
         stats.update(policy_loss=policy.mean().item(), value_loss=critic.mean().item(),
                      logp_gap=(logp.detach() - behav).abs().mean().item(), advantage=t("adv").mean().item())
-        return (policy + self.cfg.value_coef * critic).sum(), stats
+        return loss.sum(), stats
 
     def _calibrated_backward(self, n: int) -> tuple[dict | None, dict]:
         """A micro-batch of n samples with the model's compute as sleeps: the stream still counts the samples

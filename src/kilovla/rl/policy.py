@@ -2,7 +2,9 @@
 
 `ActorCritic` holds the VLA and a small value head. Acting samples a Flow-SDE chain (exact
 log-probabilities, `core/flow.py`); the value head reads the model's pooled prefix features,
-detached, so the critic never moves the VLA. `evaluate` recomputes the log-probability of stored
+detached, so the critic never moves the VLA, and the normalised state: pi0 and GR00T put the state
+in the action stream, not the prefix, so without it the critic would judge a reach from images alone
+(RLinf's GR00T head concatenates the state the same way; its pi0 head reads the expert's output). `evaluate` recomputes the log-probability of stored
 chains and the values, differentiably, which is all the learner needs.
 
 Observations are what the envs return (LeRobot keys, stacked); the `Processor` the supervised
@@ -33,7 +35,7 @@ class ActorCritic(nn.Module):
         mask = torch.zeros(self.horizon, cfg.max_action_dim)
         mask[: self.n_action_steps, : meta.action_dim] = 1.0
         self.register_buffer("executed", mask, persistent=False)
-        features = self._feature_dim()
+        features = self._feature_dim() + cfg.max_state_dim
         self.value_head = nn.Sequential(nn.Linear(features, value_hidden), nn.Tanh(), nn.Linear(value_hidden, 1))
 
     def _feature_dim(self) -> int:
@@ -56,22 +58,36 @@ class ActorCritic(nn.Module):
         cfg = self.vla.config
         noise = torch.randn(batch.state.shape[0], self.horizon, cfg.max_action_dim, generator=generator)
         chain, stochastic, logp = sample_chain(field, noise.to(self.executed.device), self.sde, self.executed, generator)
-        value = self.value_head(features.detach().float())[:, 0]
+        value = self._value(features, batch)
         actions = self.processor.unnormalize_actions(chain[:, -1, : self.n_action_steps].float().cpu().numpy())
         return {"actions": actions, "chain": chain.cpu().numpy(), "stochastic": stochastic.cpu().numpy(),
                 "logp": logp.cpu().numpy(), "value": value.cpu().numpy()}
 
     @torch.no_grad()
     def value(self, obs: dict) -> np.ndarray:
-        _, features = self.vla.velocity_field(self.batch(obs))
-        return self.value_head(features.detach().float())[:, 0].cpu().numpy()
+        batch = self.batch(obs)
+        _, features = self.vla.velocity_field(batch)
+        return self._value(features, batch).cpu().numpy()
 
-    def forward(self, obs: dict, chain: torch.Tensor, stochastic: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Differentiable log-probs (B,) of stored chains and values (B,): what the learner trains."""
-        field, features = self.vla.velocity_field(self.batch(obs))
-        logp = chain_log_prob(field, chain.to(self.executed.device), stochastic.to(self.executed.device), self.sde,
-                              self.executed)
-        return logp, self.value_head(features.detach().float())[:, 0]
+    def forward(self, obs: dict, chain: torch.Tensor, stochastic: torch.Tensor,
+                reference: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Differentiable log-probs (B,) of stored chains, values (B,) and, given a frozen `reference` VLA,
+        the KL (B,) of the chains' stochastic transitions from the reference's: what the learner trains."""
+        batch = self.batch(obs)
+        field, features = self.vla.velocity_field(batch)
+        chain, stochastic = chain.to(self.executed.device), stochastic.to(self.executed.device)
+        kl = None
+        if reference is None:
+            logp = chain_log_prob(field, chain, stochastic, self.sde, self.executed)
+        else:
+            with torch.no_grad():
+                ref_field, _ = reference.velocity_field(batch)
+            logp, kl = chain_log_prob(field, chain, stochastic, self.sde, self.executed, reference=ref_field)
+        return logp, self._value(features, batch), kl
+
+    def _value(self, features: torch.Tensor, batch) -> torch.Tensor:
+        """V (B,) from the pooled prefix features and the normalised state, both detached from the VLA."""
+        return self.value_head(torch.cat([features.detach().float(), batch.state.float()], dim=-1))[:, 0]
 
 
 def load_actor_critic(policy_dir: str, sde: FlowSDE, n_action_steps: int | None = None, device: str = "cpu") -> ActorCritic:

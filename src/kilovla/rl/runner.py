@@ -197,7 +197,8 @@ def _check_config(cfg: RLConfig) -> None:
     for name, value, least in (("env.workers", cfg.env.workers, 1), ("env.envs_per_worker", cfg.env.envs_per_worker, 1),
                                ("learner.batch_segments", cfg.learner.batch_segments, 1),
                                ("rollout.segment_steps", cfg.rollout.segment_steps, 1),
-                               ("learner.max_staleness", cfg.learner.max_staleness, 0), ("learner.ranks", cfg.learner.ranks, 1)):
+                               ("learner.max_staleness", cfg.learner.max_staleness, 0), ("learner.ranks", cfg.learner.ranks, 1),
+                               ("learner.algo.kl_coef", cfg.learner.algo.kl_coef, 0)):
         if value < least:
             raise KilovlaError(f"{name} must be >= {least}, got {value}")
     if cfg.env.envs_per_worker > 100:  # the seed scheme gives each env slot 10_000 seeds inside a worker's 1_000_000
@@ -290,6 +291,7 @@ class _Roles:
         from kilovla.rl import workers
 
         self.cfg, self.policy_dir, self.faults = cfg, policy_dir, faults
+        self.started_from = state.get("started_from", policy_dir)  # the policy the run began with (the KL's reference)
         self.meta = json.loads((Path(policy_dir) / "policy.json").read_text())
         here = _here()
         self.server = workers.InferenceServer.options(scheduling_strategy=here).remote(
@@ -304,7 +306,7 @@ class _Roles:
         ranks = cfg.learner.ranks
         self.learners = [workers.LearnerWorker.options(scheduling_strategy=here).remote(
             policy_dir, sde, n_action_steps, cfg.learner.algo, cfg.learner.batch_segments, cfg.rollout.segment_steps,
-            cfg.steps, cfg.learner_threads, cfg.compute) for _ in range(ranks)]
+            cfg.steps, cfg.learner_threads, cfg.compute, self.started_from) for _ in range(ranks)]
         store = ray.get(self.learners[0].address.remote()) if ranks > 1 else None
         ray.get([lw.start.remote(rank, ranks, store) for rank, lw in enumerate(self.learners)])
         seeds = state.get("next_seeds") or {}
@@ -318,7 +320,6 @@ class _Roles:
             self.next_seed[w] = list(seeds.get(str(w), [first_train_seed(cfg.seed, w, e) for e in range(cfg.env.envs_per_worker)]))
             self.envs.append(self._env_worker(w))
         self.replaced = state.get("replaced_workers", 0)
-        self.started_from = state.get("started_from", policy_dir)  # the supervised policy the run began with
         if self.collective:  # learner rank 0 and the server meet in a process group of their own
             host, port = ray.get(self.learners[0].address.remote())
             ray.get([self.learners[0].join_weight_channel.remote(host, port, cfg.weight_sync_timeout_s),

@@ -91,19 +91,32 @@ def sample_chain(field, noise: torch.Tensor, sde: FlowSDE, mask: torch.Tensor,
     return torch.stack(chain, 1), stochastic, logp / stochastic.sum(1).clamp(min=1)
 
 
-def chain_log_prob(field, chain: torch.Tensor, stochastic: torch.Tensor, sde: FlowSDE, mask: torch.Tensor) -> torch.Tensor:
+def chain_log_prob(field, chain: torch.Tensor, stochastic: torch.Tensor, sde: FlowSDE, mask: torch.Tensor,
+                   reference=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The log-prob (B,) of a stored chain under `field` (differentiable): the velocity is evaluated
-    only where a transition was stochastic, one batched call per step that has any."""
+    only where a transition was stochastic, one batched call per step that has any.
+
+    With `reference` (a frozen policy's field) also the KL (B,) of this policy's stochastic transitions
+    from the reference's at the same x_k: both are Gaussians with the same std, so per transition
+    KL = ||mean - mean_ref||^2 / (2 std^2) over the executed elements (Flow-GRPO's penalty), averaged
+    over stochastic steps like the log-prob. Returns (logp, kl) then."""
     b = chain.shape[0]
-    logp = torch.zeros(b, dtype=torch.float32, device=chain.device)
+    rows = torch.arange(b, device=chain.device)
     if sde.stochastic == "one":  # one call: each sample's own stochastic step
         k = stochastic.float().argmax(1)
-        x_k = chain[torch.arange(b, device=chain.device), k]
-        x_next = chain[torch.arange(b, device=chain.device), k + 1]
-        mean, std = sde.transition(x_k, field(x_k, sde.time(k.to(chain.dtype))), k)
-        return _gaussian_logp(x_next.float(), mean.float(), std.float().expand_as(mean), mask.float())
-    for k in range(sde.steps):
-        kk = torch.full((b,), k, device=chain.device)
-        mean, std = sde.transition(chain[:, k], field(chain[:, k], sde.time(kk.to(chain.dtype))), kk)
-        logp = logp + _gaussian_logp(chain[:, k + 1].float(), mean.float(), std.float().expand_as(mean), mask.float())
-    return logp / sde.steps
+        steps = [(k, chain[rows, k], chain[rows, k + 1], 1.0)]
+    else:
+        steps = [(torch.full((b,), k, device=chain.device), chain[:, k], chain[:, k + 1], 1.0 / sde.steps)
+                 for k in range(sde.steps)]
+    logp = torch.zeros(b, dtype=torch.float32, device=chain.device)
+    kl = torch.zeros_like(logp)
+    for k, x_k, x_next, weight in steps:
+        t = sde.time(k.to(chain.dtype))
+        mean, std = sde.transition(x_k, field(x_k, t), k)
+        std = std.float().expand_as(mean)
+        logp = logp + weight * _gaussian_logp(x_next.float(), mean.float(), std, mask.float())
+        if reference is not None:
+            with torch.no_grad():
+                ref_mean, _ = sde.transition(x_k, reference(x_k, t), k)
+            kl = kl + weight * (0.5 * ((mean.float() - ref_mean.float()) / std) ** 2 * mask.float()).flatten(1).sum(1)
+    return logp if reference is None else (logp, kl)

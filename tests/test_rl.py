@@ -84,7 +84,7 @@ def test_sync_mode_with_two_ddp_learners_and_collective_weight_sync(policy_dir, 
     from kilovla.rl import runner
 
     summary = runner.run(_config(policy_dir, tmp_path / "run", "--mode=sync", "--learner.ranks=2", "--steps=2",
-                                 "--eval.episodes=0", "--weight_sync=collective"),
+                                 "--eval.episodes=0", "--weight_sync=collective", "--learner.algo.kl_coef=0.5"),
                          faults={"env_workers": {0: {"crash_after": 10}}})
     records = _records(tmp_path / "run")
     assert summary["steps"] == 2 and [r["step"] for r in records] == [1, 2]
@@ -94,6 +94,8 @@ def test_sync_mode_with_two_ddp_learners_and_collective_weight_sync(policy_dir, 
     assert records[-1]["mean_batch_size"] == 4  # one forward over all four envs per lock step
     assert all(r["learner/grad_norm"] > 0 for r in records)
     assert all(r["learner/logp_gap"] < 1e-4 for r in records)  # nothing stale: the learner rescores the chains exactly
+    # the KL to the start policy: none before the first step, some after it (each rank holds the reference)
+    assert records[0]["learner/kl_to_start"] < 1e-9 < records[1]["learner/kl_to_start"]
 
 
 def test_a_calibrated_run_does_not_resume_as_a_real_one(policy_dir, tmp_path):
@@ -150,7 +152,8 @@ def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
     args = [sys.executable, "-m", "kilovla", "rl", "--mode", "async", "--policy", str(policy_dir),
             f"--run_dir={run}", "--steps=5", "--env.tasks=[reach-v3]", "--env.workers=1", "--env.envs_per_worker=2",
             "--env.resolution=32", "--env.max_steps=30", "--rollout.segment_steps=3", "--learner.batch_segments=2",
-            "--checkpoint.every=2", "--eval.episodes=0", "--progress=false"]
+            "--checkpoint.every=2", "--eval.episodes=0", "--progress=false", "--learner.algo.kl_coef=0.5",
+            "--learner.algo.optim.lr=1e-3", "--learner.algo.optim.warmup_steps=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     driver = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 240
@@ -168,6 +171,39 @@ def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
     assert json.loads(resumed.stdout[resumed.stdout.index("{"):])["steps"] == 5
     steps = [r["step"] for r in _records(run)]
     assert steps[-3:] == [3, 4, 5] and steps.count(3) == 1  # continued after step 2; nothing logged twice
+    # the KL's reference is still the policy the run began with, not the checkpoint it resumed from
+    assert _records(run)[-3]["learner/kl_to_start"] > 1e-6
+
+
+def test_a_critic_of_another_width_is_relearned_from_a_policy_and_refused_on_resume(policy_dir, tmp_path, caplog):
+    """Folders written before the critic read the state: as --policy the critic starts afresh; as a run
+    to resume (learner.pt) they are refused in one line."""
+    import shutil
+
+    import torch
+
+    from kilovla.models.checkpoints import save_safetensors
+    from kilovla.rl.core.flow import FlowSDE
+    from kilovla.rl.learner import AlgoConfig
+    from kilovla.rl.policy import load_actor_critic
+    from kilovla.rl.workers import LearnerWorker
+
+    folder = tmp_path / "old"
+    shutil.copytree(policy_dir, folder)
+    fresh = load_actor_critic(str(folder), FlowSDE())
+    narrow = {"0.weight": torch.ones(256, fresh.value_head[0].in_features - 48), "0.bias": torch.ones(256),
+              "2.weight": torch.ones(1, 256), "2.bias": torch.ones(1)}
+    save_safetensors(narrow, folder / "value_head.safetensors")
+    with caplog.at_level("WARNING"):
+        model = load_actor_critic(str(folder), FlowSDE())
+    assert "starting a fresh critic" in caplog.text
+    assert not torch.equal(model.value_head[2].weight, torch.ones(1, 256))
+    worker = LearnerWorker.__ray_actor_class__(str(folder), FlowSDE(), None, AlgoConfig(), 2, 3, 10)
+    worker.start()
+    state = worker.state()
+    state["model"] = {**state["model"], **{f"value_head.{k}": v for k, v in narrow.items()}}
+    with pytest.raises(KilovlaError, match="cannot be resumed"):
+        worker.load_state(state)
 
 
 def test_env_workers_spread_over_a_two_node_cluster_and_survive_losing_one(policy_dir, tmp_path):

@@ -15,6 +15,8 @@ positions and the env's action dims.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from torch import nn
@@ -22,6 +24,8 @@ from torch import nn
 from kilovla.models.policy import load_checkpoint_policy
 from kilovla.models.processor import PolicyMeta, Processor
 from kilovla.rl.core.flow import FlowSDE, chain_log_prob, sample_chain
+
+log = logging.getLogger(__name__)
 
 
 class ActorCritic(nn.Module):
@@ -101,5 +105,11 @@ def load_actor_critic(policy_dir: str, sde: FlowSDE, n_action_steps: int | None 
     model = ActorCritic(policy.model.train(), policy.meta, sde, steps).to(device)
     head = Path(policy_dir) / "value_head.safetensors"
     if head.is_file():
-        model.value_head.load_state_dict(read_safetensors(head))
+        weights = read_safetensors(head)
+        width, ours = weights["0.weight"].shape[1], model.value_head[0].in_features
+        if width == ours:
+            model.value_head.load_state_dict(weights)
+        else:  # written before the critic read the state: the policy is fine, the critic is relearned
+            log.warning("%s reads %d features, this critic %d (pooled prefix and state): starting a fresh critic",
+                        head, width, ours)
     return model

@@ -165,8 +165,13 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     roles = _Roles(cfg, policy_dir, sde, n_action_steps, version, state, faults or {})
     try:
         if folder is not None:
-            ray.get([lw.load_state.remote(ray.put(torch.load(folder / "learner.pt", weights_only=False)))
-                     for lw in roles.learners])
+            try:
+                ray.get([lw.load_state.remote(ray.put(torch.load(folder / "learner.pt", weights_only=False)))
+                         for lw in roles.learners])
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, KilovlaError):
+                    raise KilovlaError(f"{folder}: {e.cause}") from None
+                raise
         roles.sync_weights(version)
         loop = (_AsyncLoop if cfg.mode == "async" else _SyncLoop)(cfg, roles, logger, time_budget_s)
         loop.run(version, state)

@@ -1,0 +1,83 @@
+"""RL fine-tuning of a supervised checkpoint, one recipe change per row (docs/rl_finetune.md).
+
+    PYTHONPATH=src python benchmarks/rl_finetune.py --policy DIR --out rlft kl_1 lr_3e-5 ...
+    python benchmarks/rl_finetune.py --out rlft --table     # the rows so far, as markdown
+
+Each row is `kilovla bench rl`'s `success_gain`: closed-loop success of DIR on reach-v3 and push-v3
+(50 fixed-seed episodes per task, eval seed 0), an async RL run of `FINETUNE` with the row's
+overrides for at most `--minutes`, then success again; plus the run's training-episode success in
+its first and last quarter of policy versions. Rows go to OUT/rl_finetune.jsonl. The start used in
+docs/rl_finetune.md is the narrow-expert checkpoint of `benchmarks/demo_ablation.py narrow_expert`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kilovla.bench.rl import success_gain
+
+VARIANTS: dict[str, list[str]] = {  # row -> overrides of FINETUNE (which has kl_coef 1.0, 24 segments, lr 3e-5)
+    "lr_1e-4": ["--learner.algo.kl_coef=0", "--learner.algo.optim.lr=1e-4"],
+    "lr_3e-5": ["--learner.algo.kl_coef=0"],
+    "lr_1e-5_batch_48": ["--learner.algo.kl_coef=0", "--learner.algo.optim.lr=1e-5", "--learner.batch_segments=48",
+                         "--learner.algo.optim.warmup_steps=5"],
+    "kl_1": [],
+}
+
+
+def training_success(run_dir: Path) -> tuple[float, float]:
+    """Training-episode success (weighted by episodes) over the first and the last quarter of versions."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    quarter = max(1, len(records) // 4)
+
+    def rate(rs):
+        episodes = sum(r["episodes"] for r in rs)
+        return sum((r["success_rate"] or 0.0) * r["episodes"] for r in rs) / max(1, episodes)
+
+    return rate(records[:quarter]), rate(records[-quarter:])
+
+
+def table(out: Path) -> str:
+    lines = ["| row | overrides | before | after | change (points) | training success first -> last quarter | versions | env steps |",
+             "|---|---|---|---|---|---|---|---|"]
+    for line in (out / "rl_finetune.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        per = ", ".join(f"{t} {v['before']:.0%} -> {v['after']:.0%}" for t, v in r["per_task"].items())
+        lines.append(f"| {r['name']} | {' '.join(VARIANTS[r['name']]) or '(FINETUNE)'} | {r['before']:.0%} | "
+                     f"{r['after']:.0%} ({per}) | {(r['after'] - r['before']) * 100:+.0f} | "
+                     f"{r['training_success'][0]:.2f} -> {r['training_success'][1]:.2f} | {r['rl_steps']} | {r['env_steps']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="*", help=f"rows to run: {', '.join(VARIANTS)}")
+    parser.add_argument("--policy", help="the supervised policy folder to fine-tune")
+    parser.add_argument("--out", default="rl_finetune")
+    parser.add_argument("--minutes", type=float, default=14.0)
+    parser.add_argument("--table", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.table:
+        print(table(out))
+        return
+    if not args.policy:
+        parser.error("--policy DIR is needed to run rows")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(VARIANTS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in args.variants:
+        run_dir = out / "runs" / name
+        gain = success_gain(args.policy, run_dir, minutes=args.minutes, episodes=50, overrides=VARIANTS[name])
+        row = {"name": name, "policy": args.policy, "minutes": args.minutes, **gain,
+               "training_success": training_success(run_dir)}
+        with open(out / "rl_finetune.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@
     python benchmarks/rl_finetune.py --out rlft --table     # the rows so far, as markdown
 
 Each row is `kilovla bench rl`'s `success_gain`: closed-loop success of DIR on reach-v3 and push-v3
-(50 fixed-seed episodes per task, eval seed 0), an async RL run of `FINETUNE` with the row's
+(`--episodes` fixed-seed episodes per task, 50 by default, eval seed 0), an async RL run of `FINETUNE` with the row's
 overrides for at most `--minutes`, then success again; plus the run's training-episode success in
 its first and last quarter of policy versions. Rows go to OUT/rl_finetune.jsonl. The start used in
 docs/rl_finetune.md is the narrow-expert checkpoint of `benchmarks/demo_ablation.py narrow_expert`.
@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from kilovla.bench.rl import success_gain
+from kilovla.errors import KilovlaError
 
 VARIANTS: dict[str, list[str]] = {  # row -> overrides of FINETUNE (which has kl_coef 1.0, 24 segments, lr 3e-5)
     "lr_1e-4": ["--learner.algo.kl_coef=0", "--learner.algo.optim.lr=1e-4"],
@@ -40,12 +41,16 @@ def training_success(run_dir: Path) -> tuple[float, float]:
 
 
 def table(out: Path) -> str:
+    rows = out / "rl_finetune.jsonl"
+    if not rows.is_file() or not rows.read_text().strip():
+        return f"no rows yet in {rows}"
     lines = ["| row | overrides | before | after | change (points) | training success first -> last quarter | versions | env steps |",
              "|---|---|---|---|---|---|---|---|"]
-    for line in (out / "rl_finetune.jsonl").read_text().splitlines():
+    for line in rows.read_text().splitlines():
         r = json.loads(line)
         per = ", ".join(f"{t} {v['before']:.0%} -> {v['after']:.0%}" for t, v in r["per_task"].items())
-        lines.append(f"| {r['name']} | {' '.join(VARIANTS[r['name']]) or '(FINETUNE)'} | {r['before']:.0%} | "
+        overrides = " ".join(VARIANTS[r["name"]]) or "(FINETUNE)" if r["name"] in VARIANTS else "(a row no longer defined)"
+        lines.append(f"| {r['name']} | {overrides} | {r['before']:.0%} | "
                      f"{r['after']:.0%} ({per}) | {(r['after'] - r['before']) * 100:+.0f} | "
                      f"{r['training_success'][0]:.2f} -> {r['training_success'][1]:.2f} | {r['rl_steps']} | {r['env_steps']} |")
     return "\n".join(lines)
@@ -57,22 +62,30 @@ def main() -> None:
     parser.add_argument("--policy", help="the supervised policy folder to fine-tune")
     parser.add_argument("--out", default="rl_finetune")
     parser.add_argument("--minutes", type=float, default=14.0)
+    parser.add_argument("--episodes", type=int, default=50, help="closed-loop episodes per task, before and after")
     parser.add_argument("--table", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     if args.table:
         print(table(out))
         return
-    if not args.policy:
-        parser.error("--policy DIR is needed to run rows")
+    if not args.policy or not args.variants:
+        parser.error("running rows needs --policy DIR and at least one row")
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {', '.join(VARIANTS)}")
+    taken = [v for v in args.variants if (out / "runs" / v).exists()]
+    if taken:  # a run directory's metrics append: a second run would mix its training success with the first's
+        parser.error(f"{out / 'runs'} already holds {taken}: pick another --out or remove them")
     out.mkdir(parents=True, exist_ok=True)
     for name in args.variants:
         run_dir = out / "runs" / name
-        gain = success_gain(args.policy, run_dir, minutes=args.minutes, episodes=50, overrides=VARIANTS[name])
-        row = {"name": name, "policy": args.policy, "minutes": args.minutes, **gain,
+        try:
+            gain = success_gain(args.policy, run_dir, minutes=args.minutes, episodes=args.episodes,
+                                overrides=VARIANTS[name])
+        except KilovlaError as e:
+            parser.error(str(e))
+        row = {"name": name, "policy": args.policy, "minutes": args.minutes, "episodes": args.episodes, **gain,
                "training_success": training_success(run_dir)}
         with open(out / "rl_finetune.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -197,6 +197,12 @@ def test_a_critic_of_another_width_is_relearned_from_a_policy_and_refused_on_res
     with caplog.at_level("WARNING"):
         model = load_actor_critic(str(folder), FlowSDE())
     assert "starting a fresh critic" in caplog.text
+    caplog.clear()
+    from kilovla.rl import runner
+
+    with caplog.at_level("WARNING"):  # and in the driver, where the user sees it (Ray keeps the actors' logs)
+        runner._warn_stale_value_head(str(folder), json.loads((folder / "policy.json").read_text()))
+    assert "starting a fresh critic" in caplog.text
     assert not torch.equal(model.value_head[2].weight, torch.ones(1, 256))
     worker = LearnerWorker.__ray_actor_class__(str(folder), FlowSDE(), None, AlgoConfig(), 2, 3, 10)
     worker.start()
@@ -266,3 +272,21 @@ class _Driver(threading.Thread):
         assert not self.is_alive(), f"the run did not end within {timeout_s:g} s"
         assert "summary" in self.out, repr(self.out.get("error"))
         return self.out["summary"]
+
+
+def test_resuming_a_kl_run_whose_start_policy_is_gone_is_refused_in_one_line(policy_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from kilovla.rl import runner
+
+    start = tmp_path / "start"
+    shutil.copytree(policy_dir, start)
+    step = tmp_path / "run" / "checkpoints" / "step_000002"
+    shutil.copytree(policy_dir, step)
+    (step / "rl_state.json").write_text(json.dumps({"version": 2, "started_from": str(start)}))
+    cfg = _config(start, tmp_path / "run", "--learner.algo.kl_coef=0.5")
+    monkeypatch.setattr(runner, "connect_ray", lambda *a, **k: pytest.fail("Ray started before the reference was checked"))
+    shutil.rmtree(start)
+    with pytest.raises(KilovlaError, match="the policy this run began with.*is gone") as err:
+        runner.run(cfg, resume=str(step))
+    assert "\n" not in str(err.value)

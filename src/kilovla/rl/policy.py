@@ -39,16 +39,8 @@ class ActorCritic(nn.Module):
         mask = torch.zeros(self.horizon, cfg.max_action_dim)
         mask[: self.n_action_steps, : meta.action_dim] = 1.0
         self.register_buffer("executed", mask, persistent=False)
-        features = self._feature_dim() + cfg.max_state_dim
+        features = critic_width(cfg)
         self.value_head = nn.Sequential(nn.Linear(features, value_hidden), nn.Tanh(), nn.Linear(value_hidden, 1))
-
-    def _feature_dim(self) -> int:
-        from kilovla.models.groot import GrootModel
-
-        cfg = self.vla.config
-        if isinstance(self.vla, GrootModel):
-            return cfg.llm.width
-        return 2 * cfg.lm.kv_heads * cfg.lm.head_dim
 
     def batch(self, obs: dict):
         return self.processor.observation_batch(obs).to(self.executed.device)
@@ -105,11 +97,30 @@ def load_actor_critic(policy_dir: str, sde: FlowSDE, n_action_steps: int | None 
     model = ActorCritic(policy.model.train(), policy.meta, sde, steps).to(device)
     head = Path(policy_dir) / "value_head.safetensors"
     if head.is_file():
-        weights = read_safetensors(head)
-        width, ours = weights["0.weight"].shape[1], model.value_head[0].in_features
-        if width == ours:
-            model.value_head.load_state_dict(weights)
-        else:  # written before the critic read the state: the policy is fine, the critic is relearned
-            log.warning("%s reads %d features, this critic %d (pooled prefix and state): starting a fresh critic",
-                        head, width, ours)
+        note = stale_value_head(policy_dir, model.value_head[0].in_features)
+        if note:
+            log.warning(note)
+        else:
+            model.value_head.load_state_dict(read_safetensors(head))
     return model
+
+
+def critic_width(config) -> int:
+    """The value head's inputs: the pooled prefix features (GR00T: its LLM's width; pi0 / pi0.5: the last
+    layer's keys and values) and the padded state."""
+    features = config.llm.width if hasattr(config, "llm") else 2 * config.lm.kv_heads * config.lm.head_dim
+    return features + config.max_state_dim
+
+
+def stale_value_head(policy_dir: str, width: int) -> str | None:
+    """Why the folder's value head cannot be loaded into a critic of `width` inputs (None: it can): one
+    written before the critic read the state. The policy is fine; the critic is relearned."""
+    from pathlib import Path
+
+    from kilovla.models.checkpoints import read_header
+
+    head = Path(policy_dir) / "value_head.safetensors"
+    stored = read_header(head)["0.weight"].shape[1]
+    if stored == width:
+        return None
+    return f"{head} reads {stored} features, this critic {width} (pooled prefix and state): starting a fresh critic"

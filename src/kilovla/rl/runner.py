@@ -150,6 +150,13 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     _check_policy_fits_env(cfg, policy_dir, meta)
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
+    state.setdefault("started_from", str(Path(policy_dir).resolve()))  # the KL's reference, whatever the cwd later
+    if cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
+            and not (Path(state["started_from"]) / "policy.json").is_file():
+        raise KilovlaError(f"{folder}/rl_state.json: the policy this run began with, {state['started_from']}, is gone; "
+                           f"it is the KL penalty's reference (learner.algo.kl_coef): put it back, or resume with "
+                           f"--learner.algo.kl_coef=0")
+    _warn_stale_value_head(policy_dir, meta)
     version = state.get("version", 0)
     if folder is not None and state.get("compute_model", "real") != cfg.compute.model:
         raise KilovlaError(f"{folder}: this run's model compute was {state.get('compute_model', 'real')!r} (its weights "
@@ -219,6 +226,17 @@ def _check_config(cfg: RLConfig) -> None:
         log.warning("env.reward_scale %g: a full episode's shaped reward (up to %g) can exceed the success bonus %g, "
                     "so a near miss may pay more than a success", cfg.env.reward_scale,
                     cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale, cfg.env.success_bonus)
+
+
+def _warn_stale_value_head(policy_dir: str, meta: dict) -> None:
+    """Here, in the driver: the learners that relearn such a critic log inside Ray, out of the user's sight."""
+    from kilovla.models.presets import preset
+    from kilovla.rl.policy import critic_width, stale_value_head
+
+    if (Path(policy_dir) / "value_head.safetensors").is_file():
+        note = stale_value_head(policy_dir, critic_width(preset(meta["preset"], **meta.get("overrides", {}))))
+        if note:
+            log.warning(note)
 
 
 def _check_policy_fits_env(cfg: RLConfig, policy_dir: str, meta: dict) -> None:
@@ -296,7 +314,7 @@ class _Roles:
         from kilovla.rl import workers
 
         self.cfg, self.policy_dir, self.faults = cfg, policy_dir, faults
-        self.started_from = state.get("started_from", policy_dir)  # the policy the run began with (the KL's reference)
+        self.started_from = state["started_from"]  # the policy the run began with (the KL's reference)
         self.meta = json.loads((Path(policy_dir) / "policy.json").read_text())
         here = _here()
         self.server = workers.InferenceServer.options(scheduling_strategy=here).remote(

@@ -130,10 +130,9 @@ def calibrate(policy_dir: str, sde, n_action_steps: int, obs: dict, algo, *, bat
     """Time the real policy in this process (torch on `threads` threads, as the roles run it) on copies of
     the env observation `obs`: `act` at each of `batch_sizes`, the learner's forward + backward at each of
     `micro_batches`, one bootstrap value and one optimizer step; fit the lines of `ComputeSection`."""
-    from kilovla.models.policy import load_checkpoint_policy
     from kilovla.rl.core import trajectory
     from kilovla.rl.learner import Learner
-    from kilovla.rl.policy import load_actor_critic
+    from kilovla.rl.policy import frozen_policy, load_actor_critic
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -151,9 +150,8 @@ def calibrate(policy_dir: str, sde, n_action_steps: int, obs: dict, algo, *, bat
         data = {"obs": trajectory.stack([obs] * most), "chain": acted["chain"], "stochastic": acted["stochastic"],
                 "logp": acted["logp"], "value": acted["value"], "adv": np.ones(most, np.float32),
                 "ret": np.ones(most, np.float32)}
-        reference = None  # a KL penalty costs the learner one more (gradient-free) forward per micro-batch
-        if algo.kl_coef > 0:
-            reference = load_checkpoint_policy(policy_dir).model.eval().requires_grad_(False)
+        # a KL penalty costs the learner one more (gradient-free) forward per micro-batch
+        reference = frozen_policy(policy_dir) if algo.kl_coef > 0 else None
         learner = Learner(model, algo, segments_per_step=1, segment_steps=1 << 20, total_steps=1 << 20,
                           reference=reference)
         learn = []

@@ -4,8 +4,9 @@
 log-probabilities, `core/flow.py`); the value head reads the model's pooled prefix features,
 detached, so the critic never moves the VLA, and the normalised state: pi0 and GR00T put the state
 in the action stream, not the prefix, so without it the critic would judge a reach from images alone
-(RLinf's GR00T head concatenates the state the same way; its pi0 head reads the expert's output). `evaluate` recomputes the log-probability of stored
-chains and the values, differentiably, which is all the learner needs.
+(RLinf's GR00T head concatenates the state the same way; its pi0 head reads the expert's output).
+`forward` recomputes the log-probability of stored chains and the values, differentiably (and the KL
+to a frozen reference policy, `frozen_policy`, when given one), which is all the learner needs.
 
 Observations are what the envs return (LeRobot keys, stacked); the `Processor` the supervised
 trainer used turns them into model batches, so RL sees exactly what the policy was trained on.
@@ -103,6 +104,11 @@ def load_actor_critic(policy_dir: str, sde: FlowSDE, n_action_steps: int | None 
         else:
             model.value_head.load_state_dict(read_safetensors(head))
     return model
+
+
+def frozen_policy(policy_dir: str) -> nn.Module:
+    """A policy folder's VLA with no gradients, in eval mode: the reference of a KL penalty."""
+    return load_checkpoint_policy(policy_dir).model.eval().requires_grad_(False)
 
 
 def critic_width(config) -> int:

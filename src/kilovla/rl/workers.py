@@ -431,15 +431,14 @@ class LearnerWorker:
 
     def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, algo, segments_per_step: int,
                  segment_steps: int, total_steps: int, threads: int = 1, compute=None, reference_dir: str | None = None):
-        from kilovla.models.policy import load_checkpoint_policy
-        from kilovla.rl.policy import load_actor_critic
+        from kilovla.rl.policy import frozen_policy, load_actor_critic
 
         torch.set_num_threads(threads)
         torch.manual_seed(0)
         self.model = load_actor_critic(policy_dir, sde, n_action_steps).eval()  # eval: no dropout, as when acting
         reference = None  # the policy the run began with, frozen: what a KL penalty (algo.kl_coef) holds it near
         if algo.kl_coef > 0 and (compute is None or not compute.calibrated):
-            reference = load_checkpoint_policy(reference_dir or policy_dir).model.eval().requires_grad_(False)
+            reference = frozen_policy(reference_dir or policy_dir)
         self.args = (algo, segments_per_step, segment_steps, total_steps)
         self.reference = reference
         self.compute = compute

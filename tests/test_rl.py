@@ -175,20 +175,20 @@ def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
     assert _records(run)[-3]["learner/kl_to_start"] > 1e-6
 
 
-def test_a_critic_of_another_width_is_relearned_from_a_policy_and_refused_on_resume(policy_dir, tmp_path, caplog):
-    """Folders written before the critic read the state: as --policy the critic starts afresh; as a run
-    to resume (learner.pt) they are refused in one line."""
+def test_a_critic_of_another_width_is_relearned_from_a_policy_and_refused_on_resume(policy_dir, tmp_path, caplog,
+                                                                                    monkeypatch):
+    """Folders written before the critic read the state: as --policy the critic starts afresh (and the
+    driver says so); as a run to resume they are refused in one line before Ray starts."""
     import shutil
 
     import torch
 
     from kilovla.models.checkpoints import save_safetensors
+    from kilovla.rl import runner
     from kilovla.rl.core.flow import FlowSDE
-    from kilovla.rl.learner import AlgoConfig
     from kilovla.rl.policy import load_actor_critic
-    from kilovla.rl.workers import LearnerWorker
 
-    folder = tmp_path / "old"
+    folder = tmp_path / "run" / "checkpoints" / "step_000002"
     shutil.copytree(policy_dir, folder)
     fresh = load_actor_critic(str(folder), FlowSDE())
     narrow = {"0.weight": torch.ones(256, fresh.value_head[0].in_features - 48), "0.bias": torch.ones(256),
@@ -197,19 +197,17 @@ def test_a_critic_of_another_width_is_relearned_from_a_policy_and_refused_on_res
     with caplog.at_level("WARNING"):
         model = load_actor_critic(str(folder), FlowSDE())
     assert "starting a fresh critic" in caplog.text
-    caplog.clear()
-    from kilovla.rl import runner
-
-    with caplog.at_level("WARNING"):  # and in the driver, where the user sees it (Ray keeps the actors' logs)
-        runner._warn_stale_value_head(str(folder), json.loads((folder / "policy.json").read_text()))
-    assert "starting a fresh critic" in caplog.text
     assert not torch.equal(model.value_head[2].weight, torch.ones(1, 256))
-    worker = LearnerWorker.__ray_actor_class__(str(folder), FlowSDE(), None, AlgoConfig(), 2, 3, 10)
-    worker.start()
-    state = worker.state()
-    state["model"] = {**state["model"], **{f"value_head.{k}": v for k, v in narrow.items()}}
-    with pytest.raises(KilovlaError, match="cannot be resumed"):
-        worker.load_state(state)
+    caplog.clear()
+    meta = json.loads((folder / "policy.json").read_text())
+    with caplog.at_level("WARNING"):  # and in the driver, where the user sees it (Ray keeps the actors' logs)
+        runner._check_value_head(str(folder), meta, resuming=False)
+    assert "starting a fresh critic" in caplog.text
+    (folder / "rl_state.json").write_text(json.dumps({"version": 2, "started_from": str(folder)}))
+    monkeypatch.setattr(runner, "connect_ray", lambda *a, **k: pytest.fail("Ray started before the critic was checked"))
+    with pytest.raises(KilovlaError, match="cannot be resumed") as err:
+        runner.run(_config(policy_dir, tmp_path / "run"), resume=str(folder))
+    assert "\n" not in str(err.value)
 
 
 def test_env_workers_spread_over_a_two_node_cluster_and_survive_losing_one(policy_dir, tmp_path):

@@ -100,7 +100,7 @@ def load_actor_critic(policy_dir: str, sde: FlowSDE, n_action_steps: int | None 
     if head.is_file():
         note = stale_value_head(policy_dir, model.value_head[0].in_features)
         if note:
-            log.warning(note)
+            log.warning("%s: starting a fresh critic", note)
         else:
             model.value_head.load_state_dict(read_safetensors(head))
     return model
@@ -120,7 +120,7 @@ def critic_width(config) -> int:
 
 def stale_value_head(policy_dir: str, width: int) -> str | None:
     """Why the folder's value head cannot be loaded into a critic of `width` inputs (None: it can): one
-    written before the critic read the state. The policy is fine; the critic is relearned."""
+    written before the critic read the state. The policy is fine; its critic has to be relearned."""
     from pathlib import Path
 
     from kilovla.models.checkpoints import read_header
@@ -129,4 +129,4 @@ def stale_value_head(policy_dir: str, width: int) -> str | None:
     stored = read_header(head)["0.weight"].shape[1]
     if stored == width:
         return None
-    return f"{head} reads {stored} features, this critic {width} (pooled prefix and state): starting a fresh critic"
+    return f"{head} reads {stored} features, this critic {width} (pooled prefix and state)"

@@ -156,7 +156,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
         raise KilovlaError(f"{folder}/rl_state.json: the policy this run began with, {state['started_from']}, is gone; "
                            f"it is the KL penalty's reference (learner.algo.kl_coef): put it back, or resume with "
                            f"--learner.algo.kl_coef=0")
-    _warn_stale_value_head(policy_dir, meta)
+    _check_value_head(policy_dir, meta, resuming=folder is not None)
     version = state.get("version", 0)
     if folder is not None and state.get("compute_model", "real") != cfg.compute.model:
         raise KilovlaError(f"{folder}: this run's model compute was {state.get('compute_model', 'real')!r} (its weights "
@@ -172,13 +172,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     roles = _Roles(cfg, policy_dir, sde, n_action_steps, version, state, faults or {})
     try:
         if folder is not None:
-            try:
-                ray.get([lw.load_state.remote(ray.put(torch.load(folder / "learner.pt", weights_only=False)))
-                         for lw in roles.learners])
-            except ray.exceptions.RayTaskError as e:
-                if isinstance(e.cause, KilovlaError):
-                    raise KilovlaError(f"{folder}: {e.cause}") from None
-                raise
+            ray.get([lw.load_state.remote(ray.put(torch.load(folder / "learner.pt", weights_only=False)))
+                     for lw in roles.learners])
         roles.sync_weights(version)
         loop = (_AsyncLoop if cfg.mode == "async" else _SyncLoop)(cfg, roles, logger, time_budget_s)
         loop.run(version, state)
@@ -228,15 +223,20 @@ def _check_config(cfg: RLConfig) -> None:
                     cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale, cfg.env.success_bonus)
 
 
-def _warn_stale_value_head(policy_dir: str, meta: dict) -> None:
-    """Here, in the driver: the learners that relearn such a critic log inside Ray, out of the user's sight."""
+def _check_value_head(policy_dir: str, meta: dict, resuming: bool) -> None:
+    """A value head written before the critic read the state, found here in the driver, before Ray: from
+    --policy its critic is relearned (said here: the learners log inside Ray, out of the user's sight);
+    a run cannot be resumed with it (its learner.pt holds the same head and its optimizer state)."""
     from kilovla.models.presets import preset
     from kilovla.rl.policy import critic_width, stale_value_head
 
-    if (Path(policy_dir) / "value_head.safetensors").is_file():
-        note = stale_value_head(policy_dir, critic_width(preset(meta["preset"], **meta.get("overrides", {}))))
-        if note:
-            log.warning(note)
+    if not (Path(policy_dir) / "value_head.safetensors").is_file():
+        return
+    note = stale_value_head(policy_dir, critic_width(preset(meta["preset"], **meta.get("overrides", {}))))
+    if note and resuming:
+        raise KilovlaError(f"{note}: the run cannot be resumed; start a new run_dir with --policy {policy_dir}")
+    if note:
+        log.warning("%s: starting a fresh critic", note)
 
 
 def _check_policy_fits_env(cfg: RLConfig, policy_dir: str, meta: dict) -> None:

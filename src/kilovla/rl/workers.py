@@ -30,7 +30,6 @@ import numpy as np
 import ray
 import torch
 
-from kilovla.errors import KilovlaError
 from kilovla.rl import calibrated
 from kilovla.rl.core.batcher import DynamicBatcher
 from kilovla.rl.core.flow import FlowSDE
@@ -486,10 +485,6 @@ class LearnerWorker:
                 "advantage_scale": self.learner.adv_scale.state_dict()}
 
     def load_state(self, state: dict) -> None:
-        width, ours = state["model"]["value_head.0.weight"].shape[1], self.learner.model.value_head[0].in_features
-        if width != ours:
-            raise KilovlaError(f"its critic reads {width} features, this kilovla's {ours} (the state was added): it "
-                               f"cannot be resumed; start a new run_dir with --policy set to this checkpoint folder")
         self.learner.model.load_state_dict(state["model"])
         self.learner.optimizer.load_state_dict(state["optimizer"])
         self.learner.scheduler.load_state_dict(state["scheduler"])

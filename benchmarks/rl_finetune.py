@@ -25,6 +25,14 @@ VARIANTS: dict[str, list[str]] = {  # row -> overrides of FINETUNE (which has kl
     "lr_1e-5_batch_48": ["--learner.algo.kl_coef=0", "--learner.algo.optim.lr=1e-5", "--learner.batch_segments=48",
                          "--learner.algo.optim.warmup_steps=5"],
     "kl_1": [],
+    # advantage-weighted regression on the executed chunks' flow-matching error instead of PPO
+    "awr_t1": ["--learner.algo.kl_coef=0", "--learner.algo.policy_loss=awr"],
+    "awr_t0.1": ["--learner.algo.kl_coef=0", "--learner.algo.policy_loss=awr", "--learner.algo.awr_temperature=0.1"],
+    "awr_t0.1_sde_10": ["--learner.algo.kl_coef=0", "--learner.algo.policy_loss=awr", "--learner.algo.awr_temperature=0.1",
+                        "--rollout.sde_steps=10"],
+    "awr_t0.1_sde_10_kl_0.1_lr_1e-5": ["--learner.algo.kl_coef=0.1", "--learner.algo.policy_loss=awr",
+                                       "--learner.algo.awr_temperature=0.1", "--rollout.sde_steps=10",
+                                       "--learner.algo.optim.lr=1e-5"],
 }
 
 

@@ -363,12 +363,12 @@ class _TinyActorCritic(torch.nn.Module):
         with torch.no_grad():
             return self.value_head(torch.as_tensor(obs["x"], dtype=torch.float32))[:, 0].numpy()
 
-    def forward(self, obs, chain, stochastic, reference=None):
+    def forward(self, obs, chain, stochastic, reference=None, objective="logp"):
         x = torch.as_tensor(obs["x"], dtype=torch.float32)
         mean = self.vla(x)
-        logp = -0.5 * ((chain[:, -1, 0] - mean) ** 2).sum(-1)
+        error = ((chain[:, -1, 0] - mean) ** 2).sum(-1)  # "flow": the regression error on the executed action
         kl = None if reference is None else 0.5 * ((mean - reference(x).detach()) ** 2).sum(-1)
-        return logp, self.value_head(x)[:, 0], kl
+        return error if objective == "flow" else -0.5 * error, self.value_head(x)[:, 0], kl
 
 
 def _segments(n, t_len, seed=0):
@@ -483,6 +483,71 @@ def test_the_chain_kl_is_zero_at_the_reference_and_the_gaussians_kl_elsewhere(st
     assert kl.min() > 1e-3
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_advantage_weighted_regression_moves_the_policy_toward_the_better_action(temperature):
+    """policy_loss "awr": from one observation the policy tried two actions; the one that paid more than
+    expected pulls harder, so the policy ends nearer it (with equal weights it would end between them)."""
+    from kilovla.rl.learner import AlgoConfig, Learner
+
+    model = _TinyActorCritic()
+    cfg = AlgoConfig(freeze_vision=False, freeze_vlm=False, micro_batch=8, policy_loss="awr", awr_temperature=temperature,
+                     normalize_advantages=False, value_lr=0.0)
+    cfg.optim.lr = 0.05
+    learner = Learner(model, cfg, segments_per_step=2, segment_steps=4, total_steps=200)
+    good, bad = np.array([1.0, -1.0], np.float32), np.array([-1.0, 1.0], np.float32)
+    segments = _segments(2, 4)
+    for seg, action, reward in zip(segments, (good, bad), (1.0, -1.0)):
+        seg.obs["x"][:] = np.array([0.5, -0.2, 0.3], np.float32)
+        seg.chain[:, -1, 0] = action
+        seg.reward[:], seg.value[:], seg.done[:] = reward, 0.0, True  # advantage = reward
+    for _ in range(150):
+        out = learner.consume(segments)
+    assert out["awr_weight_max"] == pytest.approx(np.exp(1.0 / temperature), rel=1e-5)
+    mean = model.vla(torch.tensor([[0.5, -0.2, 0.3]]))[0].detach().numpy()
+    weights = np.exp(np.array([1.0, -1.0]) / temperature)  # the weighted least-squares optimum
+    np.testing.assert_allclose(mean, (weights[0] * good + weights[1] * bad) / weights.sum(), atol=0.05)
+
+
+def test_awr_loss_by_hand():
+    from kilovla.rl.core.losses import awr_loss
+
+    error = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    loss, stats = awr_loss(error, torch.tensor([0.0, 2.0, 10.0]), temperature=2.0, max_weight=20.0)
+    torch.testing.assert_close(loss, torch.tensor([1.0, 2.0 * np.e, 60.0]))
+    loss.sum().backward()
+    torch.testing.assert_close(error.grad, torch.tensor([1.0, np.e, 20.0]))  # the weights carry no gradient
+    assert stats["awr_weight_max"] == 20.0
+
+
+@pytest.mark.parametrize("name", ["pi05-tiny", "pi0-tiny", "groot-tiny"])
+def test_the_flow_matching_error_is_the_supervised_loss(name):
+    """flow_matching_error through the velocity field equals the model's own training loss on the same
+    chunk, t and noise (GR00T: its time runs the other way), and is 0 for a field that knows the chunk."""
+    from kilovla.rl.core.flow import flow_matching_error
+
+    model = _policy_model(name)
+    batch = _obs_batch(model.config)
+    cfg = model.config
+    horizon = getattr(cfg, "chunk_size", None) or cfg.action_horizon
+    actions = torch.randn(3, horizon, cfg.max_action_dim, generator=torch.Generator().manual_seed(5))
+    mask = torch.zeros(horizon, cfg.max_action_dim)
+    mask[:, :4] = 1
+    field, _ = model.velocity_field(batch)
+    error = flow_matching_error(field, actions, mask, torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)  # the same draws, in the same order
+    t = torch.rand(3, generator=g) ** (2.0 / 3.0) * 0.999 + 0.001
+    noise = torch.randn(actions.shape, generator=g)
+    time = 1.0 - t if name.startswith("groot") else t
+    supervised = dataclasses.replace(batch, actions=actions, action_dim_mask=mask[0].bool())
+    torch.testing.assert_close(error, model(supervised, noise=noise, time=time)["per_sample"], rtol=1e-4, atol=1e-5)
+    knows = lambda x, t: (x - actions) / t[:, None, None]  # noqa: E731  the exact velocity toward `actions`
+    assert flow_matching_error(knows, actions, mask).abs().max() < 1e-4
+    mask[:, 4:] = 0
+    wrong = actions.clone()
+    wrong[..., 4:] += 1.0  # only unexecuted dims differ: no error
+    assert flow_matching_error(lambda x, t: (x - wrong) / t[:, None, None], actions, mask).abs().max() < 1e-4
+
+
 def test_a_uniformly_good_segment_keeps_positive_advantages():
     from kilovla.rl.learner import AdvantageScale
 
@@ -523,6 +588,8 @@ def test_a_replaced_workers_waiting_env_gets_no_ticket_and_the_new_incarnation_p
     ({"learner.max_staleness": -1}, "learner.max_staleness must be >= 0"), ({"mode": "lockstep"}, "mode must be sync or async"),
     ({"mode": "sync", "learner.batch_segments": 12}, "must be a multiple of the number of envs"),
     ({"learner.algo.kl_coef": -0.1}, "learner.algo.kl_coef must be >= 0"),
+    ({"learner.algo.policy_loss": "reinforce"}, "policy_loss must be ppo or awr"),
+    ({"learner.algo.awr_temperature": 0.0}, "awr_temperature must be > 0"),
 ])
 def test_a_bad_rl_config_is_refused_in_one_line_before_ray_starts(override, message, monkeypatch):
     from kilovla.rl import runner

@@ -15,7 +15,9 @@ segments arrive (`StreamingStep`): the loss of a micro-batch is the sum of decou
 losses over its samples, scaled by 1 / (samples in a global batch); the optimizer steps when the
 global batch (B segments x T steps, spread over the learner ranks) is complete. The proximal policy
 of the decoupled loss is the learner's policy as it consumes the sample: with no staleness it is the
-behaviour policy and the loss is plain PPO. With `kl_coef` > 0 each sample also pays kl_coef x the KL of
+behaviour policy and the loss is plain PPO. With `policy_loss` "awr" the policy term is instead
+advantage-weighted regression: each sample's flow-matching error on the chunk it executed, weighted by
+min(exp(A / awr_temperature), awr_max_weight) (A divided by the running RMS as above). With `kl_coef` > 0 each sample also pays kl_coef x the KL of
 its stochastic transitions from the frozen policy the run began with (a second, gradient-free forward).
 
 The optimizer, its schedule and gradient clipping are the supervised trainer's (`train.optim`),
@@ -40,7 +42,7 @@ import torch
 
 from kilovla.rl.calibrated import ComputeSection, sleep_until
 from kilovla.rl.core import trajectory
-from kilovla.rl.core.losses import decoupled_ppo_loss, gae, value_loss
+from kilovla.rl.core.losses import awr_loss, decoupled_ppo_loss, gae, value_loss
 from kilovla.rl.core.streaming import StreamingStep
 from kilovla.rl.policy import ActorCritic
 from kilovla.train import distributed
@@ -61,6 +63,12 @@ class AlgoConfig:
     # ||mean - mean_ref||^2 / (2 std^2)), per sample: it pulls back what the noise of small batches moves
     # without a consistent advantage. 0 (RLinf's default): no reference model is kept.
     kl_coef: float = 0.0
+    # "ppo": decoupled PPO on the chains' log-probs. "awr": advantage-weighted regression on the executed
+    # chunks' flow-matching error: the supervised loss tilted toward better-than-expected actions, no
+    # score-function noise (the drift of docs/rl_finetune.md).
+    policy_loss: str = "ppo"
+    awr_temperature: float = 1.0
+    awr_max_weight: float = 20.0
     normalize_advantages: bool = True  # divide by the running RMS of past global batches' advantages
     advantage_rms_momentum: float = 0.9  # EMA of the per-batch mean square (bias-corrected)
     micro_batch: int = 32  # samples per forward/backward on a learner rank
@@ -170,17 +178,22 @@ class Learner:
 
     def _loss(self, data: dict, rows: np.ndarray, scale: float) -> tuple[torch.Tensor, dict]:
         t = lambda k, dtype=torch.float32: torch.as_tensor(data[k][rows], dtype=dtype)  # noqa: E731
-        logp, values, kl = self.step_model(trajectory.index(data["obs"], rows), t("chain"), t("stochastic", torch.bool),
-                                           self.reference)
+        awr = self.cfg.policy_loss == "awr"
+        score, values, kl = self.step_model(trajectory.index(data["obs"], rows), t("chain"), t("stochastic", torch.bool),
+                                            self.reference, objective="flow" if awr else "logp")
         behav, adv = t("logp"), t("adv") / scale
-        policy, stats = decoupled_ppo_loss(logp, logp.detach(), behav, adv, self.cfg.clip, self.cfg.behav_cap)
+        if awr:
+            policy, stats = awr_loss(score, adv, self.cfg.awr_temperature, self.cfg.awr_max_weight)
+            stats["flow_error"] = score.detach().mean().item()
+        else:
+            policy, stats = decoupled_ppo_loss(score, score.detach(), behav, adv, self.cfg.clip, self.cfg.behav_cap)
+            stats["logp_gap"] = (score.detach() - behav).abs().mean().item()
         critic = value_loss(values, t("ret"), t("value"), self.cfg.value_clip)
         loss = policy + self.cfg.value_coef * critic
         if kl is not None:
             loss = loss + self.cfg.kl_coef * kl
             stats["kl_to_start"] = kl.mean().item()
-        stats.update(policy_loss=policy.mean().item(), value_loss=critic.mean().item(),
-                     logp_gap=(logp.detach() - behav).abs().mean().item(), advantage=t("adv").mean().item())
+        stats.update(policy_loss=policy.mean().item(), value_loss=critic.mean().item(), advantage=t("adv").mean().item())
         return loss.sum(), stats
 
     def _calibrated_backward(self, n: int) -> tuple[dict | None, dict]:

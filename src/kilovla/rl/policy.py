@@ -5,8 +5,9 @@ log-probabilities, `core/flow.py`); the value head reads the model's pooled pref
 detached, so the critic never moves the VLA, and the normalised state: pi0 and GR00T put the state
 in the action stream, not the prefix, so without it the critic would judge a reach from images alone
 (RLinf's GR00T head concatenates the state the same way; its pi0 head reads the expert's output).
-`forward` recomputes the log-probability of stored chains and the values, differentiably (and the KL
-to a frozen reference policy, `frozen_policy`, when given one), which is all the learner needs.
+`forward` recomputes the log-probability of stored chains (or, for advantage-weighted regression,
+the flow-matching error of their executed chunks) and the values, differentiably (and the KL to a
+frozen reference policy, `frozen_policy`, when given one), which is all the learner needs.
 
 Observations are what the envs return (LeRobot keys, stacked); the `Processor` the supervised
 trainer used turns them into model batches, so RL sees exactly what the policy was trained on.
@@ -24,7 +25,7 @@ from torch import nn
 
 from kilovla.models.policy import load_checkpoint_policy
 from kilovla.models.processor import PolicyMeta, Processor
-from kilovla.rl.core.flow import FlowSDE, chain_log_prob, sample_chain
+from kilovla.rl.core.flow import FlowSDE, chain_log_prob, flow_matching_error, sample_chain
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +67,29 @@ class ActorCritic(nn.Module):
         _, features = self.vla.velocity_field(batch)
         return self._value(features, batch).cpu().numpy()
 
-    def forward(self, obs: dict, chain: torch.Tensor, stochastic: torch.Tensor,
-                reference: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Differentiable log-probs (B,) of stored chains, values (B,) and, given a frozen `reference` VLA,
-        the KL (B,) of the chains' stochastic transitions from the reference's: what the learner trains."""
+    def forward(self, obs: dict, chain: torch.Tensor, stochastic: torch.Tensor, reference: nn.Module | None = None,
+                objective: str = "logp") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per sample (B,): the score of each stored chain, the value and, given a frozen `reference` VLA,
+        the KL of the chain's stochastic transitions from the reference's: what the learner trains. The
+        score is the chain's log-prob (`objective` "logp", PPO) or the flow-matching error of its
+        executed chunk (`objective` "flow", advantage-weighted regression)."""
         batch = self.batch(obs)
         field, features = self.vla.velocity_field(batch)
         chain, stochastic = chain.to(self.executed.device), stochastic.to(self.executed.device)
-        kl = None
-        if reference is None:
-            logp = chain_log_prob(field, chain, stochastic, self.sde, self.executed)
-        else:
+        ref_field = None
+        if reference is not None:
             with torch.no_grad():
                 ref_field, _ = reference.velocity_field(batch)
-            logp, kl = chain_log_prob(field, chain, stochastic, self.sde, self.executed, reference=ref_field)
-        return logp, self._value(features, batch), kl
+        kl = None
+        if objective == "flow":
+            score = flow_matching_error(field, chain[:, -1], self.executed)
+            if ref_field is not None:
+                _, kl = chain_log_prob(field, chain, stochastic, self.sde, self.executed, reference=ref_field)
+        elif ref_field is None:
+            score = chain_log_prob(field, chain, stochastic, self.sde, self.executed)
+        else:
+            score, kl = chain_log_prob(field, chain, stochastic, self.sde, self.executed, reference=ref_field)
+        return score, self._value(features, batch), kl
 
     def _value(self, features: torch.Tensor, batch) -> torch.Tensor:
         """V (B,) from the pooled prefix features and the normalised state, both detached from the VLA."""

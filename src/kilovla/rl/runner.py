@@ -208,6 +208,12 @@ def _check_config(cfg: RLConfig) -> None:
                                ("learner.algo.kl_coef", cfg.learner.algo.kl_coef, 0)):
         if value < least:
             raise KilovlaError(f"{name} must be >= {least}, got {value}")
+    algo = cfg.learner.algo
+    if algo.policy_loss not in ("ppo", "awr"):
+        raise KilovlaError(f"learner.algo.policy_loss must be ppo or awr, not {algo.policy_loss!r}")
+    if algo.awr_temperature <= 0 or algo.awr_max_weight < 1:
+        raise KilovlaError(f"learner.algo.awr_temperature must be > 0 and awr_max_weight >= 1, got "
+                           f"{algo.awr_temperature} and {algo.awr_max_weight}")
     if cfg.env.envs_per_worker > 100:  # the seed scheme gives each env slot 10_000 seeds inside a worker's 1_000_000
         raise KilovlaError(f"env.envs_per_worker must be <= 100, got {cfg.env.envs_per_worker}")
     n_envs = cfg.env.workers * cfg.env.envs_per_worker

@@ -17,6 +17,10 @@ log-prob = the Gaussian log-density of the stochastic transition(s), summed over
 elements of the chunk (`mask`: the actions run in the env, the env's action dims) and averaged over
 stochastic steps (piRL's convention). Outside RL, sampling stays deterministic (`sample_actions`).
 
+`flow_matching_error` is the other handle on the same field: the supervised flow-matching error of
+an action chunk (the executed `chain[:, -1]`), for advantage-weighted regression, which needs no
+density at all.
+
 `field(x, t) -> v` is a model's velocity field in this (openpi's) convention; both families provide
 one (`Pi05Model.velocity_field`, `GrootModel.velocity_field`).
 """
@@ -120,3 +124,18 @@ def chain_log_prob(field, chain: torch.Tensor, stochastic: torch.Tensor, sde: Fl
                 ref_mean, _ = sde.transition(x_k, reference(x_k, t), k)
             kl = kl + weight * (0.5 * ((mean.float() - ref_mean.float()) / std) ** 2 * mask.float()).flatten(1).sum(1)
     return logp if reference is None else (logp, kl)
+
+
+def flow_matching_error(field, actions: torch.Tensor, mask: torch.Tensor,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+    """The supervised flow-matching error (B,) of `field` on action chunks (B, H, A), differentiable:
+    one draw of t and noise per sample, t ~ Beta(1.5, 1) * 0.999 + 0.001 (openpi's, drawn as u^(2/3),
+    the inverse of its CDF t^1.5), x_t = t * noise + (1 - t) * actions, target noise - actions, the
+    squared error averaged over the masked elements. A field that knows the chunk scores 0."""
+    b = actions.shape[0]
+    u = torch.rand(b, generator=generator, device="cpu").to(actions.device, actions.dtype)
+    t = u ** (2.0 / 3.0) * 0.999 + 0.001
+    noise = torch.randn(actions.shape, generator=generator, device="cpu").to(actions.device, actions.dtype)
+    x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
+    error = (field(x_t, t).float() - (noise - actions).float()) ** 2 * mask.float()
+    return error.flatten(1).sum(1) / mask.float().sum().clamp(min=1)

@@ -9,6 +9,10 @@ sums them, so a streamed global batch can be normalised once).
       r = exp(logp - prox)
       loss = -w * min(r A, clip(r, 1-e, 1+e) A)
   When nothing is stale, prox = behav, w = 1 and it equals `ppo_loss`.
+- `awr_loss`: advantage-weighted regression (Peters & Schaal's reward-weighted regression, AWR):
+  min(exp(A / temperature), max_weight) x the policy's regression error on the action taken, the
+  weight detached. The supervised loss, tilted toward what did better than expected; no ratio, so a
+  stale sample needs no correction.
 - `value_loss`: clipped squared error of a value head, as in PPO2.
 - `gae`: generalised advantage estimation over a segment, bootstrapped from the value after it and,
   at an episode truncated by the time limit, from a value given for the truncated state.
@@ -45,6 +49,14 @@ def decoupled_ppo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: 
     stats["behav_weight_mean"] = weight.mean().item()
     stats["behav_masked_fraction"] = 1.0 - keep.mean().item()
     return per_sample * weight * keep, stats
+
+
+def awr_loss(regression_error: torch.Tensor, advantages: torch.Tensor, temperature: float = 1.0,
+             max_weight: float = 20.0) -> tuple[torch.Tensor, dict]:
+    """Per-sample advantage-weighted regression loss (B,) and stats (mean and max weight)."""
+    weight = (advantages.detach() / temperature).exp().clamp(max=max_weight)
+    stats = {"awr_weight_mean": weight.mean().item(), "awr_weight_max": weight.max().item()}
+    return weight * regression_error, stats
 
 
 def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, clip: float = 0.2) -> torch.Tensor:

@@ -57,7 +57,8 @@ WEAK_TASKS = ("reach-v3", "push-v3")
 # 200 steps, 4-step SDE chains while acting, one version of staleness, 24 segments (192 samples) per
 # step at lr 3e-5, and a KL penalty to the start policy: without it every learning rate tried drifted
 # down (the narrow demo checkpoint, 14 min: 48 % -> 30 % at lr 3e-5, 40 % at 1e-5 with 48 segments;
-# with kl_coef 1.0 -> 54 % in 14 min, 48 % in 30: it holds, it does not add; docs/rl_finetune.md).
+# with kl_coef 1.0 -> 54 % in 14 min, 48 % in 30: it holds, it does not add; advantage-weighted regression
+# instead of PPO lost more, 38 % at best; docs/rl_finetune.md).
 FINETUNE = ("--env.workers=2", "--env.envs_per_worker=6", "--env.resolution=64", "--env.max_steps=200",
             "--rollout.segment_steps=8", "--rollout.sde_steps=4", "--learner.batch_segments=24",
             "--learner.max_staleness=1", "--learner.algo.micro_batch=48", "--learner.algo.optim.lr=3e-5",

@@ -25,6 +25,8 @@ VARIANTS: dict[str, list[str]] = {  # row -> overrides of FINETUNE (which has kl
     "lr_1e-5_batch_48": ["--learner.algo.kl_coef=0", "--learner.algo.optim.lr=1e-5", "--learner.batch_segments=48",
                          "--learner.algo.optim.warmup_steps=5"],
     "kl_1": [],
+    # a constant small learning rate: every run rose while the learning rate warmed up, then fell
+    "lr_5e-6_constant": ["--learner.algo.kl_coef=0", "--learner.algo.optim.lr=5e-6", "--learner.algo.optim.warmup_steps=0"],
     # advantage-weighted regression on the executed chunks' flow-matching error instead of PPO
     "awr_t1": ["--learner.algo.kl_coef=0", "--learner.algo.policy_loss=awr"],
     "awr_t0.1": ["--learner.algo.kl_coef=0", "--learner.algo.policy_loss=awr", "--learner.algo.awr_temperature=0.1"],
@@ -82,6 +84,10 @@ def main() -> None:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {', '.join(VARIANTS)}")
+    if args.minutes <= 0:
+        parser.error(f"--minutes must be > 0, got {args.minutes}")
+    if not Path(args.policy).is_dir():
+        parser.error(f"--policy {args.policy}: not a folder")
     taken = [v for v in args.variants if (out / "runs" / v).exists()]
     if taken:  # a run directory's metrics append: a second run would mix its training success with the first's
         parser.error(f"{out / 'runs'} already holds {taken}: pick another --out or remove them")

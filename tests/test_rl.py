@@ -62,7 +62,9 @@ def test_async_run_replaces_a_crashed_and_a_hung_env_worker(policy_dir, local_ra
     from kilovla.models.policy import load_checkpoint_policy
     from kilovla.rl import runner
 
-    cfg = _config(policy_dir, tmp_path / "run", "--learner.max_staleness=1", "--env.timeout_s=4")
+    # the AWR loss with a KL anchor here (the sync test below trains PPO)
+    cfg = _config(policy_dir, tmp_path / "run", "--learner.max_staleness=1", "--env.timeout_s=4",
+                  "--learner.algo.policy_loss=awr", "--learner.algo.kl_coef=0.5")
     faults = {"env_workers": {0: {"crash_after": 20}, 1: {"hang_after": 30}}}
     summary = runner.run(cfg, faults=faults)
     assert summary["steps"] == 3 and summary["replaced_workers"] == 2
@@ -74,6 +76,10 @@ def test_async_run_replaces_a_crashed_and_a_hung_env_worker(policy_dir, local_ra
     assert executed == sorted(executed) and executed[-1] >= summary["env_steps"]
     assert {"env_steps_per_s", "success_rate", "busy/env", "busy/inference", "busy/learner", "batch_size_histogram",
             "queue_wait_p50_s", "queue_wait_p99_s", "staleness_histogram", "learner/policy_loss"} <= set(records[-1])
+    assert all(r["learner/flow_error"] > 0 and r["learner/awr_weight_max"] >= r["learner/awr_weight_mean"] > 0
+               and r["learner/grad_norm"] > 0 for r in records)
+    assert "learner/logp_gap" not in records[-1]
+    assert records[0]["learner/kl_to_start"] < 1e-9 < records[-1]["learner/kl_to_start"]
     final = Path(summary["checkpoint"])
     assert (final / "value_head.safetensors").is_file()
     assert load_checkpoint_policy(final).action_dim == 4  # an RL checkpoint is a policy folder

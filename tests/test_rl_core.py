@@ -363,7 +363,7 @@ class _TinyActorCritic(torch.nn.Module):
         with torch.no_grad():
             return self.value_head(torch.as_tensor(obs["x"], dtype=torch.float32))[:, 0].numpy()
 
-    def forward(self, obs, chain, stochastic, reference=None, objective="logp"):
+    def forward(self, obs, chain, stochastic, reference=None, objective="logp", seeds=None):
         x = torch.as_tensor(obs["x"], dtype=torch.float32)
         mean = self.vla(x)
         error = ((chain[:, -1, 0] - mean) ** 2).sum(-1)  # "flow": the regression error on the executed action
@@ -490,7 +490,7 @@ def test_advantage_weighted_regression_moves_the_policy_toward_the_better_action
     from kilovla.rl.learner import AlgoConfig, Learner
 
     model = _TinyActorCritic()
-    cfg = AlgoConfig(freeze_vision=False, freeze_vlm=False, micro_batch=8, policy_loss="awr", awr_temperature=temperature,
+    cfg = AlgoConfig(freeze_vision=False, freeze_vlm=False, micro_batch=4, policy_loss="awr", awr_temperature=temperature,
                      normalize_advantages=False, value_lr=0.0)
     cfg.optim.lr = 0.05
     learner = Learner(model, cfg, segments_per_step=2, segment_steps=4, total_steps=200)
@@ -502,7 +502,7 @@ def test_advantage_weighted_regression_moves_the_policy_toward_the_better_action
         seg.reward[:], seg.value[:], seg.done[:] = reward, 0.0, True  # advantage = reward
     for _ in range(150):
         out = learner.consume(segments)
-    assert out["awr_weight_max"] == pytest.approx(np.exp(1.0 / temperature), rel=1e-5)
+    assert out["awr_weight_max"] == pytest.approx(np.exp(1.0 / temperature), rel=1e-5)  # over both micro-batches
     mean = model.vla(torch.tensor([[0.5, -0.2, 0.3]]))[0].detach().numpy()
     weights = np.exp(np.array([1.0, -1.0]) / temperature)  # the weighted least-squares optimum
     np.testing.assert_allclose(mean, (weights[0] * good + weights[1] * bad) / weights.sum(), atol=0.05)
@@ -512,10 +512,12 @@ def test_awr_loss_by_hand():
     from kilovla.rl.core.losses import awr_loss
 
     error = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
-    loss, stats = awr_loss(error, torch.tensor([0.0, 2.0, 10.0]), temperature=2.0, max_weight=20.0)
+    advantages = torch.tensor([0.0, 2.0, 10.0], requires_grad=True)
+    loss, stats = awr_loss(error, advantages, temperature=2.0, max_weight=20.0)
     torch.testing.assert_close(loss, torch.tensor([1.0, 2.0 * np.e, 60.0]))
     loss.sum().backward()
-    torch.testing.assert_close(error.grad, torch.tensor([1.0, np.e, 20.0]))  # the weights carry no gradient
+    torch.testing.assert_close(error.grad, torch.tensor([1.0, np.e, 20.0]))
+    assert advantages.grad is None  # the weights carry no gradient
     assert stats["awr_weight_max"] == 20.0
 
 
@@ -523,7 +525,7 @@ def test_awr_loss_by_hand():
 def test_the_flow_matching_error_is_the_supervised_loss(name):
     """flow_matching_error through the velocity field equals the model's own training loss on the same
     chunk, t and noise (GR00T: its time runs the other way), and is 0 for a field that knows the chunk."""
-    from kilovla.rl.core.flow import flow_matching_error
+    from kilovla.rl.core.flow import flow_draws, flow_matching_error
 
     model = _policy_model(name)
     batch = _obs_batch(model.config)
@@ -533,19 +535,124 @@ def test_the_flow_matching_error_is_the_supervised_loss(name):
     mask = torch.zeros(horizon, cfg.max_action_dim)
     mask[:, :4] = 1
     field, _ = model.velocity_field(batch)
-    error = flow_matching_error(field, actions, mask, torch.Generator().manual_seed(7))
-    g = torch.Generator().manual_seed(7)  # the same draws, in the same order
-    t = torch.rand(3, generator=g) ** (2.0 / 3.0) * 0.999 + 0.001
-    noise = torch.randn(actions.shape, generator=g)
+    t, noise = flow_draws(torch.tensor([11, 12, 13]), actions.shape[1:])
+    error = flow_matching_error(field, actions, mask, t, noise)
     time = 1.0 - t if name.startswith("groot") else t
     supervised = dataclasses.replace(batch, actions=actions, action_dim_mask=mask[0].bool())
     torch.testing.assert_close(error, model(supervised, noise=noise, time=time)["per_sample"], rtol=1e-4, atol=1e-5)
     knows = lambda x, t: (x - actions) / t[:, None, None]  # noqa: E731  the exact velocity toward `actions`
-    assert flow_matching_error(knows, actions, mask).abs().max() < 1e-4
-    mask[:, 4:] = 0
+    assert flow_matching_error(knows, actions, mask, t, noise).abs().max() < 1e-4
     wrong = actions.clone()
     wrong[..., 4:] += 1.0  # only unexecuted dims differ: no error
-    assert flow_matching_error(lambda x, t: (x - wrong) / t[:, None, None], actions, mask).abs().max() < 1e-4
+    assert flow_matching_error(lambda x, t: (x - wrong) / t[:, None, None], actions, mask, t, noise).abs().max() < 1e-4
+
+
+def test_flow_draws_follow_openpis_time_and_depend_on_the_seed_alone():
+    from kilovla.rl.core.flow import flow_draws
+
+    t, noise = flow_draws(torch.arange(4000), (2, 3))
+    assert float(t.min()) >= 0.001 and float(t.max()) <= 1.0
+    assert float(t.mean()) == pytest.approx(0.6 * 0.999 + 0.001, abs=0.01)  # Beta(1.5, 1) has mean 0.6
+    assert float(noise.std()) == pytest.approx(1.0, abs=0.02)
+    t2, noise2 = flow_draws(torch.tensor([7, 3]), (2, 3))
+    torch.testing.assert_close(t2, t[[7, 3]])
+    torch.testing.assert_close(noise2, noise[[7, 3]])
+
+
+def _awr_critic(n):
+    """A real pi0-tiny actor-critic whose observations are row numbers into n random model inputs."""
+    from kilovla.models.batch import PaddedBatch
+    from kilovla.models.processor import PolicyMeta
+    from kilovla.models.tokenize import ByteTokenizer, tokenize_batch
+    from kilovla.rl.policy import ActorCritic
+
+    model = _policy_model("pi0-tiny")
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    tokens, mask = tokenize_batch(ByteTokenizer(), ["push the puck"] * n, cfg.max_language_tokens)
+    s = cfg.vision.image_size
+    inputs = PaddedBatch(images=torch.rand(n, len(cfg.cameras), 3, s, s, generator=g),
+                         image_masks=torch.ones(n, len(cfg.cameras), dtype=torch.bool), camera_names=cfg.cameras,
+                         tokens=tokens, token_mask=mask, state=torch.randn(n, cfg.max_state_dim, generator=g))
+    stats = {k: {"q01": [-1.0] * 4, "q99": [1.0] * 4} for k in ("observation.state", "action")}
+    critic = ActorCritic(model, PolicyMeta(preset="pi0-tiny", state_dim=4, action_dim=4, stats=stats), FlowSDE(),
+                         n_action_steps=5)
+
+    def rows(obs):
+        index = torch.as_tensor(np.asarray(obs["row"]))
+        return dataclasses.replace(inputs, **{k: getattr(inputs, k)[index] for k in
+                                             ("images", "image_masks", "tokens", "token_mask", "state")})
+
+    critic.batch = rows
+    return critic
+
+
+def test_awr_through_the_actor_critic_scores_the_executed_chunk_and_keeps_the_kl():
+    from kilovla.rl.core.flow import flow_draws, flow_matching_error
+
+    critic = _awr_critic(3)
+    reference = copy.deepcopy(critic.vla).requires_grad_(False)
+    with torch.no_grad():
+        for p in critic.vla.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    obs = {"row": np.arange(3)}
+    acted = critic.act(obs, torch.Generator().manual_seed(4))
+    chain, stochastic, seeds = torch.as_tensor(acted["chain"]), torch.as_tensor(acted["stochastic"]), torch.tensor([5, 6, 7])
+    score, _, kl = critic(obs, chain, stochastic, reference, objective="flow", seeds=seeds)
+    field, _ = critic.vla.velocity_field(critic.batch(obs))
+    actions = chain[:, -1].clone()
+    actions[..., 4:] = 0.0  # the env's 4 dims; the rest zero, as in supervised batches
+    t, noise = flow_draws(seeds, actions.shape[1:])
+    torch.testing.assert_close(score, flow_matching_error(field, actions, critic.executed, t, noise))
+    _, expected_kl = chain_log_prob(field, chain, stochastic, critic.sde, critic.executed,
+                                    reference=reference.velocity_field(critic.batch(obs))[0])
+    torch.testing.assert_close(kl, expected_kl)
+    assert kl.min() > 0
+    with pytest.raises(KilovlaError, match="not 'flow_matching'"):
+        critic(obs, chain, stochastic, objective="flow_matching")
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
+def test_awr_trains_a_global_batch_the_same_however_it_is_split():
+    """Each sample's flow time and noise come from its own seed, so whole, segment by segment or in
+    other micro-batches, a global batch gives one gradient (a real pi0-tiny model)."""
+    from kilovla.rl.core.trajectory import Segment
+    from kilovla.rl.learner import AlgoConfig, Learner
+
+    critic = _awr_critic(12)
+    g = torch.Generator().manual_seed(0)
+    segments = []
+    for i in range(4):
+        obs = {"row": np.arange(3 * i, 3 * i + 3)}
+        acted = critic.act(obs, g)
+        segments.append(Segment(segment_id=(0, 0, i, 0), ticket=i, start_version=0, obs=obs, chain=acted["chain"],
+                                stochastic=acted["stochastic"], logp=acted["logp"], value=acted["value"],
+                                reward=np.array([0.5, -1.0, 2.0], np.float32) * (i + 1), done=np.array([False, False, True]),
+                                truncated=np.zeros(3, bool), version=np.zeros(3, int), next_obs={"row": np.array(0)}))
+
+    def gradient(calls, micro_batch):
+        model = copy.deepcopy(critic)
+        model.batch = critic.batch
+        cfg = AlgoConfig(policy_loss="awr", micro_batch=micro_batch)
+        cfg.optim.clip_grad_norm = 0.0
+        learner = Learner(model, cfg, segments_per_step=4, segment_steps=3, total_steps=10)
+        seen = []
+        step = learner.optimizer.step
+
+        def recording_step(*a, **k):
+            seen.append(torch.cat([p.grad.flatten().clone() for p in learner.trainable if p.grad is not None]))
+            return step(*a, **k)
+
+        learner.optimizer.step = recording_step
+        for part in calls(segments):
+            out = learner.consume(part)
+        assert out is not None and len(seen) == 1
+        return seen[0]
+
+    whole = gradient(lambda segs: [segs], 12)
+    assert whole.abs().max() > 0
+    torch.testing.assert_close(gradient(lambda segs: [[s] for s in segs], 12), whole, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(gradient(lambda segs: [segs], 5), whole, rtol=1e-4, atol=1e-6)
 
 
 def test_a_uniformly_good_segment_keeps_positive_advantages():
@@ -590,6 +697,9 @@ def test_a_replaced_workers_waiting_env_gets_no_ticket_and_the_new_incarnation_p
     ({"learner.algo.kl_coef": -0.1}, "learner.algo.kl_coef must be >= 0"),
     ({"learner.algo.policy_loss": "reinforce"}, "policy_loss must be ppo or awr"),
     ({"learner.algo.awr_temperature": 0.0}, "awr_temperature must be > 0"),
+    ({"learner.algo.awr_max_weight": 0.5}, "awr_max_weight >= 1"),
+    ({"learner.algo.awr_temperature": float("nan")}, "must be finite"),
+    ({"learner.algo.kl_coef": float("inf")}, "must be finite"),
 ])
 def test_a_bad_rl_config_is_refused_in_one_line_before_ray_starts(override, message, monkeypatch):
     from kilovla.rl import runner

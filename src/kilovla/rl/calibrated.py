@@ -149,7 +149,7 @@ def calibrate(policy_dir: str, sde, n_action_steps: int, obs: dict, algo, *, bat
         acted = model.act(trajectory.stack([obs] * most), generator)
         data = {"obs": trajectory.stack([obs] * most), "chain": acted["chain"], "stochastic": acted["stochastic"],
                 "logp": acted["logp"], "value": acted["value"], "adv": np.ones(most, np.float32),
-                "ret": np.ones(most, np.float32)}
+                "ret": np.ones(most, np.float32), "seed": np.arange(most)}
         # a KL penalty costs the learner one more (gradient-free) forward per micro-batch
         reference = frozen_policy(policy_dir) if algo.kl_coef > 0 else None
         learner = Learner(model, algo, segments_per_step=1, segment_steps=1 << 20, total_steps=1 << 20,

@@ -17,7 +17,9 @@ global batch (B segments x T steps, spread over the learner ranks) is complete. 
 of the decoupled loss is the learner's policy as it consumes the sample: with no staleness it is the
 behaviour policy and the loss is plain PPO. With `policy_loss` "awr" the policy term is instead
 advantage-weighted regression: each sample's flow-matching error on the chunk it executed, weighted by
-min(exp(A / awr_temperature), awr_max_weight) (A divided by the running RMS as above). With `kl_coef` > 0 each sample also pays kl_coef x the KL of
+min(exp(A / awr_temperature), awr_max_weight) (A divided by the running RMS as above), its flow time
+and noise drawn from a seed of the sample's identity (`flow_seeds`), so that loss too is independent
+of the split. With `kl_coef` > 0 each sample also pays kl_coef x the KL of
 its stochastic transitions from the frozen policy the run began with (a second, gradient-free forward).
 
 The optimizer, its schedule and gradient clipping are the supervised trainer's (`train.optim`),
@@ -76,6 +78,12 @@ class AlgoConfig:
     freeze_vlm: bool = True  # piRL trains the action expert (and projections) only
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0,
                                                                      weight_decay=0.0))
+
+
+def flow_seeds(segment: trajectory.Segment) -> np.ndarray:
+    """A seed (T,) per step of a segment from its identity: the flow time and noise of its AWR loss."""
+    return np.array([np.random.SeedSequence([*segment.segment_id, k]).generate_state(1, np.uint32)[0]
+                     for k in range(len(segment))], np.int64)
 
 
 class AdvantageScale:
@@ -158,7 +166,8 @@ class Learner:
                 "chain": np.concatenate([s.chain for s in segments]),
                 "stochastic": np.concatenate([s.stochastic for s in segments]),
                 "logp": np.concatenate([s.logp for s in segments]), "value": np.concatenate([s.value for s in segments]),
-                "adv": np.concatenate(adv), "ret": np.concatenate(ret)}
+                "adv": np.concatenate(adv), "ret": np.concatenate(ret),
+                "seed": np.concatenate([flow_seeds(s) for s in segments])}
         n = len(data["adv"])
         self.adv_scale.observe(data["adv"])
         scale = self.adv_scale.scale if self.cfg.normalize_advantages else 1.0  # fixed within a global batch
@@ -180,7 +189,7 @@ class Learner:
         t = lambda k, dtype=torch.float32: torch.as_tensor(data[k][rows], dtype=dtype)  # noqa: E731
         awr = self.cfg.policy_loss == "awr"
         score, values, kl = self.step_model(trajectory.index(data["obs"], rows), t("chain"), t("stochastic", torch.bool),
-                                            self.reference, objective="flow" if awr else "logp")
+                                            self.reference, objective="flow" if awr else "logp", seeds=t("seed", torch.int64))
         behav, adv = t("logp"), t("adv") / scale
         if awr:
             policy, stats = awr_loss(score, adv, self.cfg.awr_temperature, self.cfg.awr_max_weight)
@@ -207,7 +216,7 @@ class Learner:
     def _finish_step(self, out: dict) -> dict:
         self.version += 1
         self.adv_scale.step(self.world)
-        stats = {k: float(np.mean([s[k] for s in self._stats])) for k in self._stats[0]}
+        stats = {k: float((np.max if k.endswith("_max") else np.mean)([s[k] for s in self._stats])) for k in self._stats[0]}
         self._stats = []
         return {"version": self.version, "grad_norm": out["grad_norm"], "lr": self.scheduler.get_last_lr()[0],
                 "advantage_scale": self.adv_scale.scale, **stats}

@@ -25,7 +25,8 @@ from torch import nn
 
 from kilovla.models.policy import load_checkpoint_policy
 from kilovla.models.processor import PolicyMeta, Processor
-from kilovla.rl.core.flow import FlowSDE, chain_log_prob, flow_matching_error, sample_chain
+from kilovla.errors import KilovlaError
+from kilovla.rl.core.flow import FlowSDE, chain_log_prob, flow_draws, flow_matching_error, sample_chain
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,15 @@ class ActorCritic(nn.Module):
         return self._value(features, batch).cpu().numpy()
 
     def forward(self, obs: dict, chain: torch.Tensor, stochastic: torch.Tensor, reference: nn.Module | None = None,
-                objective: str = "logp") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                objective: str = "logp", seeds: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Per sample (B,): the score of each stored chain, the value and, given a frozen `reference` VLA,
         the KL of the chain's stochastic transitions from the reference's: what the learner trains. The
         score is the chain's log-prob (`objective` "logp", PPO) or the flow-matching error of its
-        executed chunk (`objective` "flow", advantage-weighted regression)."""
+        executed chunk (`objective` "flow", advantage-weighted regression), at the flow time and noise
+        drawn from each sample's `seeds`."""
+        if objective not in ("logp", "flow") or (objective == "flow" and seeds is None):
+            raise KilovlaError(f"ActorCritic scores chains by 'logp' or by 'flow' (with seeds), not {objective!r}")
         batch = self.batch(obs)
         field, features = self.vla.velocity_field(batch)
         chain, stochastic = chain.to(self.executed.device), stochastic.to(self.executed.device)
@@ -82,7 +87,11 @@ class ActorCritic(nn.Module):
                 ref_field, _ = reference.velocity_field(batch)
         kl = None
         if objective == "flow":
-            score = flow_matching_error(field, chain[:, -1], self.executed)
+            # the dims past the env's are zero in supervised batches (the processor pads them); the chain's are
+            # whatever the model sampled there
+            actions = chain[:, -1] * (self.executed[0] > 0)
+            t, noise = flow_draws(seeds, actions.shape[1:], actions.device, actions.dtype)
+            score = flow_matching_error(field, actions, self.executed, t, noise)
             if ref_field is not None:
                 _, kl = chain_log_prob(field, chain, stochastic, self.sde, self.executed, reference=ref_field)
         elif ref_field is None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -211,6 +212,9 @@ def _check_config(cfg: RLConfig) -> None:
     algo = cfg.learner.algo
     if algo.policy_loss not in ("ppo", "awr"):
         raise KilovlaError(f"learner.algo.policy_loss must be ppo or awr, not {algo.policy_loss!r}")
+    if not (math.isfinite(algo.kl_coef) and math.isfinite(algo.awr_temperature) and math.isfinite(algo.awr_max_weight)):
+        raise KilovlaError(f"learner.algo.kl_coef, awr_temperature and awr_max_weight must be finite, got "
+                           f"{algo.kl_coef}, {algo.awr_temperature} and {algo.awr_max_weight}")
     if algo.awr_temperature <= 0 or algo.awr_max_weight < 1:
         raise KilovlaError(f"learner.algo.awr_temperature must be > 0 and awr_max_weight >= 1, got "
                            f"{algo.awr_temperature} and {algo.awr_max_weight}")

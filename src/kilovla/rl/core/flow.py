@@ -126,16 +126,25 @@ def chain_log_prob(field, chain: torch.Tensor, stochastic: torch.Tensor, sde: Fl
     return logp if reference is None else (logp, kl)
 
 
-def flow_matching_error(field, actions: torch.Tensor, mask: torch.Tensor,
-                        generator: torch.Generator | None = None) -> torch.Tensor:
-    """The supervised flow-matching error (B,) of `field` on action chunks (B, H, A), differentiable:
-    one draw of t and noise per sample, t ~ Beta(1.5, 1) * 0.999 + 0.001 (openpi's, drawn as u^(2/3),
-    the inverse of its CDF t^1.5), x_t = t * noise + (1 - t) * actions, target noise - actions, the
-    squared error averaged over the masked elements. A field that knows the chunk scores 0."""
-    b = actions.shape[0]
-    u = torch.rand(b, generator=generator, device="cpu").to(actions.device, actions.dtype)
-    t = u ** (2.0 / 3.0) * 0.999 + 0.001
-    noise = torch.randn(actions.shape, generator=generator, device="cpu").to(actions.device, actions.dtype)
+def flow_draws(seeds: torch.Tensor, shape: tuple, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's flow time t (B,) and noise (B, *shape), from its own seed: a sample gets the same draw
+    whatever micro-batch, rank or resumed run trains it, so the gradient of a global batch does not
+    depend on how it is split. t ~ Beta(1.5, 1) * 0.999 + 0.001 (openpi's; drawn as u^(2/3), the
+    inverse of the CDF t^1.5)."""
+    ts, noises = [], []
+    for seed in seeds.tolist():
+        g = torch.Generator().manual_seed(int(seed))
+        ts.append(torch.rand(1, generator=g) ** (2.0 / 3.0) * 0.999 + 0.001)
+        noises.append(torch.randn(shape, generator=g))
+    return torch.cat(ts).to(device, dtype), torch.stack(noises).to(device, dtype)
+
+
+def flow_matching_error(field, actions: torch.Tensor, mask: torch.Tensor, t: torch.Tensor,
+                        noise: torch.Tensor) -> torch.Tensor:
+    """The supervised flow-matching error (B,) of `field` on action chunks (B, H, A) at times t (B,) with
+    `noise` (B, H, A), differentiable: x_t = t * noise + (1 - t) * actions, target noise - actions,
+    the squared error averaged over the masked elements. A field that knows the chunk scores 0."""
+    t, noise = t.to(actions.dtype), noise.to(actions.dtype)
     x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
     error = (field(x_t, t).float() - (noise - actions).float()) ** 2 * mask.float()
     return error.flatten(1).sum(1) / mask.float().sum().clamp(min=1)

@@ -232,18 +232,29 @@ def _policy_model(name):
     return model.eval()
 
 
-def _obs_batch(cfg, seed=0):
+def _obs_batch(cfg, seed=0, n=3):
     from kilovla.models.batch import PaddedBatch
     from kilovla.models.tokenize import ByteTokenizer, tokenize_batch
 
     g = torch.Generator().manual_seed(seed)
-    tokens, mask = tokenize_batch(ByteTokenizer(), ["pick the cube", "open the drawer", "push"], cfg.max_language_tokens)
+    prompts = ["pick the cube", "open the drawer", "push"]
+    tokens, mask = tokenize_batch(ByteTokenizer(), [prompts[i % 3] for i in range(n)], cfg.max_language_tokens)
     s = cfg.vision.image_size
-    masks = torch.ones(3, len(cfg.cameras), dtype=torch.bool)
+    masks = torch.ones(n, len(cfg.cameras), dtype=torch.bool)
     masks[:, -1] = False
-    return PaddedBatch(images=torch.rand(3, len(cfg.cameras), 3, s, s, generator=g), image_masks=masks,
+    return PaddedBatch(images=torch.rand(n, len(cfg.cameras), 3, s, s, generator=g), image_masks=masks,
                        camera_names=cfg.cameras, tokens=tokens, token_mask=mask,
-                       state=torch.randn(3, cfg.max_state_dim, generator=g))
+                       state=torch.randn(n, cfg.max_state_dim, generator=g))
+
+
+def _actor_critic(name):
+    """`_policy_model(name)` as an ActorCritic for a 4-D state and action, 5 actions executed per chunk."""
+    from kilovla.models.processor import PolicyMeta
+    from kilovla.rl.policy import ActorCritic
+
+    stats = {k: {"q01": [-1.0] * 4, "q99": [1.0] * 4} for k in ("observation.state", "action")}
+    return ActorCritic(_policy_model(name), PolicyMeta(preset=name, state_dim=4, action_dim=4, stats=stats), FlowSDE(),
+                       n_action_steps=5)
 
 
 @pytest.mark.parametrize("stochastic", ["one", "all"])
@@ -561,22 +572,8 @@ def test_flow_draws_follow_openpis_time_and_depend_on_the_seed_alone():
 
 def _awr_critic(n):
     """A real pi0-tiny actor-critic whose observations are row numbers into n random model inputs."""
-    from kilovla.models.batch import PaddedBatch
-    from kilovla.models.processor import PolicyMeta
-    from kilovla.models.tokenize import ByteTokenizer, tokenize_batch
-    from kilovla.rl.policy import ActorCritic
-
-    model = _policy_model("pi0-tiny")
-    cfg = model.config
-    g = torch.Generator().manual_seed(0)
-    tokens, mask = tokenize_batch(ByteTokenizer(), ["push the puck"] * n, cfg.max_language_tokens)
-    s = cfg.vision.image_size
-    inputs = PaddedBatch(images=torch.rand(n, len(cfg.cameras), 3, s, s, generator=g),
-                         image_masks=torch.ones(n, len(cfg.cameras), dtype=torch.bool), camera_names=cfg.cameras,
-                         tokens=tokens, token_mask=mask, state=torch.randn(n, cfg.max_state_dim, generator=g))
-    stats = {k: {"q01": [-1.0] * 4, "q99": [1.0] * 4} for k in ("observation.state", "action")}
-    critic = ActorCritic(model, PolicyMeta(preset="pi0-tiny", state_dim=4, action_dim=4, stats=stats), FlowSDE(),
-                         n_action_steps=5)
+    critic = _actor_critic("pi0-tiny")
+    inputs = _obs_batch(critic.vla.config, n=n)
 
     def rows(obs):
         index = torch.as_tensor(np.asarray(obs["row"]))
@@ -742,12 +739,8 @@ def test_training_seeds_of_different_slots_workers_and_runs_never_meet():
 def test_the_critic_sees_the_state_the_prefix_does_not_carry(name):
     """pi0 and GR00T put the state in the action stream: the value head must read it itself, or two
     observations with the same images and prompt but the hand elsewhere get the same value."""
-    from kilovla.models.processor import PolicyMeta
-    from kilovla.rl.policy import ActorCritic
-
-    model = _policy_model(name)
-    stats = {k: {"q01": [-1.0] * 4, "q99": [1.0] * 4} for k in ("observation.state", "action")}
-    critic = ActorCritic(model, PolicyMeta(preset=name, state_dim=4, action_dim=4, stats=stats), FlowSDE(), n_action_steps=5)
+    critic = _actor_critic(name)
+    model = critic.vla
     batch = _obs_batch(model.config)
     moved = dataclasses.replace(batch, state=batch.state + 1.0)
     with torch.no_grad():

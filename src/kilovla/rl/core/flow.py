@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kilovla.errors import KilovlaError
+from kilovla.models.batch import flow_loss
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,8 @@ def flow_matching_error(field, actions: torch.Tensor, mask: torch.Tensor, t: tor
                         noise: torch.Tensor) -> torch.Tensor:
     """The supervised flow-matching error (B,) of `field` on action chunks (B, H, A) at times t (B,) with
     `noise` (B, H, A), differentiable: x_t = t * noise + (1 - t) * actions, target noise - actions,
-    the squared error averaged over the masked elements. A field that knows the chunk scores 0."""
+    the trainer's masked squared error (`flow_loss`) per sample. A field that knows the chunk scores 0."""
     t, noise = t.to(actions.dtype), noise.to(actions.dtype)
     x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
-    error = (field(x_t, t).float() - (noise - actions).float()) ** 2 * mask.float()
-    return error.flatten(1).sum(1) / mask.float().sum().clamp(min=1)
+    target = (noise - actions).float()
+    return flow_loss(field(x_t, t).float(), target, mask.float().expand_as(target))["per_sample"]

@@ -34,6 +34,7 @@ from kilovla.envs.collect import collect
 from kilovla.envs.metaworld import DEFAULT_TASKS
 from kilovla.errors import KilovlaError
 from kilovla.eval.intervals import wilson_interval
+from kilovla.folders import DATASET, DEMO, RUN, check_replaceable, clear
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def build_demo_cache(data: Path):
 def train_policy(recipe: DemoRecipe, data: Path, run: Path, progress: bool = True) -> dict:
     from kilovla.train.trainer import TrainConfig, train
 
-    shutil.rmtree(run, ignore_errors=True)
+    clear(run, RUN)  # the demo's own run: replaced on every demo, checked to hold nothing else
     return train(load_config(TrainConfig, None, train_overrides(recipe, data, run, progress)))
 
 
@@ -166,8 +167,10 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
     t0 = time.perf_counter()
     recipe = recipe or (QUICK if quick else FULL)
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise KilovlaError(f"{out}: exists and is not a folder; kilovla demo writes its report folder there")
+    # The demo owns its output folder: it replaces an earlier demo's, never a folder of other files.
+    check_replaceable(out, DEMO)
+    check_replaceable(out / "dataset", DATASET)
+    check_replaceable(out / "run", RUN)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(width=max(Console().width, 100))
     stage_s = {}

@@ -41,7 +41,7 @@ import psutil
 
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 from kilovla.data import windows
-from kilovla.data.frame_cache import build_frame_cache
+from kilovla.data.frame_cache import build_frame_cache, open_frame_cache
 from kilovla.data.lake import DataLake, LakeSource, TokenLayout
 from kilovla.data.lerobot import DatasetMeta, LeRobotDataset
 from kilovla.data.loader import InProcessLoader, TorchLoader
@@ -545,7 +545,11 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, dataset: str 
     default: one built (or refreshed) at `<out_dir>/cache/frames-<dataset name>`.
     """
     cache = Path(out_dir) / "cache"
-    cache.mkdir(parents=True, exist_ok=True)
+    if frame_cache is not None and dataset is not None:  # refused before anything is measured or written
+        meta = DatasetMeta(dataset)
+        open_frame_cache(frame_cache, meta, meta.load_columns(), meta.video_keys)
+    if dataset is None or frame_cache is None:
+        cache.mkdir(parents=True, exist_ok=True)
     root = Path(dataset) if dataset is not None else build_video_dataset(cache, quick)
     cache_dir = Path(frame_cache) if frame_cache is not None else cache / f"frames-{root.name}"
     rows, extra = loader_rows(root, quick=quick, cache_dir=cache_dir, build_cache=frame_cache is None,

@@ -38,6 +38,7 @@ from kilovla.data.lerobot import (DEFAULT_DATA_PATH, DEFAULT_VIDEO_PATH, EPISODE
                                   LeRobotDataset, column_to_numpy)
 from kilovla.data.video import CODEC_NAMES, VideoEncoder, concat_videos, probe_video
 from kilovla.errors import DatasetError, KilovlaError
+from kilovla.folders import DATASET, check_replaceable
 
 CODEBASE_VERSION = "v3.0"
 CONVERT_STAT_FRAMES = 10  # frames decoded per episode and camera when a v2.1 dataset lacks camera stats
@@ -109,6 +110,7 @@ class DatasetWriter:
         self.root = Path(root)
         if self.root.exists() and not overwrite:
             raise KilovlaError(f"{self.root}: already exists (pass overwrite=True / --overwrite to replace it)")
+        check_replaceable(self.root, DATASET)  # --overwrite replaces a dataset, never a folder of other files
         if video_codec not in CODEC_NAMES:
             raise KilovlaError(f"video codec must be one of {sorted(CODEC_NAMES)}, not {video_codec!r}")
         self.fps, self.robot_type, self.overwrite = int(fps), robot_type, overwrite
@@ -330,6 +332,7 @@ def _move_into_place(tmp: Path, root: Path, overwrite: bool) -> None:
     if root.exists():
         if not overwrite:
             raise KilovlaError(f"{root}: appeared while writing; not replacing it")
+        check_replaceable(root, DATASET)  # again: files may have been put there while we wrote
         old = root.parent / f".{root.name}.old-{uuid.uuid4().hex[:8]}"
         os.replace(root, old)
         os.replace(tmp, root)
@@ -381,6 +384,7 @@ def convert_v21_to_v30(src: str | Path, dst: str | Path, overwrite: bool = False
     dst = Path(dst)
     if dst.exists() and not overwrite:
         raise KilovlaError(f"{dst}: already exists (pass --overwrite to replace it)")
+    check_replaceable(dst, DATASET)
     tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:

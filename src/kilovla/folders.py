@@ -1,0 +1,119 @@
+"""Output folders: kilovla replaces or writes into a folder only when it holds nothing but its own kind.
+
+Every writer that can replace a folder (`data synth|convert --overwrite`, `collect --overwrite`,
+`kilovla demo --out`, a training or RL `run_dir`) first asks `check_replaceable`: the folder must be
+absent, empty, or hold nothing but the entries that kind of folder is made of (a LeRobot dataset:
+meta/, data/, videos/, ...; a run: checkpoints/, metrics.jsonl, config.yaml, ...), plus the hidden
+temporary names kilovla itself derives from those entries (`.metrics.jsonl.tmp`). Anything else
+belongs to the user, and the writer stops with one line naming the first stray entry, before it has
+written or removed anything:
+
+    >>> check_replaceable(Path("d"), DATASET)  # d/precious.txt exists  # doctest: +SKIP
+    KilovlaError: d: holds precious.txt, which is not part of a LeRobot dataset; not replacing it ...
+
+`claim_run_dir` adds what a run_dir needs on top: a folder that already holds a run is continued
+only with `--resume`, never silently mixed with a new one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from kilovla.errors import KilovlaError
+
+
+@dataclass(frozen=True)
+class FolderKind:
+    name: str  # for messages: "a LeRobot dataset"
+    entries: frozenset[str]  # the top-level names such a folder is made of
+    marker: tuple[str, ...] = ()  # a non-empty folder of this kind has at least one of these (empty: any entry)
+
+
+# LeRobot v2.1 / v3.0 as written by LeRobot or kilovla, plus what the Hugging Face Hub adds to a download.
+DATASET = FolderKind("a LeRobot dataset", frozenset({"meta", "data", "videos", "images", "README.md", ".gitattributes"}),
+                     marker=("meta",))
+# What `kilovla train` and `kilovla rl` write into run_dir.
+RUN = FolderKind("a kilovla run", frozenset({"checkpoints", "metrics.jsonl", "config.yaml", "summary.json",
+                                             "learning_curve.png", "tensorboard", "eval"}),
+                 marker=("checkpoints", "metrics.jsonl", "config.yaml", "summary.json"))
+# What `kilovla demo` writes into its --out folder.
+DEMO = FolderKind("a kilovla demo output", frozenset({"dataset", "run", "eval-policy", "eval-expert", "report.json",
+                                                      "report.md", "learning_curve.png", "success_per_task.png"}))
+
+
+def _ours(name: str, kind: FolderKind) -> bool:
+    if name in kind.entries:
+        return True
+    # kilovla's temporary names: a leading dot and one of the kind's entries (`.metrics.jsonl.tmp`).
+    return name.startswith(".") and any(name[1:].startswith(e) for e in kind.entries)
+
+
+def stray_entries(folder: Path, kind: FolderKind) -> list[str]:
+    """Top-level names in `folder` that are not part of `kind`, sorted."""
+    return sorted(p.name for p in folder.iterdir() if not _ours(p.name, kind))
+
+
+def holds(folder: Path, kind: FolderKind) -> bool:
+    """True when `folder` is a non-empty folder of `kind` (its marker present, nothing stray)."""
+    folder = Path(folder)
+    if not folder.is_dir() or not any(folder.iterdir()) or stray_entries(folder, kind):
+        return False
+    return not kind.marker or any((folder / m).exists() for m in kind.marker)
+
+
+def check_replaceable(folder: str | Path, kind: FolderKind) -> None:
+    """Refuse (KilovlaError) unless `folder` is absent, an empty folder, or a folder of `kind`."""
+    folder = Path(folder)
+    if not folder.exists() and not folder.is_symlink():
+        return
+    if not folder.is_dir():
+        raise KilovlaError(f"{folder}: exists and is not a folder; not replacing it with {kind.name}")
+    if not any(folder.iterdir()):
+        return
+    stray = stray_entries(folder, kind)
+    if stray:
+        more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
+        raise KilovlaError(f"{folder}: holds {stray[0]}{more}, which is not part of {kind.name}; not replacing it: "
+                           "use a new folder, or empty this one")
+    if kind.marker and not any((folder / m).exists() for m in kind.marker):
+        raise KilovlaError(f"{folder}: is not {kind.name} (no {' or '.join(kind.marker)}); not replacing it: "
+                           "use a new folder, or empty this one")
+
+
+def clear(folder: str | Path, kind: FolderKind) -> None:
+    """Remove what `folder` holds of `kind` (checked first: nothing else is ever touched)."""
+    folder = Path(folder)
+    check_replaceable(folder, kind)
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+
+def claim_run_dir(run_dir: str | Path, resume: str | None, checkpoint: Path | None, main: bool = True) -> str:
+    """Decide how a run uses `run_dir`, before anything is read or written: 'resume', 'fresh', or
+    'replace' (the caller `clear`s the folder right before it writes, after its own checks passed).
+
+    `resume` is the --resume flag (None, 'auto' or a folder) and `checkpoint` the folder it resolved
+    to (None: none found). A run_dir holding a run is refused without --resume; `--resume auto` on a
+    run_dir without a checkpoint starts fresh, replacing what the earlier run logged, and says so
+    (on the `main` rank)."""
+    run_dir = Path(run_dir)
+    check_replaceable(run_dir, RUN)
+    has_run = holds(run_dir, RUN)
+    if checkpoint is not None:
+        inside = Path(checkpoint).resolve().is_relative_to((run_dir / "checkpoints").resolve())
+        if has_run and not inside:
+            raise KilovlaError(f"{run_dir}: holds another run; resuming {checkpoint} there would mix the two: "
+                               "use a new run_dir")
+        return "resume"
+    if has_run and resume is None:
+        raise KilovlaError(f"{run_dir}: run_dir holds a run: pass --resume auto or use a new run_dir")
+    if resume == "auto" and main:
+        print(f"no checkpoint in {run_dir / 'checkpoints'}: starting fresh"
+              + (" (replacing the earlier run's logs)" if has_run else ""), flush=True)
+    return "replace" if has_run else "fresh"

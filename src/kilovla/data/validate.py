@@ -1,24 +1,26 @@
 """`kilovla data validate`: every check a dataset must pass before training reads it.
 
 Structure (meta/info.json, tasks, episodes tiling the frames), frame data against info.json (every
-column present with its dtype and shape, `index` 0..N-1, `episode_index` matching meta/episodes,
+column present with its dtype and shape, none undeclared; no camera's videos on disk undeclared, `index` 0..N-1, `episode_index` matching meta/episodes,
 `frame_index` restarting per episode, `timestamp` stepping by 1/fps, valid `task_index`), videos
 (present, readable, codec and size as declared, fps equal to the table's, long enough for every
 episode; with `deep=True` the first and last frame of every episode decoded) and stats.json.
 
 Returns a list of problems, each naming the file and what is wrong; empty means valid.
+`check_dataset` raises them instead: train and `data stats` refuse what validate calls an error.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from kilovla.data.lerobot import DatasetMeta
+from kilovla.data.lerobot import DEFAULT_VIDEO_PATH, DatasetMeta
 from kilovla.data.stats import STAT_NAMES
 from kilovla.data.video import VideoDecoderPool, probe_video
-from kilovla.errors import DatasetError
+from kilovla.errors import DatasetError, KilovlaError
 
 TIMESTAMP_TOLERANCE_S = 1e-4
 
@@ -32,16 +34,64 @@ class Problem:
         return f"{self.path}: {self.message}"
 
 
-def validate_dataset(root: str, deep: bool = False) -> list[Problem]:
+def validate_dataset(root: str, deep: bool = False, stats: bool = True) -> list[Problem]:
+    """`stats=False` leaves meta/stats.json out (what `kilovla data stats` is about to rewrite)."""
     try:
         meta = DatasetMeta(root)
         columns = meta.load_columns()
     except DatasetError as e:
         return [Problem(e.path, e.problem)]
     problems: list[Problem] = []
+    problems += _check_declared(meta)
     problems += _check_frames(meta, columns)
     problems += _check_videos(meta, columns, deep)
-    problems += _check_stats(meta)
+    if stats:
+        problems += _check_stats(meta)
+    return problems
+
+
+def check_dataset(root: str, stats: bool = True) -> None:
+    """Raise KilovlaError naming the dataset's problems when `validate_dataset` finds any: what
+    validate calls an error is refused by every command that reads the dataset (train, data stats)."""
+    problems = validate_dataset(root, stats=stats)
+    if problems:
+        shown = "; ".join(str(p) for p in problems[:3])
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise KilovlaError(f"{root}: not a valid dataset ({len(problems)} problem{'s' if len(problems) > 1 else ''}, "
+                           f"`kilovla data validate {root}` lists them): {shown}{more}")
+
+
+def _template_regex(template: str) -> re.Pattern:
+    """info.json's video_path as a regex: {video_key} captured, the numeric fields matched."""
+    pattern, last = "", 0
+    for m in re.finditer(r"\{(\w+)(?::[^}]*)?\}", template):
+        pattern += re.escape(template[last:m.start()])
+        pattern += r"(?P<video_key>[^/]+)" if m.group(1) == "video_key" else r"\d+"
+        last = m.end()
+    return re.compile(pattern + re.escape(template[last:]))
+
+
+def _check_declared(meta: DatasetMeta) -> list[Problem]:
+    """What the files hold that info.json does not declare: a frame-data column, a camera's videos.
+    Readers go by info.json, so such data would be dropped without a word."""
+    problems = []
+    declared = set(meta.features)
+    for rel in dict.fromkeys(meta.episodes.data_file):
+        names = meta.files.read_parquet_schema(rel).names if meta.files.exists(rel) else []
+        extra = [c for c in names if c not in declared and not c.startswith("__index_level_")]
+        if extra:
+            problems.append(Problem(meta.files.path(rel), f"column{'s' if len(extra) > 1 else ''} "
+                                    f"{', '.join(map(repr, extra))} not declared in meta/info.json features "
+                                    "(declare or drop it)"))
+    pattern = _template_regex(meta.info.get("video_path") or DEFAULT_VIDEO_PATH)
+    undeclared: dict[str, str] = {}
+    for rel in meta.files.glob("videos/**/*.mp4"):
+        m = pattern.fullmatch(rel)
+        if m is not None and m["video_key"] not in meta.video_keys:
+            undeclared.setdefault(m["video_key"], rel)
+    for key, rel in undeclared.items():
+        problems.append(Problem(meta.files.path(rel), f"videos of camera {key!r} are on disk but {key!r} is not "
+                                "declared in meta/info.json features (declare it, or remove its videos)"))
     return problems
 
 

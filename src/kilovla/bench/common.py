@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kilovla.progress import note
+
 DEFAULT_OUT = "bench-results"
 
 
@@ -28,6 +30,10 @@ class Row:
     ratio: float | None
     limit: float | None
     note: str
+
+    def __post_init__(self) -> None:
+        # A suite runs for minutes: each row is said as soon as it is measured (kilovla.progress).
+        note(f"{self.name}: ours {_fmt(self.ours)}, baseline {_fmt(self.baseline)} {self.unit}")
 
     @classmethod
     def compare(cls, name: str, unit: str, baseline: float | None, ours: float | None, *, higher_is_better: bool,

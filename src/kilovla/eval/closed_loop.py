@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -28,6 +29,9 @@ from kilovla.envs.rollout import run_episodes
 from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
 from kilovla.errors import KilovlaError
 from kilovla.eval.intervals import wilson_interval
+from kilovla.progress import TaskProgress
+
+log = logging.getLogger(__name__)
 
 EVAL_SEED_STRIDE = 1_000_003  # episode seeds: seed * stride + task index * 1000 + episode
 
@@ -57,19 +61,10 @@ def episode_seeds(seed: int, task_index: int, episodes: int) -> list[int]:
 
 
 def task_progress(label: str):
-    """A rich progress bar with one row per task, for `evaluate`'s and `collect`'s ``progress``
-    callback; returns (context manager, callback)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    rows: dict[str, int] = {}
-
-    def update(task: str, done: int, total: int) -> None:
-        if task not in rows:
-            rows[task] = progress.add_task(f"{label} {task}", total=total)
-        progress.update(rows[task], completed=done)
-
-    return progress, update
+    """Progress with one row per task (a bar on a terminal, plain lines elsewhere), for `evaluate`'s
+    and `collect`'s ``progress`` callback; returns (context manager, callback)."""
+    progress = TaskProgress(label)
+    return progress, progress.callback
 
 
 def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int, seed: int = 0,
@@ -229,6 +224,27 @@ def write_report(out: Path, report: dict) -> None:
         tmp = out / f".{name}.{uuid.uuid4().hex[:8]}"
         tmp.write_text(text)
         os.replace(tmp, out / name)
+
+
+DEFAULT_RESOLUTION = 96
+
+
+def render_resolution(policy, asked: int | None) -> int:
+    """The camera resolution to evaluate `policy` at: the size of its training frames (policy.json's
+    image_size) unless `asked` says otherwise, with a warning when the two differ, or when a
+    learned policy does not record it (folders of earlier versions: DEFAULT_RESOLUTION)."""
+    meta = getattr(policy, "meta", None)
+    size = getattr(meta, "image_size", None)
+    trained = max(size) if size else None
+    if asked is None:
+        if trained is None and meta is not None:
+            log.warning("%s: policy.json does not record its training resolution; rendering at %d px "
+                        "(--resolution sets it)", policy.name, DEFAULT_RESOLUTION)
+        return trained or DEFAULT_RESOLUTION
+    if trained is not None and asked != trained:
+        log.warning("rendering at %d px, but %s was trained on %dx%d frames (policy.json image_size)",
+                    asked, policy.name, *size)
+    return asked
 
 
 def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim: int | None = None,

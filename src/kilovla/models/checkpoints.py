@@ -419,7 +419,8 @@ def load_sharded(model: nn.Module, state_dir: str | Path) -> None:
 
 
 def save_safetensors(state: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """Write atomically (temp file + rename); shared tensors are stored once each."""
+    """Write atomically (temp file + rename), with the mode the umask gives any new file; shared tensors
+    are stored once each."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -432,7 +433,10 @@ def save_safetensors(state: dict[str, torch.Tensor], path: str | Path, metadata:
         seen.setdefault(ptr, key)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
+        tmp.touch()  # created the ordinary way, so its mode is what the umask gives (0644 under 022)
+        mode = tmp.stat().st_mode & 0o777
         save_file(clean, str(tmp), metadata=metadata)
+        os.chmod(tmp, mode)  # safetensors writes 0600, which would keep a shared policy folder from colleagues
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -178,8 +178,9 @@ def compare_with_official(official_root: str | Path) -> list[str]:
     `official_root` is the folder holding ``libero/libero/bddl_files`` and ``init_files`` (e.g. an
     unpacked ``libero`` sdist from PyPI). Returns one line per difference; empty means identical.
     """
-    import torch
     from libero.libero import get_libero_path
+
+    from kilovla.safe_load import load_torch
 
     root = Path(official_root)
     off_bddl = root / "libero" / "libero" / "bddl_files"
@@ -200,7 +201,7 @@ def compare_with_official(official_root: str | Path) -> list[str]:
                 problems.append(f"{suite_name}/{i} ({task.name}): BDDL file differs from the official one")
             theirs_init = off_init / task.problem_folder / task.init_states_file
             ours = np.asarray(suite.get_task_init_states(i))
-            theirs = np.asarray(torch.load(theirs_init, weights_only=False))
+            theirs = np.asarray(load_torch(theirs_init))  # numpy arrays saved with torch.save: nothing else admitted
             if ours.shape != theirs.shape or not np.array_equal(ours, theirs):
                 problems.append(f"{suite_name}/{i} ({task.name}): init states differ ({ours.shape} vs {theirs.shape})")
     return problems

@@ -405,7 +405,7 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
 def load_sharded(model: nn.Module, state_dir: str | Path) -> None:
     """Weights from a torch.distributed.checkpoint folder (an FSDP run's checkpoint `state/`), read in
     this one process; a model built on the meta device is materialised on the CPU first."""
-    import torch.distributed.checkpoint as dcp
+    from kilovla.safe_load import load_dcp
 
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device="cpu")
@@ -413,8 +413,10 @@ def load_sharded(model: nn.Module, state_dir: str | Path) -> None:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(state_dir), no_dist=True)
-    except Exception as e:  # noqa: BLE001  DCP reports missing or misshapen keys as a CheckpointException
+            load_dcp(state, state_dir, no_dist=True)
+    except KilovlaError:  # already one line naming the file (refused or unreadable)
+        raise
+    except Exception as e:  # noqa: BLE001  a missing or misshapen key
         raise CheckpointError(f"{state_dir}: does not fit the model: {str(e).strip()[:500]}") from None
 
 

@@ -139,6 +139,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     final checkpoint) at the first policy version past that wall time; `faults` injects failures (tests)."""
     import ray
 
+    from kilovla.safe_load import load_torch
+
     _check_config(cfg)
     run_dir = Path(cfg.run_dir)
     folder = ckpt.resolve(resume, run_dir, "rl_state.json") if resume else None
@@ -166,6 +168,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     if cfg.compute.calibrated and not cfg.compute.fitted:
         cfg = dataclasses.replace(cfg, compute=calibrate(dataclasses.replace(cfg, policy=policy_dir)))
 
+    # read before Ray starts: a learner.pt that would unpickle anything but plain data is refused in one line
+    learner_state = load_torch(folder / "learner.pt") if folder is not None else None
     connect_ray(ray_address, num_cpus=max(2, os.cpu_count() or 2), what="kilovla rl")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
@@ -173,8 +177,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     roles = _Roles(cfg, policy_dir, sde, n_action_steps, version, state, faults or {})
     try:
         if folder is not None:
-            ray.get([lw.load_state.remote(ray.put(torch.load(folder / "learner.pt", weights_only=False)))
-                     for lw in roles.learners])
+            ray.get([lw.load_state.remote(ray.put(learner_state)) for lw in roles.learners])
         roles.sync_weights(version)
         loop = (_AsyncLoop if cfg.mode == "async" else _SyncLoop)(cfg, roles, logger, time_budget_s)
         loop.run(version, state)

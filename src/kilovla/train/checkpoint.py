@@ -4,7 +4,7 @@
         model.safetensors    weights (kilovla keys)       \\ together a policy folder:
         policy.json          preset, cameras, stats, dims  / `kilovla eval --policy` takes it
         ema.safetensors      EMA weights (when enabled)
-        optimizer.pt         optimizer and LR-scheduler state
+        optimizer.pt         optimizer state
         state/               FSDP runs instead: model + optimizer as torch.distributed.checkpoint shards
         trainer_state.json   step, plan state (a few integers), world size, LR-scheduler state
         rng.pt               torch / numpy / python RNG states
@@ -21,6 +21,10 @@ policy loader reads `state/` where model.safetensors is absent.
 A checkpoint is written into a hidden temporary folder and renamed into place; an older folder of
 the same step is swapped out atomically (`exchange`), and `latest` moves only after that: a crash or
 a full disk mid-save leaves the previous checkpoint intact.
+
+Resuming runs nothing a checkpoint folder holds: optimizer.pt, rng.pt and `state/` (its .metadata and
+non-tensor items) are unpickled through `kilovla.safe_load`'s allowlists of plain data, so a folder
+someone handed over can at worst be refused, in one line naming the file.
 """
 
 from __future__ import annotations
@@ -168,15 +172,17 @@ def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world) -> 
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
+    from kilovla.safe_load import load_dcp, load_torch
+
     folder = Path(folder)
     trainer_state = json.loads((folder / "trainer_state.json").read_text())
     if (folder / STATE_DIR).is_dir():
-        import torch.distributed.checkpoint as dcp
-
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
         try:
-            dcp.load(state, checkpoint_id=str(folder / STATE_DIR))
-        except Exception as e:  # noqa: BLE001  DCP reports a mismatch as a CheckpointException of every rank
+            load_dcp(state, folder / STATE_DIR)
+        except KilovlaError:  # already one line naming the file (refused or unreadable)
+            raise
+        except Exception as e:  # noqa: BLE001  a missing or misshapen key
             raise KilovlaError(f"{folder / STATE_DIR}: does not fit the model: {str(e).strip()[:500]}") from None
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -188,14 +194,14 @@ def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world) -> 
             check_fits(model.state_dict(), weights, str(folder / "model.safetensors"))
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
         set_model_state_dict(model, weights, options=options)
-        optim = torch.load(folder / "optimizer.pt", weights_only=False)["optimizer"] if reader else {}
+        optim = load_torch(folder / "optimizer.pt")["optimizer"] if reader else {}
         set_optimizer_state_dict(model, optimizer, optim, options=options)
     if ema is not None and (folder / "ema.safetensors").is_file():
         for k, v in read_safetensors(folder / "ema.safetensors").items():
             if k in ema:
                 ema[k].copy_(v)
     scheduler.load_state_dict(trainer_state["scheduler"])
-    rng = torch.load(folder / "rng.pt", weights_only=False)
+    rng = load_torch(folder / "rng.pt")
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])

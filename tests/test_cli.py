@@ -19,6 +19,12 @@ def test_data_info_json(tiny_root, capsys):
     assert info["video_codec"] == ["av1"] and info["size_bytes"] > 0
 
 
+def test_data_info_table_shows_one_codec_not_a_list(tiny_root, capsys):
+    assert main(["data", "info", str(tiny_root)]) == 0
+    [row] = [line for line in capsys.readouterr().out.splitlines() if "video_codec" in line]
+    assert "av1" in row and "[" not in row
+
+
 def test_validate_passes_a_good_dataset(tiny_root, capsys):
     assert main(["data", "validate", str(tiny_root), "--deep"]) == 0
 

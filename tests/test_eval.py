@@ -222,3 +222,35 @@ def test_policy_threads_leave_the_env_workers_their_cores_and_restore(monkeypatc
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
+
+
+def test_eval_renders_at_the_policy_s_training_resolution_unless_told(caplog):
+    from types import SimpleNamespace
+
+    from kilovla.eval.closed_loop import render_resolution
+
+    trained = SimpleNamespace(name="pi05-tiny", meta=SimpleNamespace(image_size=[32, 32]))
+    assert render_resolution(trained, None) == 32
+    with caplog.at_level("WARNING"):
+        assert render_resolution(trained, 64) == 64
+    assert "rendering at 64 px, but pi05-tiny was trained on 32x32 frames" in caplog.text
+    caplog.clear()
+    older = SimpleNamespace(name="old", meta=SimpleNamespace(image_size=None))  # a folder of an earlier version
+    with caplog.at_level("WARNING"):
+        assert render_resolution(older, None) == 96
+    assert "does not record its training resolution" in caplog.text
+    assert render_resolution(SimpleNamespace(name="scripted"), None) == 96
+
+
+def test_eval_ema_loads_the_folder_s_ema_weights(monkeypatch, capsys):
+    from kilovla.eval import closed_loop
+
+    asked = {}
+
+    def load_policy(spec, **kwargs):
+        asked.update(kwargs)
+        raise KilovlaError("stop here")
+
+    monkeypatch.setattr(closed_loop, "load_policy", load_policy)
+    assert main(["eval", "--policy", "some/folder", "--ema", "--tasks", "reach-v3"]) == 2
+    assert asked["ema"] is True

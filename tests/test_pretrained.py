@@ -27,7 +27,8 @@ from kilovla.models.presets import build_model, policy_defaults, preset
 from kilovla.models.processor import PolicyMeta, Processor
 from kilovla.models.tokenize import (EAGLE_END, EAGLE_SYSTEM, QwenTokenizer, SentencePieceTokenizer, discretize_state,
                                      find_tokenizer)
-from kilovla.train.trainer import TrainConfig, apply_freeze, with_policy_defaults
+from kilovla.train.build import apply_freeze, with_policy_defaults
+from kilovla.train.trainer import TrainConfig
 
 PI_EMBED = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
 GROOT_EMBED = "backbone.eagle_model.language_model.model.embed_tokens.weight"
@@ -550,7 +551,7 @@ def test_weights_load_straight_onto_the_gpu(tmp_path):
 
 
 def test_a_tokenizer_far_smaller_than_the_embedding_warns(sp_model, caplog):
-    from kilovla.train.trainer import _check_tokenizer_size
+    from kilovla.train.build import check_tokenizer_size as _check_tokenizer_size
 
     small = Processor(preset("pi05-tiny", lm={"vocab_size": 1000}),
                       _meta("pi05-tiny", {"lm": {"vocab_size": 1000}}, {"observation.images.front": "base_0_rgb"},

@@ -142,6 +142,7 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(dataset, reference, 
     assert policy.action_dim == 6
     proc = _run([*_args(dataset, run), "--resume", "auto"])  # 2 ranks -> 1
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "UserWarning" not in proc.stderr  # DCP's "assuming the intent is to load in a single process"
     assert _max_diff(_weights(reference, 4), _weights(run, 4)) < 1e-5
 
 
@@ -304,7 +305,7 @@ def test_a_zero_batch_plan_is_refused_not_divided_by():
 
 
 def test_static_graph_on_several_ranks_is_refused_at_start(dataset, tmp_path):
-    from kilovla.train.trainer import validate_config
+    from kilovla.train.config import validate_config
 
     cfg = load_config(TrainConfig, None, [*_args(dataset, tmp_path / "sg"), "--parallel.static_graph=true"])
     validate_config(cfg, world_size=1)  # one process: no DDP, nothing to refuse
@@ -344,7 +345,7 @@ def test_the_recorded_attention_is_what_runs(dataset, tmp_path, capsys):
 
 
 def test_a_fine_tuning_preset_without_weights_is_refused_and_a_3b_one_warns(dataset, tmp_path, caplog):
-    from kilovla.train.trainer import _start_weights
+    from kilovla.train.build import start_weights as _start_weights
     from kilovla.models.presets import policy_defaults
 
     cfg = load_config(TrainConfig, None, [f"--run_dir={tmp_path / 'r'}", f"--dataset.roots=[{dataset}]",
@@ -379,3 +380,33 @@ def test_init_from_an_fsdp_checkpoint_with_only_state(dataset, tmp_path):
     assert max((final[k] - want[k]).abs().max().item() for k in want) == 0.0
     policy = json.loads((run / "checkpoints" / "step_000001" / "policy.json").read_text())
     assert policy["init_from"]["path"] == str(folder.resolve())
+
+
+def test_a_resumed_run_reports_its_rate_over_wall_time(dataset, tmp_path):
+    import time
+
+    args = [f"--run_dir={tmp_path / 'run'}", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=8",
+            "--checkpoint.every=1", "--progress=false"]
+    train(load_config(TrainConfig, None, [*args, "--steps=3"]))
+    t0 = time.perf_counter()
+    summary = train(load_config(TrainConfig, None, [*args, "--steps=6"]), resume="auto")
+    wall = time.perf_counter() - t0
+    # The median step's rate leaves out set-up and the checkpoint after every step; the run's does not.
+    assert summary["steps"] == 6 and summary["steps_this_run"] == 3
+    assert summary["samples_per_s"] == pytest.approx(3 * 8 / wall, rel=0.05)
+    assert summary["step_samples_per_s"] > summary["samples_per_s"]
+
+
+def test_padding_counts_padded_tokens_and_the_unused_budget_apart(dataset, tmp_path):
+    def run(name, packing):
+        return train(load_config(TrainConfig, None, [
+            f"--run_dir={tmp_path / name}", f"--dataset.roots=[{dataset}]", "--steps=2", "--batch.global_batch_size=4",
+            "--batch.token_budget=100000", "--progress=false", f"--policy.overrides={{packing: {packing}}}"]))
+
+    packed, padded = run("packed", "true"), run("padded", "false")
+    policy = json.loads((tmp_path / "packed" / "checkpoints" / "step_000002" / "policy.json").read_text())
+    assert policy["image_size"] == [32, 32]  # what `kilovla eval` renders at by default
+    assert packed["padding_fraction"] == 0.0  # a packed row holds real tokens only
+    assert padded["padding_fraction"] > 0.1  # language padded to max_language_tokens
+    # 4 samples fill a small part of a 100k-token budget: unused budget, not padding
+    assert packed["budget_unused_fraction"] > 0.9 and padded["budget_unused_fraction"] > 0.9

@@ -30,8 +30,9 @@ def cmd_data_info(args) -> int:
         print(json.dumps(info, indent=2))
         return 0
     table = Table(title=f"{info['root']} (LeRobot {info['codebase_version']})", show_header=False)
-    for key in ("episodes", "frames", "fps", "robot_type", "video_codec"):
+    for key in ("episodes", "frames", "fps", "robot_type"):
         table.add_row(key, str(info[key]))
+    table.add_row("video_codec", ", ".join(info["video_codec"]) or "-")  # one per camera kind; JSON keeps the list
     table.add_row("size on disk", f"{info['size_bytes'] / 2**20:.1f} MiB")
     table.add_row("cameras", ", ".join(info["cameras"]) or "-")
     table.add_row("tasks", f"{len(info['tasks'])}: " + "; ".join(info["tasks"][:5]) + (" ..." if len(info["tasks"]) > 5 else ""))
@@ -58,8 +59,10 @@ def cmd_data_stats(args) -> int:
 
     from kilovla.data.lerobot import LeRobotDataset
     from kilovla.data.stats import compute_dataset_stats, stats_to_json
+    from kilovla.data.validate import check_dataset
     from kilovla.data.writer import _atomic_write_text
 
+    check_dataset(args.path, stats=False)  # the stats it is about to rewrite may be what is wrong
     ds = LeRobotDataset(args.path)
     stats = compute_dataset_stats(ds)
     table = Table(title=f"normalisation stats of {args.path}")
@@ -86,34 +89,28 @@ def cmd_data_convert(args) -> int:
 
 
 def cmd_data_synth(args) -> int:
-    from rich.progress import Progress
-
     from kilovla.data.synthetic import make_synthetic_dataset
+    from kilovla.progress import CountProgress
 
-    with Progress(transient=True) as progress:
-        task = progress.add_task("writing episodes", total=args.episodes)
+    with CountProgress("data synth: episodes written", total=args.episodes) as progress:
         out = make_synthetic_dataset(args.dst, episodes=args.episodes, frames=(args.min_frames, args.max_frames),
                                      fps=args.fps, cameras=tuple(args.cameras.split(",")),
                                      resolution=(args.resolution, args.resolution), codec=args.codec,
-                                     seed=args.seed, overwrite=args.overwrite,
-                                     progress=lambda i, n: progress.update(task, completed=i))
+                                     seed=args.seed, overwrite=args.overwrite, progress=progress.callback)
     print(f"wrote {out}")
     return 0
 
 
 def cmd_data_cache(args) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from kilovla.data.frame_cache import build_frame_cache
+    from kilovla.progress import CountProgress
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=True) as progress:
-        task = progress.add_task("decoding episodes", total=None)
+    with CountProgress("data cache: episodes decoded") as progress:
         result = build_frame_cache(args.src, args.out, cameras=args.cameras.split(",") if args.cameras else None,
                                    backend=args.backend, engine="local" if args.local else "auto",
-                                   ray_address=args.ray_address,
-                                   progress=lambda done, total: progress.update(task, completed=done, total=total))
+                                   ray_address=args.ray_address, progress=progress.callback)
     summary = {"cache": str(result.path), "parts": result.parts, "decoded_now": result.decoded,
                "frames": result.frames, "cache_bytes": result.cache_bytes, "video_bytes": result.video_bytes,
                "engine": result.engine}
@@ -135,8 +132,11 @@ def cmd_data_cache(args) -> int:
 def cmd_data_bench(args) -> int:
     from kilovla.bench import data as data_bench
 
-    path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size,
-                          frame_cache=args.cache)
+    from kilovla.progress import Heartbeat
+
+    with Heartbeat("data bench"):
+        path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size,
+                              frame_cache=args.cache)
     print(f"wrote {path}")
     return 0
 
@@ -172,8 +172,12 @@ def cmd_bench(args) -> int:
         except KilovlaError as e:
             print(f"skipping the rl suite: {e}")
             suites.remove("rl")
+    from kilovla.progress import Heartbeat
+
     for suite in suites:
-        print(f"wrote {runners[suite]()}")
+        with Heartbeat(f"bench {suite}"):  # off a terminal: a line at least every 10 s, one per row measured
+            path = runners[suite]()
+        print(f"wrote {path}")
     if args.suite == "all":
         from kilovla.bench.common import write_results
 
@@ -226,17 +230,17 @@ def cmd_collect(args) -> int:
 def cmd_eval(args) -> int:
     from rich.table import Table
 
-    from kilovla.eval.closed_loop import evaluate, load_policy, task_progress
+    from kilovla.eval.closed_loop import evaluate, load_policy, render_resolution, task_progress
 
     tasks = _tasks(args.env, args.tasks)
-    policy = load_policy(args.policy, env=args.env, seed=args.seed)
+    policy = load_policy(args.policy, env=args.env, seed=args.seed, ema=args.ema)
     cameras = _env_cameras(args.env, args.cameras)
     progress, update = task_progress("eval")
     with progress:
         report = evaluate(policy, env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
                           batch_size=args.batch_size, n_action_steps=args.n_action_steps, num_workers=args.workers,
-                          cameras=cameras, resolution=args.resolution, max_steps=args.max_steps,
-                          videos=args.videos, out_dir=args.out, progress=update)
+                          cameras=cameras, resolution=render_resolution(policy, args.resolution),
+                          max_steps=args.max_steps, videos=args.videos, out_dir=args.out, progress=update)
     table = Table(title=f"{report['policy']} on {report['env']} ({report['env_backend']})")
     for col in ("task", "success", "episodes", "mean steps"):
         table.add_column(col)
@@ -295,7 +299,7 @@ def cmd_quantize(args) -> int:
     evaluation = None
     if args.eval_episodes:
         from kilovla.envs.base import env_spec
-        from kilovla.eval.closed_loop import check_compatible, evaluate, task_progress
+        from kilovla.eval.closed_loop import check_compatible, evaluate, render_resolution, task_progress
         from kilovla.quant.folder import describe_source
 
         tasks = _tasks(args.env, args.tasks)
@@ -313,7 +317,8 @@ def cmd_quantize(args) -> int:
             progress, update = task_progress(f"eval {policy.name}")
             with progress:
                 return evaluate(policy, env=args.env, tasks=tasks, episodes=args.eval_episodes, seed=args.seed,
-                                batch_size=args.batch_size, resolution=args.resolution, num_workers=args.workers,
+                                batch_size=args.batch_size, resolution=render_resolution(policy, args.resolution),
+                                num_workers=args.workers,
                                 cameras=cameras, max_steps=args.max_steps, progress=update)
 
     report = quantize_policy_folder(args.policy_dir, args.out, config, dataset=args.dataset, samples=args.samples,
@@ -435,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cameras", default=None, help="comma-separated env cameras for the closed-loop comparison "
                    "(default: the env's own, as `kilovla eval` uses)")
     p.add_argument("--max-steps", type=int, default=None, help="episode length limit (default: the env's)")
-    p.add_argument("--resolution", type=int, default=96, help="camera resolution of the closed-loop envs")
+    p.add_argument("--resolution", type=int, default=None, help="camera resolution of the closed-loop envs "
+                   "(default: the policy's training resolution, policy.json image_size)")
     p.add_argument("--batch-size", type=int, default=8, help="envs per task in the closed-loop evaluation")
     p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
     p.add_argument("--latency-repeats", type=int, default=5)
@@ -485,7 +491,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-action-steps", type=int, default=None, help="actions executed per predicted chunk")
     p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
     p.add_argument("--cameras", default=None)
-    p.add_argument("--resolution", type=int, default=96)
+    p.add_argument("--resolution", type=int, default=None, help="camera pixels (default: the policy's training "
+                   "resolution, from policy.json; 96 for scripted/random policies and folders that lack it)")
+    p.add_argument("--ema", action="store_true", help="evaluate the folder's EMA weights (ema.safetensors, what "
+                   "`kilovla demo` evaluates)")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_eval)

@@ -12,7 +12,7 @@ is deleted afterwards. Each load runs in a fresh process: build the model on the
   + 3x bf16 bytes (fp32 model + bf16 state dict), limit = process + 2x.
 - ``load_s_<preset>``: wall time of the bf16 load (files in the page cache, written just before).
 
-``--quick`` runs the tiny presets instead, for a smoke test.
+``--quick`` runs the tiny presets instead, for a smoke test; its rows are named for them (``load_peak_rss_mb_pi05_tiny``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 
 PRESETS = {"pi05-3b": "pi05_3b", "groot-n15-3b": "groot_n15_3b"}
-QUICK = {"pi05-tiny": "pi05_3b", "groot-tiny": "groot_n15_3b"}
+QUICK = {"pi05-tiny": "pi05_tiny", "groot-tiny": "groot_tiny"}  # rows named for the shapes they measure
 SHARD_BYTES = 2 * 10**9
 
 

@@ -46,6 +46,7 @@ class PolicyMeta:
     image_resize: str = "stretch"  # or "pad" (openpi's resize_with_pad)
     augmentation: dict = field(default_factory=dict)  # ImageAugmentation fields; empty: none
     init_from: dict | None = None  # {"path", "layout"} of the checkpoint training started from
+    image_size: list[int] | None = None  # [H, W] of the training data's camera frames (eval renders at it)
 
 
 CONSTANT = 1e-4  # a feature dimension narrower than this carries nothing: it normalises to 0

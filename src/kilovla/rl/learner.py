@@ -27,7 +27,7 @@ with the value head in its own parameter group; freezing is the trainer's `apply
 several ranks the model is wrapped by the trainer's `distributed.parallelize` (DDP) and only the
 micro-batch that completes a global batch reduces gradients (`distributed.gradient_sync`).
 
-With calibrated compute (`calibrated.ComputeSection`, throughput benchmarks only) the model's
+With calibrated compute (`compute.ComputeSection`, throughput benchmarks only) the model's
 arithmetic is replaced by sleeps of the measured times: the bootstrap value is the stored value of
 the segment's last step, each micro-batch sleeps instead of forward + backward, the optimizer step
 sleeps; the data handling, GAE, advantage scale, `StreamingStep`'s once-per-global-batch step and the
@@ -42,14 +42,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kilovla.rl.calibrated import ComputeSection, sleep_until
+from kilovla.rl.compute import ComputeSection, sleep_until
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.losses import awr_loss, decoupled_ppo_loss, gae, value_loss
 from kilovla.rl.core.streaming import StreamingStep
 from kilovla.rl.policy import ActorCritic
 from kilovla.train import distributed
 from kilovla.train.optim import OptimConfig, build_optimizer
-from kilovla.train.trainer import apply_freeze
+from kilovla.train.build import apply_freeze
 
 
 @dataclass

@@ -43,12 +43,13 @@ import torch
 from kilovla import config as config_mod
 from kilovla.data.ray_cluster import connect_ray
 from kilovla.errors import KilovlaError
-from kilovla.rl.calibrated import ComputeSection
+from kilovla.folders import RUN, claim_run_dir, clear
+from kilovla.progress import StepProgress
+from kilovla.rl.compute import ComputeSection
 from kilovla.rl.core.flow import FlowSDE
 from kilovla.rl.learner import AlgoConfig
 from kilovla.train import checkpoint as ckpt
 from kilovla.train.metrics import MetricsLogger
-from kilovla.train.trainer import StepProgress
 
 log = logging.getLogger(__name__)
 # Training episodes use seeds far from the evaluation seeds, disjoint per run seed, worker and env slot:
@@ -144,6 +145,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     _check_config(cfg)
     run_dir = Path(cfg.run_dir)
     folder = ckpt.resolve(resume, run_dir, "rl_state.json") if resume else None
+    use = claim_run_dir(run_dir, resume, folder)  # a run_dir holding a run continues only with --resume
     policy_dir = str(folder) if folder is not None else cfg.policy
     if not policy_dir or not (Path(policy_dir) / "policy.json").is_file():
         raise KilovlaError(f"--policy {policy_dir or '(none)'}: not a policy folder (no policy.json)")
@@ -171,6 +173,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     # read before Ray starts: a learner.pt that would unpickle anything but plain data is refused in one line
     learner_state = load_torch(folder / "learner.pt") if folder is not None else None
     connect_ray(ray_address, num_cpus=max(2, os.cpu_count() or 2), what="kilovla rl")
+    if use == "replace":
+        clear(run_dir, RUN)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
     logger = MetricsLogger(run_dir, resume_step=version if folder is not None else None)

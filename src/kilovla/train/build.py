@@ -1,0 +1,269 @@
+"""The pieces a supervised run is built from, each callable on its own (by the trainer, RL's learner,
+LoRA or a parallelism plan), in the order `Trainer.__init__` calls them:
+
+    start = plan_start(cfg, model_cfg)              # where the weights come from, checked from file headers
+    meta = policy_meta(cfg, model_cfg, metas, ...)  # how the policy reads the data: cameras, state, stats
+    processor = build_processor(cfg, model_cfg, meta)
+    lake, layout, plan = build_data(cfg, model_cfg, meta, processor, metas)
+    model = build_weights(cfg, start, model_cfg, world)   # materialised, on the run's device
+    apply_freeze(model, ...)                        # then parallelize, build_optimizer, build_ema
+
+`cfg` is a TrainConfig whose unset fields `with_policy_defaults` has filled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kilovla.data import DataLake, GlobalBatchPlan, LakeSource, PlanConfig, TokenLayout
+from kilovla.data.lerobot import DatasetMeta
+from kilovla.errors import KilovlaError
+from kilovla.models.attention import resolve_backend
+from kilovla.models.checkpoints import (is_sharded_policy_folder, load_sharded, load_weights, open_init_checkpoint,
+                                        plan_load)
+from kilovla.models.groot import GrootConfig, GrootModel
+from kilovla.models.presets import build_model, policy_defaults
+from kilovla.models.processor import STATS_FOR, PolicyMeta, Processor
+from kilovla.models.tokenize import find_tokenizer
+from kilovla.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def check_evaluation(cfg: TrainConfig, meta: PolicyMeta) -> None:
+    """The checks the first closed-loop evaluation would make (tasks known, policy fits the env's
+    action, state and cameras), made at start so a mismatch costs no training."""
+    from types import SimpleNamespace
+
+    from kilovla.envs.base import check_tasks, env_spec
+    from kilovla.eval.closed_loop import check_compatible
+
+    if cfg.eval.env == "metaworld":
+        from kilovla.envs import metaworld
+
+        check_tasks(cfg.eval.env, list(cfg.eval.tasks), metaworld.task_names())
+    elif not cfg.eval.tasks:
+        raise KilovlaError(f"eval.every is set but eval.tasks is empty: name the {cfg.eval.env} tasks to evaluate")
+    import inspect
+
+    from kilovla.eval.closed_loop import evaluate
+
+    cameras = inspect.signature(evaluate).parameters["cameras"].default  # what _evaluate will run with
+    spec = env_spec(cfg.eval.env, cfg.eval.tasks[0], cameras=cameras,
+                    **({"max_steps": cfg.eval.max_steps} if cfg.eval.max_steps else {}))
+    policy = SimpleNamespace(name=meta.preset, action_dim=meta.action_dim, state_dim=meta.state_dim,
+                             state_keys=list(meta.state_keys),
+                             cameras=tuple(k.removeprefix("observation.images.") for k in meta.camera_map))
+    check_compatible(policy, spec)
+
+
+def attention_in_use(model_cfg, device: torch.device) -> str:
+    """The attention that runs: the varlen backend on the packed path, masked SDPA on the padded one."""
+    if getattr(model_cfg, "packing", False):
+        return resolve_backend(model_cfg.attention_backend, device)
+    return "padded (sdpa)"
+
+
+def start_weights(cfg: TrainConfig, d) -> None:
+    """Say loudly (or refuse) when a large model would start from random weights."""
+    if cfg.policy.init_from:
+        return
+    if d.needs_weights and not cfg.policy.random_init:
+        raise KilovlaError(f"{cfg.policy.preset} is a fine-tuning recipe: give --policy.init_from=PATH (published "
+                           "weights), or --policy.random_init=true to train it from random weights")
+    if d.needs_weights or cfg.policy.preset.endswith("-3b"):
+        log.warning("%s starts from RANDOM weights (no --policy.init_from): this trains a 3B model from scratch",
+                    cfg.policy.preset)
+
+
+def check_tokenizer_size(processor: Processor, model_cfg) -> None:
+    tok = processor.tokenizer
+    vocab = model_cfg.lm.vocab_size if hasattr(model_cfg, "lm") else model_cfg.llm.vocab_size
+    if tok.kind != "byte" and tok.vocab_size < 0.5 * vocab:
+        log.warning("the %s tokenizer %s has %d tokens, under half the model's %d-token embedding: is it the "
+                    "tokenizer of these weights?", tok.kind, getattr(tok, "path", "") or "", tok.vocab_size, vocab)
+
+
+def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
+    """Fill what the run leaves unset from the preset's fine-tuning defaults; find the tokenizer."""
+    d, p = policy_defaults(cfg.policy.preset), cfg.policy
+    pick = lambda mine, default: default if mine is None else mine  # noqa: E731
+    near = [Path(p.init_from).expanduser()] if p.init_from else []
+    policy = dataclasses.replace(
+        p, normalization=pick(p.normalization, d.normalization),
+        state_in_prompt=pick(p.state_in_prompt, d.state_in_prompt), embodiment_id=pick(p.embodiment_id, d.embodiment_id),
+        image_resize=pick(p.image_resize, d.image_resize), augmentation=pick(p.augmentation, d.augmentation.to_dict()),
+        tokenizer=find_tokenizer(d.tokenizer, p.tokenizer, near, p.preset))
+    return dataclasses.replace(cfg, policy=policy, freeze_vision=pick(cfg.freeze_vision, d.freeze_vision),
+                               freeze_vlm=pick(cfg.freeze_vlm, d.freeze_vlm))
+
+
+def chunk_of(model_cfg) -> int:
+    return getattr(model_cfg, "chunk_size", None) or model_cfg.action_horizon
+
+
+def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta], init_from: dict | None = None) -> PolicyMeta:
+    """How the policy reads this dataset: camera map, state keys, dims, stats; checked for fit.
+    `cfg` has its defaults filled (`with_policy_defaults`)."""
+    first = metas[0]
+    problems = []
+    for m in metas[1:]:
+        if m.video_keys != first.video_keys or m.features["action"].shape != first.features["action"].shape:
+            problems.append(f"{m.root} has cameras/actions unlike {first.root}")
+    enabled = model_cfg.enabled_cameras
+    camera_map = dict(cfg.policy.camera_map) or dict(zip(first.video_keys, enabled))
+    if not cfg.policy.camera_map and len(first.video_keys) > len(enabled):
+        problems.append(f"the dataset has {len(first.video_keys)} cameras {first.video_keys}, the model "
+                        f"{cfg.policy.preset} takes {len(enabled)} ({list(enabled)}); set policy.camera_map")
+    for key in camera_map:
+        if key not in first.video_keys:
+            problems.append(f"policy.camera_map names {key!r}, not a camera of {first.root}")
+    if "action" not in first.features:
+        problems.append(f"{first.root} has no 'action' feature")
+    missing_state = [k for k in cfg.policy.state_keys if k not in first.features]
+    if missing_state:
+        problems.append(f"state keys {missing_state} are not features of {first.root}")
+    if problems:
+        raise KilovlaError("the dataset does not fit the policy: " + "; ".join(problems))
+    needed = [*cfg.policy.state_keys, "action"]
+    if cfg.policy.stats == "recompute":
+        from kilovla.data.stats import feature_stats, stats_to_json
+
+        columns = [m.load_columns(needed) for m in metas]
+        stats = stats_to_json({k: feature_stats(np.concatenate([c[k] for c in columns])) for k in needed})
+    elif cfg.policy.stats == "dataset":
+        stats_rel = "meta/stats.json"
+        stats = first.files.read_json(stats_rel)
+        mode_keys = STATS_FOR.get(cfg.policy.normalization, ("mean", "std"))
+        lacking = [k for k in needed if k not in stats or any(s not in stats[k] for s in mode_keys)]
+        if lacking:
+            raise KilovlaError(f"{first.files.path(stats_rel)}: no {'/'.join(mode_keys)} stats for {lacking} "
+                               "(`kilovla data stats PATH` recomputes them)")
+    else:
+        raise KilovlaError(f"policy.stats must be recompute or dataset, not {cfg.policy.stats!r}")
+    state_dim = int(sum(np.prod(first.features[k].shape) for k in cfg.policy.state_keys))
+    action_dim = int(np.prod(first.features["action"].shape))
+    image_size = [int(d) for d in first.features[next(iter(camera_map))].shape[:2]] if camera_map else None
+    return PolicyMeta(image_size=image_size, preset=cfg.policy.preset, overrides=cfg.policy.overrides, camera_map=camera_map,
+                      state_keys=list(cfg.policy.state_keys), state_dim=state_dim, action_dim=action_dim,
+                      stats={k: stats[k] for k in needed}, normalization=cfg.policy.normalization,
+                      state_in_prompt=cfg.policy.state_in_prompt, n_action_steps=cfg.policy.n_action_steps,
+                      embodiment_id=cfg.policy.embodiment_id, tokenizer=cfg.policy.tokenizer,
+                      image_resize=cfg.policy.image_resize, augmentation=dict(cfg.policy.augmentation),
+                      init_from=init_from)
+
+
+def apply_freeze(model, *, freeze_vision: bool = False, freeze_vlm: bool = False,
+                 gradient_checkpointing: bool = False) -> None:
+    """Stop gradients to the vision tower (and its projector) or the whole VLM; switch on recompute."""
+    groot = isinstance(model, GrootModel)
+    if freeze_vision:
+        parts = [model.eagle.vision_model, model.eagle.mlp1] if groot else [model.vlm.vision_tower, model.vlm.multi_modal_projector]
+        for p in parts:
+            p.requires_grad_(False)
+    if freeze_vlm:
+        (model.backbone if groot else model.paligemma_with_expert.paligemma).requires_grad_(False)
+    if gradient_checkpointing:
+        if groot:
+            log.warning("gradient checkpointing is implemented for pi0/pi0.5; GR00T trains without it")
+        else:
+            model.gradient_checkpointing = True
+
+
+@dataclass
+class ModelStart:
+    """Where a run's weights come from, settled before any work: a checkpoint file planned against the
+    model built on the meta device (`init`), an FSDP checkpoint's `state/` (`record` only), or random
+    weights (all None). `record` ({"path", "layout"}) goes into policy.json."""
+
+    model: torch.nn.Module | None = None
+    init: object | None = None  # models.checkpoints.InitCheckpoint
+    record: dict | None = None
+
+
+def plan_start(cfg: TrainConfig, model_cfg) -> ModelStart:
+    """A checkpoint to start from is checked against the model from its file headers alone."""
+    overrides = dict(cfg.policy.overrides)
+    if cfg.policy.init_from and is_sharded_policy_folder(cfg.policy.init_from):
+        # An FSDP run's intermediate checkpoint (weights only in state/): read as load_checkpoint does.
+        return ModelStart(build_model(cfg.policy.preset, device="meta", **overrides), None,
+                          {"path": str(Path(cfg.policy.init_from).expanduser().resolve()), "layout": "kilovla"})
+    if cfg.policy.init_from:
+        init = open_init_checkpoint(cfg.policy.init_from)
+        model = build_model(cfg.policy.preset, device="meta", **overrides)
+        plan_load(model, init)
+        return ModelStart(model, init, {"path": str(init.path.resolve()), "layout": init.layout})
+    return ModelStart()
+
+
+def build_weights(cfg: TrainConfig, start: ModelStart, world) -> torch.nn.Module:
+    """The model with its starting weights, on the run's device."""
+    if start.init is not None:  # materialised from the file tensor by tensor, in the model's (float32) dtype
+        load_weights(start.model, start.init, device=world.device, progress=cfg.progress and world.is_main)
+        log.info("initialised from %s (%s layout, stored %s)", start.init.path, start.init.layout, start.init.dtypes())
+        return start.model
+    if start.record is not None:
+        load_sharded(start.model, Path(start.record["path"]) / "state")
+        log.info("initialised from %s (an FSDP checkpoint's state/)", start.record["path"])
+        return start.model.to(world.device)
+    return build_model(cfg.policy.preset, device=world.device, seed=cfg.seed, **dict(cfg.policy.overrides))
+
+
+def build_processor(cfg: TrainConfig, model_cfg, meta: PolicyMeta) -> Processor:
+    """Dataset rows -> model batches; the tokenizer and the in-training evaluation checked for fit."""
+    processor = Processor(model_cfg, meta)
+    check_tokenizer_size(processor, model_cfg)
+    if cfg.eval.every:
+        check_evaluation(cfg, meta)
+    return processor
+
+
+def token_layout(model_cfg, meta: PolicyMeta) -> TokenLayout:
+    """How many tokens the model spends on a sample, as the plan counts them."""
+    suffix = model_cfg.action_head_tokens if isinstance(model_cfg, GrootConfig) else chunk_of(model_cfg)
+    return TokenLayout(tokens_per_camera=model_cfg.vision.tokens, cameras=tuple(meta.camera_map),
+                       max_language_tokens=model_cfg.max_language_tokens,
+                       state_tokens=4 * meta.state_dim if meta.state_in_prompt else 0,
+                       action_horizon=suffix + (0 if getattr(model_cfg, "pi05", True) else 1))
+
+
+def build_data(cfg: TrainConfig, model_cfg, meta: PolicyMeta, processor: Processor,
+               metas: list[DatasetMeta]) -> tuple[DataLake, TokenLayout, GlobalBatchPlan]:
+    """The lake over the run's datasets (action windows of the model's chunk) and its seeded plan."""
+    chunk = chunk_of(model_cfg)
+    weights = cfg.dataset.weights or [1.0] * len(metas)
+    sources = [LakeSource(root=str(r), weight=w, delta_timestamps={"action": [i / m.fps for i in range(chunk)]})
+               for r, w, m in zip(cfg.dataset.roots, weights, metas)]
+    layout = token_layout(model_cfg, meta)
+    lake = DataLake(sources, layout, count_tokens=processor.token_count, video_backend=cfg.dataset.video_backend)
+    plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=cfg.seed, global_batch_size=cfg.batch.global_batch_size,
+                                                      global_batch_tokens=cfg.batch.global_batch_tokens,
+                                                      token_budget=cfg.batch.token_budget))
+    return lake, layout, plan
+
+
+def build_ema(model: torch.nn.Module, decay: float | None) -> dict[str, torch.Tensor] | None:
+    """A copy of every trainable parameter, or None without an EMA."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad} if decay else None
+
+
+@torch.no_grad()
+def update_ema(ema: dict[str, torch.Tensor] | None, model: torch.nn.Module, decay: float) -> None:
+    if ema is None:
+        return
+    for n, p in model.named_parameters():
+        if n in ema:
+            ema[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+
+def flow_time(model) -> callable:
+    """The family's flow time from a Beta(1.5, 1) draw: GR00T's t runs from noise (0) to actions (1)."""
+    if isinstance(model, GrootModel):
+        return lambda beta: (0.999 - beta) / 0.999
+    return lambda beta: beta * 0.999 + 0.001

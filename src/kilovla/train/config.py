@@ -1,0 +1,136 @@
+"""The settings of a supervised run (`kilovla train --config run.yaml --optim.lr=1e-4`) and the checks
+made on them before anything is built, read or written.
+
+Each section is a dataclass filled from YAML and dotted overrides (`kilovla.config.load_config`);
+unset policy fields (None) take the preset's fine-tuning defaults (`build.with_policy_defaults`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kilovla.errors import KilovlaError
+from kilovla.train.optim import OptimConfig
+
+
+@dataclass
+class DatasetConfig:
+    roots: list[str] = field(default_factory=list)
+    weights: list[float] | None = None
+    video_backend: str = "auto"
+
+
+@dataclass
+class PolicyConfig:
+    preset: str = "pi05-tiny"
+    overrides: dict = field(default_factory=dict)  # model config fields, e.g. {"packing": true}
+    camera_map: dict = field(default_factory=dict)  # empty: dataset cameras in order -> enabled model slots
+    state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
+    # Unset (None) fields take the preset's fine-tuning defaults (models/presets.py, POLICY_DEFAULTS).
+    normalization: str | None = None  # quantile, mean_std, min_max
+    state_in_prompt: bool | None = None
+    n_action_steps: int | None = None
+    embodiment_id: int | None = None
+    # "recompute": exact stats over every frame of the training data (the default: LeRobot's stats.json
+    # averages per-episode quantiles, which collapses features that are constant within an episode,
+    # like a goal position, to zero width); "dataset": meta/stats.json as stored.
+    stats: str = "recompute"
+    init_from: str | None = None  # a checkpoint to fine-tune: policy folder, openpi, LeRobot or Isaac-GR00T
+    random_init: bool = False  # allow a fine-tuning preset (pi05-base, groot-n15...) to start from random weights
+    tokenizer: str | None = None  # "byte" or a path; unset: the preset's kind, found next to init_from
+    image_resize: str | None = None  # stretch, pad
+    augmentation: dict | None = None  # ImageAugmentation fields ({} turns the preset's off)
+
+
+@dataclass
+class BatchConfig:
+    global_batch_size: int = 32  # samples per optimizer step, whatever the world size
+    global_batch_tokens: int | None = None  # or tokens per optimizer step
+    token_budget: int = 4096  # most tokens in one packed row (one forward pass)
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "ddp"  # or fsdp (one FSDP2 unit per transformer layer)
+    bucket_cap_mb: int = 25
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False  # refused on several ranks: breaks accumulation over rows (see validate_config)
+    find_unused_parameters: bool = False
+    timeout_s: float = 1800.0  # a collective (or a step) that takes longer ends the run, naming rank and step
+
+
+@dataclass
+class LoaderConfig:
+    engine: str = "inprocess"  # inprocess, torch, ray
+    num_workers: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500
+    keep: int = 3
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # steps between closed-loop evaluations; 0: never
+    env: str = "metaworld"
+    tasks: list[str] = field(default_factory=list)
+    episodes: int = 5
+    batch_size: int = 5
+    resolution: int = 64
+    max_steps: int | None = None
+    timeout_s: float = 3600.0  # how long the other ranks wait for rank 0's evaluation
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    steps: int = 1000
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ema_decay: float | None = None
+    freeze_vision: bool | None = None  # unset: the preset's (GR00T N1.5 freezes its backbone)
+    freeze_vlm: bool | None = None
+    expert_only: bool = False
+    gradient_checkpointing: bool = False
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16
+    log_sample_ids: bool = False
+    progress: bool = True
+
+
+PRECISIONS = ("auto", "fp32", "bf16")
+STRATEGIES = ("ddp", "fsdp")
+
+
+def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
+    """Refuse values the run cannot use, before anything is built, read or written."""
+    problems = []
+    if cfg.batch.global_batch_tokens is None and cfg.batch.global_batch_size < 1:
+        problems.append(f"batch.global_batch_size must be >= 1, not {cfg.batch.global_batch_size}")
+    if cfg.batch.global_batch_tokens is not None and cfg.batch.global_batch_tokens < 1:
+        problems.append(f"batch.global_batch_tokens must be >= 1, not {cfg.batch.global_batch_tokens}")
+    if cfg.batch.token_budget < 1:
+        problems.append(f"batch.token_budget must be >= 1, not {cfg.batch.token_budget}")
+    if cfg.precision not in PRECISIONS:
+        problems.append(f"precision must be one of {', '.join(PRECISIONS)}, not {cfg.precision!r}")
+    if cfg.parallel.strategy not in STRATEGIES:
+        problems.append(f"parallel.strategy must be one of {', '.join(STRATEGIES)}, not {cfg.parallel.strategy!r}")
+    if cfg.eval.every < 0 or (cfg.eval.every and cfg.eval.episodes < 1):
+        problems.append(f"eval.every must be >= 0 and eval.episodes >= 1 (got {cfg.eval.every}, {cfg.eval.episodes})")
+    if problems:
+        raise KilovlaError("; ".join(problems))
+    if cfg.parallel.static_graph and cfg.parallel.strategy == "ddp" and world_size > 1:
+        # The plan may give a rank several packed rows in any step; those are accumulated under
+        # no_sync, which DDP's static graph does not support (PyTorch asserts expect_autograd_hooks_
+        # at the first such row), so the run would die inside PyTorch at some step.
+        raise KilovlaError("parallel.static_graph=true cannot be used on several ranks: a step accumulates "
+                           "over several packed rows per rank (no_sync), which DDP's static graph does not "
+                           "support; leave parallel.static_graph=false")

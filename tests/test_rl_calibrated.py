@@ -10,7 +10,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.rl import calibrated
-from kilovla.rl.calibrated import ComputeSection
+from kilovla.rl.compute import ComputeSection
 from kilovla.rl.core.flow import FlowSDE
 
 COMPUTE = ComputeSection("calibrated", infer_base_s=0.03, infer_per_sample_s=0.004, learn_base_s=0.01,

@@ -263,7 +263,7 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
         work = FULL
         if quick:  # the model's compute as sleeps timed from the real policy, here, once for every run
             from kilovla.rl import runner
-            from kilovla.rl.calibrated import ComputeSection
+            from kilovla.rl.compute import ComputeSection
 
             calibrating = workload_config(policy, tmp / "calibrate", "async", QUICK, "sigma_1.0", 1)
             work = dataclasses.replace(QUICK, compute=runner.calibrate(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 from kilovla.errors import KilovlaError
@@ -35,23 +36,23 @@ class EnvSpec:
         return feats
 
 
-def _modules():
-    from kilovla.envs import libero, metaworld
-
-    return {"metaworld": metaworld, "libero": libero}
+def _module(name: str):
+    """The simulator's module, imported by name on first use: each simulator module imports this one
+    (EnvSpec), never the other way round, and a heavy simulator loads only when it is asked for."""
+    return importlib.import_module(f"kilovla.envs.{name}")
 
 
 def make_env(name: str, **kwargs):
     """A gymnasium env by simulator name; kwargs go to that simulator's env class."""
     if name not in ENV_NAMES:
         raise KilovlaError(f"unknown env {name!r}; available: {', '.join(ENV_NAMES)}")
-    return _modules()[name].make(**kwargs)
+    return _module(name).make(**kwargs)
 
 
 def env_spec(name: str, task: str, **kwargs) -> EnvSpec:
     if name not in ENV_NAMES:
         raise KilovlaError(f"unknown env {name!r}; available: {', '.join(ENV_NAMES)}")
-    return _modules()[name].spec(task, **kwargs)
+    return _module(name).spec(task, **kwargs)
 
 
 def check_tasks(env: str, tasks: list[str], valid: list[str]) -> list[str]:

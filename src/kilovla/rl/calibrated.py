@@ -1,4 +1,4 @@
-"""Model compute of an RL run, real or calibrated sleeps: `compute.model: real | calibrated`.
+"""Calibrated model compute of an RL run (`compute.model: calibrated`, the section in `compute.py`).
 
 On a cluster the policy's inference and training run on accelerators, not on the CPUs that step the
 envs. On a CPU-only box they share the cores with the envs, and both sync and async runs become
@@ -21,73 +21,19 @@ as compute on another device would.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 import timeit
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kilovla.errors import KilovlaError
+from kilovla.rl.compute import ComputeSection, sleep_until
+from kilovla.rl.core import trajectory
+from kilovla.rl.learner import Learner
+from kilovla.rl.policy import frozen_policy, load_actor_critic
 
 log = logging.getLogger(__name__)
-MODELS = ("real", "calibrated")
-
-
-@dataclass
-class ComputeSection:
-    model: str = "real"  # real | calibrated (sleeps fitted to a measured step; see the module docstring)
-    infer_base_s: float = 0.0  # inference of a batch of B: infer_base_s + infer_per_sample_s * B
-    infer_per_sample_s: float = 0.0
-    learn_base_s: float = 0.0  # forward + backward of a micro-batch of n: learn_base_s + learn_per_sample_s * n
-    learn_per_sample_s: float = 0.0
-    learn_bootstrap_s: float = 0.0  # the critic's value after each segment (GAE's bootstrap)
-    learn_step_s: float = 0.0  # clip + optimizer step, once per global batch
-
-    def __post_init__(self):
-        if self.model not in MODELS:
-            raise KilovlaError(f"compute.model must be one of {MODELS}, not {self.model!r}")
-        times = {k: v for k, v in vars(self).items() if k != "model"}
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in times.values()):
-            raise KilovlaError(f"compute times must be finite numbers >= 0: {times}")
-        given = [k for k, v in times.items() if v]
-        if self.model == "real" and given:
-            raise KilovlaError(f"compute.model is real, so {', '.join(given)} would be ignored: set compute.model="
-                               "calibrated, or leave the times out")
-        if self.calibrated and given and not self.fitted:
-            raise KilovlaError(f"compute.model calibrated with only {', '.join(given)}: give the inference and learner "
-                               "times together (infer_base_s / infer_per_sample_s and learn_base_s / learn_per_sample_s), "
-                               "or none to measure them")
-
-    @property
-    def calibrated(self) -> bool:
-        return self.model == "calibrated"
-
-    @property
-    def fitted(self) -> bool:
-        return self.infer_base_s + self.infer_per_sample_s > 0 and self.learn_base_s + self.learn_per_sample_s > 0
-
-    def inference_s(self, batch: int) -> float:
-        return self.infer_base_s + self.infer_per_sample_s * batch
-
-    def learn_s(self, samples: int) -> float:
-        return self.learn_base_s + self.learn_per_sample_s * samples
-
-    def describe(self) -> str:
-        """One line for notes and logs."""
-        return (f"calibrated sleeps from a measured step: inference {self.infer_base_s * 1e3:.1f} + "
-                f"{self.infer_per_sample_s * 1e3:.2f}*B ms, learner {self.learn_base_s * 1e3:.1f} + "
-                f"{self.learn_per_sample_s * 1e3:.2f}*n ms per micro-batch, {self.learn_bootstrap_s * 1e3:.1f} ms "
-                f"per segment, {self.learn_step_s * 1e3:.1f} ms per optimizer step")
-
-
-def sleep_until(t0: float, seconds: float) -> None:
-    """Sleep so that `seconds` have passed since `t0` (what the stand-in itself took counts)."""
-    left = t0 + seconds - time.monotonic()
-    if left > 0:
-        time.sleep(left)
 
 
 def stand_in_act(model, batch: int, generator: torch.Generator) -> dict[str, np.ndarray]:
@@ -105,10 +51,8 @@ def stand_in_act(model, batch: int, generator: torch.Generator) -> dict[str, np.
 def act(model, compute: ComputeSection | None, observations: list[dict], generator: torch.Generator) -> dict:
     """A batch of acting, as the inference server runs it: the model's `act` on the stacked observations,
     or, with calibrated compute, `stand_in_act` taking t(B) of wall time in all (a sleep: the core is free)."""
-    from kilovla.rl.core.trajectory import stack
-
     if compute is None or not compute.calibrated:
-        return model.act(stack(observations), generator)
+        return model.act(trajectory.stack(observations), generator)
     t0 = time.monotonic()
     out = stand_in_act(model, len(observations), generator)
     sleep_until(t0, compute.inference_s(len(observations)))
@@ -130,9 +74,6 @@ def calibrate(policy_dir: str, sde, n_action_steps: int, obs: dict, algo, *, bat
     """Time the real policy in this process (torch on `threads` threads, as the roles run it) on copies of
     the env observation `obs`: `act` at each of `batch_sizes`, the learner's forward + backward at each of
     `micro_batches`, one bootstrap value and one optimizer step; fit the lines of `ComputeSection`."""
-    from kilovla.rl.core import trajectory
-    from kilovla.rl.learner import Learner
-    from kilovla.rl.policy import frozen_policy, load_actor_critic
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

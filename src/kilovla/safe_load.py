@@ -29,6 +29,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +178,10 @@ def load_dcp(state: dict, folder: str | Path, *, no_dist: bool = False) -> None:
     # retried as a rank-local metadata file, and what reaches the caller is "metadata is None".
     reader.read_metadata()
     try:
-        dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(folder), no_dist=no_dist)
+        with warnings.catch_warnings():
+            if no_dist:  # "assuming the intent is to load in a single process": it is, and we said so
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(folder), no_dist=no_dist)
     except CheckpointException as e:
         causes = [exc for exc, _ in (e.failures[rank] for rank in sorted(e.failures))]
         unsafe = [c for c in causes if isinstance(c, UnsafeFileError)]

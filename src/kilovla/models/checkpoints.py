@@ -40,7 +40,6 @@ import math
 import os
 import re
 import uuid
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -411,9 +410,7 @@ def load_sharded(model: nn.Module, state_dir: str | Path) -> None:
         model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            load_dcp(state, state_dir, no_dist=True)
+        load_dcp(state, state_dir, no_dist=True)
     except KilovlaError:  # already one line naming the file (refused or unreadable)
         raise
     except Exception as e:  # noqa: BLE001  a missing or misshapen key

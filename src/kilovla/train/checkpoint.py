@@ -179,7 +179,8 @@ def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world) -> 
     if (folder / STATE_DIR).is_dir():
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
         try:
-            load_dcp(state, folder / STATE_DIR)
+            # One process (an FSDP run resumed without torchrun): say so, rather than DCP warning that it assumes it.
+            load_dcp(state, folder / STATE_DIR, no_dist=not torch.distributed.is_initialized())
         except KilovlaError:  # already one line naming the file (refused or unreadable)
             raise
         except Exception as e:  # noqa: BLE001  a missing or misshapen key

@@ -107,7 +107,7 @@ def cmd_data_cache(args) -> int:
     from kilovla.data.frame_cache import build_frame_cache
     from kilovla.progress import CountProgress
 
-    with CountProgress("data cache: episodes decoded") as progress:
+    with CountProgress("data cache: episodes decoded", stream=sys.stderr if args.json else None) as progress:
         result = build_frame_cache(args.src, args.out, cameras=args.cameras.split(",") if args.cameras else None,
                                    backend=args.backend, engine="local" if args.local else "auto",
                                    ray_address=args.ray_address, progress=progress.callback)
@@ -329,6 +329,25 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import os
+
+    from kilovla.serve.server import ServeConfig, run
+
+    mapping = {}
+    for item in args.map:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise KilovlaError(f"--map {item!r}: give REQUEST_KEY=POLICY_KEY, e.g. observation/image=observation.images.scene")
+        mapping[key] = value
+    if args.max_message_mb is not None and args.max_message_mb <= 0:
+        raise KilovlaError(f"--max-message-mb {args.max_message_mb}: must be > 0 (leave it out for no cap)")
+    cfg = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                      api_key=args.api_key or os.environ.get("KILOVLA_API_KEY"), max_message_mb=args.max_message_mb,
+                      layout=None if args.layout == "auto" else args.layout, mapping=mapping)
+    return run(args.policy, cfg, device=args.device, ema=args.ema)
+
+
 def cmd_demo(args) -> int:
     from kilovla.demo import run_demo
 
@@ -480,7 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("eval", help="closed-loop evaluation: success rate per task, videos, report")
-    p.add_argument("--policy", default="scripted", help="scripted, random or a checkpoint path")
+    p.add_argument("--policy", default="scripted", help="scripted, random, a checkpoint path, or ws://HOST:PORT of "
+                   "`kilovla serve` (its api key from $KILOVLA_API_KEY)")
     p.add_argument("--env", default="metaworld")
     p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default; "
                    "LIBERO: suite names or suite/index")
@@ -498,6 +518,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("serve", help="serve a policy folder over openpi's websocket protocol, batched across robots")
+    p.add_argument("--policy", required=True, help="a policy folder: supervised, RL or FP8")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost, set --api-key)")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    p.add_argument("--max-batch", type=int, default=16, help="most requests in one forward (1: no batching)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0,
+                   help="how long the oldest queued request waits for others before its batch runs")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Api-Key KEY` (default: $KILOVLA_API_KEY)")
+    p.add_argument("--max-message-mb", type=float, default=None, help="refuse larger frames (default: no cap)")
+    p.add_argument("--layout", default="auto", choices=["auto", "lerobot", "libero", "droid"],
+                   help="observation keys clients send (auto: detected per request)")
+    p.add_argument("--map", action="append", default=[], metavar="REQUEST_KEY=POLICY_KEY",
+                   help="map a request key onto a policy key (repeatable), e.g. observation/image=observation.images.scene")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--ema", action="store_true", help="serve the folder's EMA weights")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="the main job on an embedded default")
     p.add_argument("--quick", action="store_true", help="minute-scale smoke run")

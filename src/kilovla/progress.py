@@ -26,8 +26,8 @@ import time
 PLAIN_EVERY_S = float(os.environ.get("KILOVLA_PROGRESS_EVERY_S", "10"))
 
 
-def on_terminal() -> bool:
-    return sys.stdout.isatty()
+def on_terminal(stream=None) -> bool:
+    return (stream or sys.stdout).isatty()
 
 
 def duration(seconds: float) -> str:
@@ -184,20 +184,23 @@ class TaskProgress:
 
 
 class CountProgress:
-    """Items of one job (episodes written, parts decoded): `callback(done, total)`; a context manager."""
+    """Items of one job (episodes written, parts decoded): `callback(done, total)`; a context manager.
+    `stream`: where the lines go (stderr when stdout carries the command's JSON)."""
 
-    def __init__(self, label: str, total: int | None = None, terminal: bool | None = None):
+    def __init__(self, label: str, total: int | None = None, terminal: bool | None = None, stream=None):
         self.label, self.total = label, total
-        self.terminal = on_terminal() if terminal is None else terminal
+        self.terminal = on_terminal(stream) if terminal is None else terminal
         self.done = 0
         if self.terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+            from rich.console import Console
+
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), transient=True)
+                                 TimeElapsedColumn(), transient=True, console=Console(file=stream or sys.stdout))
             self._task = self._bar.add_task(label, total=total)
         else:
-            self._plain = PlainLines(label)
+            self._plain = PlainLines(label, stream=stream)
 
     def callback(self, done: int, total: int | None = None) -> None:
         self.done, self.total = done, total if total is not None else self.total

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kilovla.errors import KilovlaError
-from kilovla.rl.core.batcher import DynamicBatcher
+from kilovla.batching import DynamicBatcher
 from kilovla.rl.core.flow import FlowSDE, chain_log_prob, sample_chain
 from kilovla.rl.core.losses import decoupled_ppo_loss, gae, group_advantages, ppo_loss
 from kilovla.rl.core.staleness import StalenessGate

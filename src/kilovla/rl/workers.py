@@ -31,7 +31,7 @@ import ray
 import torch
 
 from kilovla.rl import calibrated
-from kilovla.rl.core.batcher import DynamicBatcher
+from kilovla.batching import DynamicBatcher
 from kilovla.rl.core.flow import FlowSDE
 from kilovla.rl.core.staleness import StalenessGate
 from kilovla.rl.core.trajectory import Episode, Segment, stack, step_reward

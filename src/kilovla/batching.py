@@ -1,5 +1,6 @@
 """`DynamicBatcher`: RL-VLA3's inference batching (flush at `max_batch_size` requests or `max_wait`),
-as a data structure with the time passed in, so a fake clock tests it.
+as a data structure with the time passed in, so a fake clock tests it. Both batching servers use it:
+RL's inference server (envs asking for actions) and `kilovla serve` (robots asking for actions).
 
     batcher = DynamicBatcher(max_batch_size=8, max_wait=0.005)
     batcher.put(request, now)              # an env asks for an action

@@ -33,9 +33,15 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# openpi's own client, for the serve tests and `kilovla bench serve`: 0.1.2 pins numpy<2, which it does not need,
+# so it goes in --no-deps beside our numpy, with what it imports (dm-tree, pillow, typing_extensions).
+OPENPI_CLIENT := openpi-client==0.1.2
+
 venv: $(BIN)/python
 	@if [ -n "$(TORCH)" ]; then $(BIN)/pip install -q "$(TORCH)"; fi
-	$(BIN)/pip install -q -e ".[dev,rl,sim,libero]"
+	$(BIN)/pip install -q -e ".[dev,rl,sim,libero,serve]"
+	$(BIN)/pip install -q --no-deps "$(OPENPI_CLIENT)"
+	$(BIN)/pip install -q dm-tree pillow typing_extensions
 	@# --no-deps: torchcodec must not pull another torch; its PyPI wheel up to 0.13 is the CPU build.
 	@if [ -n "$(TORCHCODEC)" ]; then $(BIN)/pip install -q --no-deps "$(TORCHCODEC)"; fi
 

@@ -345,7 +345,8 @@ def cmd_serve(args) -> int:
     cfg = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                       api_key=args.api_key or os.environ.get("KILOVLA_API_KEY"), max_message_mb=args.max_message_mb,
                       layout=None if args.layout == "auto" else args.layout, mapping=mapping)
-    return run(args.policy, cfg, device=args.device, ema=args.ema)
+    return run(args.policy, cfg, device=args.device, ema=args.ema, precision=args.precision,
+               cuda_graphs=not args.no_cuda_graphs)
 
 
 def cmd_demo(args) -> int:
@@ -534,6 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="map a request key onto a policy key (repeatable), e.g. observation/image=observation.images.scene")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--ema", action="store_true", help="serve the folder's EMA weights")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"], help="auto: bf16 on CUDA")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="on CUDA, run the denoising loop eagerly")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="the main job on an embedded default")

@@ -249,7 +249,8 @@ def render_resolution(policy, asked: int | None) -> int:
 
 def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim: int | None = None,
                 ema: bool = False):
-    """'scripted', 'random' or a checkpoint path -> a Policy; `ema`: the checkpoint's EMA weights."""
+    """'scripted', 'random', a ws:// URL of `kilovla serve` or a checkpoint path -> a Policy; `ema`: the
+    checkpoint's EMA weights."""
     if spec == "scripted":
         from kilovla.envs.collect import expert_policy
 
@@ -258,9 +259,15 @@ def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim:
         from kilovla.policy import RandomPolicy
 
         return RandomPolicy(action_dim or env_spec(env, "").action_dim, seed=seed)
+    if spec.startswith(("ws://", "wss://")):  # a policy `kilovla serve` serves; eval reaches serve lazily
+        if ema:
+            raise KilovlaError(f"--ema: {spec} is a served policy; start `kilovla serve --ema` instead")
+        from kilovla.serve.client import ServedPolicy
+
+        return ServedPolicy(spec, api_key=os.environ.get("KILOVLA_API_KEY"))
     path = Path(spec)
     if not path.exists():
-        raise KilovlaError(f"--policy {spec!r}: not 'scripted', 'random' or an existing checkpoint path")
+        raise KilovlaError(f"--policy {spec!r}: not 'scripted', 'random', a ws:// URL or an existing checkpoint path")
     try:
         from kilovla.models.policy import load_checkpoint_policy  # the model layer provides learned policies
     except ImportError:

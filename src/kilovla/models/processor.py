@@ -199,5 +199,9 @@ class Processor:
         batch.action_is_pad = torch.from_numpy(np.asarray(row["action_is_pad"], bool))
         return batch
 
+    def normalize_actions(self, actions: np.ndarray) -> np.ndarray:
+        """Actions in the robot's units (..., action_dim) -> the model's normalised space."""
+        return self._action_norm(np.asarray(actions, np.float32)).astype(np.float32)
+
     def unnormalize_actions(self, actions: np.ndarray) -> np.ndarray:
         return self._action_unnorm(actions[..., : self.meta.action_dim]).astype(np.float32)

@@ -1,0 +1,251 @@
+"""`kilovla serve`: a policy folder behind openpi's websocket protocol, batched across robots.
+
+    kilovla serve --policy DIR [--host 127.0.0.1] [--port 8000] [--max-batch 16] [--max-wait-ms 5]
+                  [--api-key KEY] [--layout auto|lerobot|libero|droid] [--map REQUEST_KEY=POLICY_KEY ...]
+
+One asyncio event loop speaks the protocol (`protocol.py`): the metadata frame on connect, msgpack
+requests and `{"actions", "server_timing", "policy_timing"}` replies, `GET /healthz`, the
+`Authorization: Api-Key` check before the upgrade. The model runs on one inference thread, never on
+the loop, so handshakes, pings and health checks stay responsive while it computes. Requests of
+every connection go into one `DynamicBatcher`: when the model is free and a batch is ready (full at
+`--max-batch`, or its oldest request has waited `--max-wait-ms`), the queued requests run as one
+forward, and each reply goes back to the connection that asked. `--max-batch 1` serves one request
+at a time, as openpi does.
+
+Errors: a malformed frame or observation gets a text frame naming the problem and the connection
+stays open; a failure inside the model gets a text frame and close 1011 for the connections of that
+batch, and the server keeps serving. RoboArena's variant: the `endpoint` field is stripped, "reset"
+is answered with the text "reset successful". SIGTERM (or SIGINT) stops accepting connections,
+answers what is queued or running, then exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+import numpy as np
+
+from kilovla.batching import DynamicBatcher
+from kilovla.errors import KilovlaError
+from kilovla.serve.engine import PolicyEngine, Request, Rtc
+from kilovla.serve.protocol import BadRequest, packb, to_policy_observation, unpackb
+
+log = logging.getLogger(__name__)
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 16
+    max_wait_ms: float = 5.0
+    api_key: str | None = None
+    max_message_mb: float | None = None  # None: no cap (openpi's default)
+    layout: str | None = None  # None: detected per request
+    mapping: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    request: Request
+    future: asyncio.Future
+    received: float
+
+
+class PolicyServer:
+    def __init__(self, engine: PolicyEngine, cfg: ServeConfig):
+        if cfg.max_batch < 1 or cfg.max_wait_ms < 0:
+            raise KilovlaError(f"--max-batch must be >= 1 and --max-wait-ms >= 0, got {cfg.max_batch}, {cfg.max_wait_ms}")
+        self.engine, self.cfg = engine, cfg
+        self.inputs = engine.inputs()
+        self.inputs.mapping = dict(cfg.mapping)
+        self.metadata = engine.metadata()
+        self.batcher = DynamicBatcher(cfg.max_batch, cfg.max_wait_ms / 1e3)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kilovla-infer")
+        self.answered = 0  # replies sent with actions
+        self.in_flight = 0  # requests queued or in a running batch
+        self._wake: asyncio.Event | None = None
+
+    # -- HTTP before the upgrade ---------------------------------------------------------------------
+    def _process_request(self, connection, request):
+        if request.path == "/healthz":
+            return connection.respond(HTTPStatus.OK, "OK\n")
+        if self.cfg.api_key is not None:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Api-Key {self.cfg.api_key}".encode()):
+                return connection.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong Authorization: Api-Key header\n")
+        return None
+
+    # -- one connection ------------------------------------------------------------------------------
+    async def _handle(self, ws) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            await ws.send(packb(self.metadata))
+            last = None
+            async for message in ws:
+                start = time.monotonic()
+                reply = await self._answer(message)
+                if isinstance(reply, _Failure):
+                    await ws.send(reply.text)
+                    await ws.close(1011, "Internal server error. Traceback included in previous frame.")
+                    return
+                if isinstance(reply, dict) and last is not None:
+                    reply["server_timing"]["prev_total_ms"] = 1e3 * (start - last)
+                await ws.send(reply if isinstance(reply, str) else packb(reply))
+                last = start
+        except ConnectionClosed:
+            return
+
+    async def _answer(self, message) -> dict | str | _Failure:
+        """A reply frame for one message: a dict (packed), a text (an error naming the problem, or
+        RoboArena's reset), or a failure that closes the connection."""
+        if isinstance(message, str):
+            return "bad request: send msgpack binary frames (openpi's protocol), not text"
+        try:
+            obs = unpackb(message)
+            if not isinstance(obs, dict):
+                raise BadRequest(f"a request must be a map of observation keys, got {type(obs).__name__}")
+            obs = dict(obs)
+            if obs.pop("endpoint", "infer") == "reset":
+                return "reset successful"
+            seed, noise = obs.pop("seed", None), obs.pop("noise", None)
+            if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+                raise BadRequest(f"seed must be an integer, got {seed!r}")
+            shape = tuple(self.metadata["noise_shape"])
+            if noise is not None and (not hasattr(noise, "shape") or tuple(noise.shape) != shape
+                                      or noise.dtype.kind != "f" or not np.isfinite(noise).all()):
+                raise BadRequest(f"noise must be a finite float array of shape {list(shape)}")
+            rtc = self._rtc(obs.pop("rtc", None))
+            request = Request(to_policy_observation(obs, self.inputs, self.cfg.layout), seed, noise, rtc)
+        except BadRequest as e:
+            return f"bad request: {e}"
+        t0 = time.monotonic()
+        future = asyncio.get_running_loop().create_future()
+        self.in_flight += 1
+        self.batcher.put(_Pending(request, future, t0), t0)
+        self._wake.set()
+        try:
+            actions, infer_ms = await future
+        except Exception:  # noqa: BLE001  the model failed on this batch: reported like openpi does
+            return _Failure(traceback.format_exc())
+        finally:
+            self.in_flight -= 1
+        self.answered += 1
+        return {"actions": actions, "policy_timing": {"infer_ms": infer_ms},
+                "server_timing": {"infer_ms": 1e3 * (time.monotonic() - t0)}}
+
+    def _rtc(self, spec) -> Rtc | None:
+        """`obs["rtc"] = {"inference_delay": d, "prefix": (k, action_dim) array in action units,
+        "execution_horizon": s (optional), "max_guidance_weight": beta (optional)}`."""
+        if spec is None:
+            return None
+        if not self.engine.supports_rtc:
+            raise BadRequest(f"rtc: real-time chunking is for pi0 / pi0.5 policies; {self.metadata['model']} "
+                             "(GR00T) refuses it")
+        if not isinstance(spec, dict) or "prefix" not in spec or "inference_delay" not in spec:
+            raise BadRequest("rtc must be a map with 'inference_delay' and 'prefix'")
+        prefix, d = spec["prefix"], spec["inference_delay"]
+        dim = self.metadata["action_dim"]
+        if not hasattr(prefix, "shape") or prefix.ndim != 2 or prefix.shape[1] != dim or not len(prefix) \
+                or prefix.dtype.kind not in "fiu" or not np.isfinite(prefix).all():
+            raise BadRequest(f"rtc.prefix must be a finite (k, {dim}) array with k >= 1, "
+                             f"got {list(getattr(prefix, 'shape', []))}")
+        s = spec.get("execution_horizon")
+        for name, value in (("inference_delay", d), ("execution_horizon", s)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise BadRequest(f"rtc.{name} must be an integer >= 0, got {value!r}")
+        beta = spec.get("max_guidance_weight", 10.0)
+        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta > 0:
+            raise BadRequest(f"rtc.max_guidance_weight must be a number > 0, got {beta!r}")
+        return Rtc(np.asarray(prefix, np.float32), d, s, float(beta))
+
+    # -- batching ------------------------------------------------------------------------------------
+    async def _run_batches(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = time.monotonic()
+            if not self.batcher.ready(now):
+                deadline = self.batcher.deadline()
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), None if deadline is None else max(0.0, deadline - now))
+                except TimeoutError:
+                    pass
+                continue
+            batch = self.batcher.take(time.monotonic())
+            try:
+                chunks, infer_ms = await loop.run_in_executor(self.executor, self.engine.infer,
+                                                              [p.request for p in batch])
+            except Exception as e:  # noqa: BLE001  every request of the batch gets the failure
+                log.error("inference failed on a batch of %d: %s", len(batch), e)
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(e)
+                continue
+            for p, chunk in zip(batch, chunks):
+                if not p.future.done():
+                    p.future.set_result((chunk, infer_ms))
+
+    # -- the server ----------------------------------------------------------------------------------
+    async def serve(self, ready=None, stop: asyncio.Event | None = None) -> None:
+        """Serve until SIGTERM / SIGINT (or `stop` is set); `ready(port)` is called once listening."""
+        from websockets.asyncio.server import serve
+
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        stop = stop or asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (ValueError, RuntimeError):  # not the main thread (tests): `stop` only
+                pass
+        max_size = None if self.cfg.max_message_mb is None else int(self.cfg.max_message_mb * 2**20)
+        batches = asyncio.create_task(self._run_batches())
+        async with serve(self._handle, self.cfg.host, self.cfg.port, compression=None, max_size=max_size,
+                         process_request=self._process_request) as server:
+            port = server.sockets[0].getsockname()[1]
+            if ready is not None:
+                ready(port)
+            await stop.wait()
+            server.close(close_connections=False)  # no new connections; the open ones get their answers
+            while self.in_flight:
+                await asyncio.sleep(0.01)
+            for ws in list(server.connections):
+                await ws.close(1001, "server shutting down")
+        batches.cancel()
+        self.executor.shutdown(wait=True)
+
+
+@dataclass
+class _Failure:
+    text: str
+
+
+def run(policy: str, cfg: ServeConfig, device: str = "auto", ema: bool = False, precision: str = "auto",
+        cuda_graphs: bool = True) -> int:
+    """`kilovla serve`: load the policy, warm it up, serve until SIGTERM."""
+    if cfg.api_key is None and cfg.host not in LOCAL_HOSTS:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can run the policy", cfg.host)
+    engine = PolicyEngine.load(policy, device=device, ema=ema, precision=precision, cuda_graphs=cuda_graphs)
+    engine.warm_up()
+    server = PolicyServer(engine, cfg)
+
+    def ready(port: int) -> None:
+        print(f"kilovla serve: {engine.meta.preset} from {policy} on ws://{cfg.host}:{port} ({engine.device} "
+              f"{'bf16' if engine.bf16 else 'fp32'}{', CUDA graphs' if engine.sampler.enabled else ''}, "
+              f"batches of up to {cfg.max_batch} within {cfg.max_wait_ms:g} ms"
+              f"{', api key required' if cfg.api_key else ''})", flush=True)
+
+    asyncio.run(server.serve(ready))
+    print(f"kilovla serve: stopped after {server.answered} replies", flush=True)
+    return 0

@@ -1,0 +1,378 @@
+"""`kilovla serve`: openpi's own client against a real server process; batching across connections
+gives each request its alone-actions; errors keep the connection (or close it with 1011); SIGTERM drains."""
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from kilovla.serve.protocol import BadRequest, packb, to_policy_observation, unpackb
+
+pytest.importorskip("openpi_client")
+# openpi-client 0.1.2 calls websockets' connect() outside a context manager
+pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """A tiny pi0.5 trained for a few steps on scripted reach demonstrations (cameras scene, wrist; 4-D state)."""
+    from kilovla.config import load_config
+    from kilovla.envs.collect import collect
+    from kilovla.train.trainer import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("serve")
+    collect(root / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
+    cfg = load_config(TrainConfig, None, [
+        f"--run_dir={root / 'run'}", "--steps=2", f"--dataset.roots=[{root / 'mw'}]", "--batch.global_batch_size=8",
+        "--batch.token_budget=512", "--progress=false", "--policy.n_action_steps=4",
+        "--policy.overrides={chunk_size: 4}"])
+    return train(cfg)["checkpoint"]
+
+
+@pytest.fixture(scope="module")
+def engine(policy_dir):
+    from kilovla.serve.engine import PolicyEngine
+
+    return PolicyEngine.load(policy_dir, device="cpu")
+
+
+def _obs(rng, size=32, task="reach the goal"):
+    return {"observation.images.scene": rng.integers(0, 255, (size, size, 3), dtype=np.uint8),
+            "observation.images.wrist": rng.integers(0, 255, (size, size, 3), dtype=np.uint8),
+            "observation.state": rng.standard_normal(4), "task": task}
+
+
+class ServerProcess:
+    def __init__(self, policy_dir, *flags):
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "kilovla", "serve", "--policy", str(policy_dir),
+                                      "--port", "0", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        line = self.proc.stdout.readline()
+        match = re.search(r"ws://127\.0\.0\.1:(\d+)", line)
+        assert match, line + self.proc.stderr.read()
+        self.port = int(match.group(1))
+
+    def stop(self) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=60)
+        return self.proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def server(policy_dir):
+    s = ServerProcess(policy_dir, "--max-wait-ms", "20")
+    yield s
+    if s.proc.poll() is None:
+        s.stop()
+
+
+def test_msgpack_numpy_matches_openpi_clients_encoding():
+    from openpi_client import msgpack_numpy
+
+    data = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.uint8(7), "s": "x", "n": [1, 2.5]}
+    ours, theirs = unpackb(msgpack_numpy.packb(data)), msgpack_numpy.unpackb(packb(data))
+    for got in (ours, theirs):
+        np.testing.assert_array_equal(got["a"], data["a"])
+        assert got["b"] == 7 and got["s"] == "x" and got["n"] == [1, 2.5]
+    assert packb(data) == msgpack_numpy.packb(data)  # byte for byte
+    with pytest.raises(BadRequest, match="does not match its"):
+        unpackb(packb({"a": {b"__ndarray__": True, b"data": b"123", b"dtype": "<f4", b"shape": [4]}}))
+
+
+def test_openpi_client_gets_metadata_and_action_chunks(server, engine):
+    from openpi_client import action_chunk_broker, websocket_client_policy
+
+    client = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    meta = client.get_server_metadata()
+    assert meta["action_horizon"] == 4 and meta["action_dim"] == 4 and meta["model"] == "pi05-tiny"
+    assert meta["observation_keys"] == ["observation.images.scene", "observation.images.wrist",
+                                        "observation.state", "task"]
+    rng = np.random.default_rng(0)
+    out = client.infer(_obs(rng))
+    assert out["actions"].shape == (4, 4) and out["actions"].dtype == np.float32
+    assert set(out["policy_timing"]) == {"infer_ms"} and "infer_ms" in out["server_timing"]
+    assert "prev_total_ms" in client.infer(_obs(rng))["server_timing"]
+    broker = action_chunk_broker.ActionChunkBroker(client, action_horizon=4)
+    steps = [broker.infer(_obs(rng))["actions"] for _ in range(5)]
+    assert all(a.shape == (4,) for a in steps)
+
+
+def test_libero_layout_and_any_image_size_and_chw_float(server):
+    from openpi_client import websocket_client_policy
+
+    client = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    rng = np.random.default_rng(1)
+    libero = {"observation/image": rng.integers(0, 255, (224, 224, 3), dtype=np.uint8),
+              "observation/wrist_image": rng.random((3, 100, 100), dtype=np.float32),  # CHW float
+              "observation/state": rng.standard_normal(4), "prompt": "reach the goal"}
+    assert client.infer(libero)["actions"].shape == (4, 4)
+
+
+def test_a_bad_request_names_the_key_and_the_connection_stays_open(server):
+    from openpi_client import websocket_client_policy
+
+    client = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    rng = np.random.default_rng(2)
+    obs = _obs(rng)
+    del obs["observation.images.wrist"]
+    with pytest.raises(RuntimeError, match="missing image 'observation.images.wrist'"):
+        client.infer(obs)
+    bad = _obs(rng)
+    bad["observation.state"] = np.zeros(7)
+    with pytest.raises(RuntimeError, match="observation.state: the policy reads 4 values, got shape \\[7\\]"):
+        client.infer(bad)
+    assert client.infer(_obs(rng))["actions"].shape == (4, 4)  # the same connection still serves
+
+
+def test_roboarena_endpoints(server):
+    from websockets.sync.client import connect
+
+    with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as ws:
+        unpackb(ws.recv())
+        ws.send(packb({"endpoint": "reset"}))
+        assert ws.recv() == "reset successful"
+        ws.send(packb({**_obs(np.random.default_rng(3)), "endpoint": "infer"}))
+        assert unpackb(ws.recv())["actions"].shape == (4, 4)
+        ws.send(b"\xc1 not msgpack")
+        assert ws.recv().startswith("bad request: not a msgpack frame")
+
+
+def test_healthz_and_the_api_key_is_checked_before_the_upgrade(policy_dir):
+    from openpi_client import websocket_client_policy
+    from websockets.exceptions import InvalidStatus
+
+    s = ServerProcess(policy_dir, "--api-key", "s3cret")
+    try:
+        assert urllib.request.urlopen(f"http://127.0.0.1:{s.port}/healthz", timeout=10).read() == b"OK\n"
+        with pytest.raises(InvalidStatus, match="401"):
+            websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=s.port)
+        with pytest.raises(InvalidStatus, match="401"):
+            websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=s.port, api_key="wrong")
+        client = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=s.port, api_key="s3cret")
+        assert client.infer(_obs(np.random.default_rng(4)))["actions"].shape == (4, 4)
+    finally:
+        rc, out = s.stop()
+    assert rc == 0 and "stopped after 1 replies" in out
+
+
+def test_a_request_s_actions_are_the_same_batched_or_alone(engine):
+    from kilovla.serve.engine import Request
+
+    rng = np.random.default_rng(5)
+    inputs = engine.inputs()
+    requests = [Request(to_policy_observation(_obs(rng, task=t), inputs), seed=i)
+                for i, t in enumerate(["reach", "reach the red goal quickly", "go"])]
+    batched, _ = engine.infer(requests)
+    for r, got in zip(requests, batched):
+        [alone], _ = engine.infer([r])
+        np.testing.assert_allclose(got, alone, atol=1e-5)
+    assert not np.allclose(batched[0], batched[1])
+
+
+def test_concurrent_clients_are_batched_and_each_gets_its_own_reply(engine):
+    """Eight connections at once into a server that waits 200 ms for a batch: fewer forwards than
+    requests, and each reply equals that request run alone (its own seed)."""
+    from websockets.sync.client import connect
+
+    from kilovla.serve.engine import Request
+    from kilovla.serve.server import PolicyServer, ServeConfig
+
+    server = PolicyServer(engine, ServeConfig(port=0, max_batch=8, max_wait_ms=200))
+    stop, ports = None, []
+    loop = asyncio.new_event_loop()
+
+    def serve():
+        nonlocal stop
+        asyncio.set_event_loop(loop)
+        stop = asyncio.Event()
+        loop.run_until_complete(server.serve(ready=ports.append, stop=stop))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    while not ports:
+        threading.Event().wait(0.01)
+    rng = np.random.default_rng(6)
+    observations = [_obs(rng) for _ in range(8)]
+    replies = [None] * 8
+
+    def client(i):
+        with connect(f"ws://127.0.0.1:{ports[0]}", max_size=None) as ws:
+            unpackb(ws.recv())
+            ws.send(packb({**observations[i], "seed": 100 + i}))
+            replies[i] = unpackb(ws.recv())["actions"]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(60)
+    stats = server.batcher.stats.summary()
+    assert stats["requests"] == 8 and stats["batches"] < 8
+    inputs = engine.inputs()
+    for i in range(8):
+        [alone], _ = engine.infer([Request(to_policy_observation(observations[i], inputs), seed=100 + i)])
+        np.testing.assert_allclose(replies[i], alone, atol=1e-5)
+
+
+def test_a_model_failure_closes_that_connection_with_1011_and_the_server_goes_on(engine, monkeypatch):
+    from websockets.exceptions import ConnectionClosedError
+    from websockets.sync.client import connect
+
+    from kilovla.serve.server import PolicyServer, ServeConfig
+
+    server = PolicyServer(engine, ServeConfig(port=0, max_batch=1))
+    calls = {"n": 0}
+    real = engine.infer
+
+    def flaky(requests):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(requests)
+
+    monkeypatch.setattr(engine, "infer", flaky)
+    ports, loop = [], asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(ready=ports.append, stop=stop)),
+                              daemon=True)
+    thread.start()
+    while not ports:
+        threading.Event().wait(0.01)
+    url = f"ws://127.0.0.1:{ports[0]}"
+    rng = np.random.default_rng(7)
+    with connect(url, max_size=None) as ws:
+        unpackb(ws.recv())
+        ws.send(packb(_obs(rng)))
+        assert "CUDA out of memory (injected)" in ws.recv()
+        with pytest.raises(ConnectionClosedError) as closed:
+            ws.recv()
+        assert closed.value.rcvd.code == 1011
+    with connect(url, max_size=None) as ws:  # another robot is still served
+        unpackb(ws.recv())
+        ws.send(packb(_obs(rng)))
+        assert unpackb(ws.recv())["actions"].shape == (4, 4)
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(60)
+
+
+def test_sigterm_answers_what_is_in_flight_then_exits(policy_dir):
+    from websockets.sync.client import connect
+
+    s = ServerProcess(policy_dir, "--max-wait-ms", "500")  # the request waits in the queue when SIGTERM comes
+    with connect(f"ws://127.0.0.1:{s.port}", max_size=None) as ws:
+        unpackb(ws.recv())
+        ws.send(packb(_obs(np.random.default_rng(8))))
+        threading.Event().wait(0.1)
+        s.proc.send_signal(signal.SIGTERM)
+        assert unpackb(ws.recv())["actions"].shape == (4, 4)
+    out, _ = s.proc.communicate(timeout=60)
+    assert s.proc.returncode == 0 and "stopped after 1 replies" in out
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{s.port}/healthz", timeout=5)
+
+
+# -- real-time chunking ----------------------------------------------------------------------------
+def test_rtc_with_zero_weights_samples_exactly_as_without(engine):
+    import torch
+
+    from kilovla.models.rtc import prefix_weights, sample_actions_rtc
+
+    np.testing.assert_allclose(prefix_weights(6, 1, 4, 5), [1, 2 / 3, 1 / 3, 0, 0, 0], atol=1e-6)
+    assert prefix_weights(6, 2, 6, 3, "zeros").tolist() == [1, 1, 0, 0, 0, 0]
+    rng = np.random.default_rng(9)
+    obs = to_policy_observation(_obs(rng), engine.inputs())
+    data = {k: np.stack([v]) for k, v in obs.items() if k != "task"} | {"task": [obs["task"]]}
+    batch = engine.processor.observation_batch(data)
+    noise = torch.randn(1, engine.horizon, engine.width, generator=torch.Generator().manual_seed(0))
+    zeros = torch.zeros_like(noise)
+    with torch.no_grad():
+        plain = engine.model.sample_actions(batch, noise=noise)
+    torch.testing.assert_close(sample_actions_rtc(engine.model, batch, noise, zeros, zeros), plain, rtol=0, atol=0)
+
+
+def test_rtc_continues_the_given_prefix_and_shrinks_the_jump_at_the_junction(engine):
+    """The robot executed 1 action of chunk A and sends the other 3 as the prefix; 2 more execute
+    while the next chunk is computed (inference_delay 2). With RTC the new chunk's first 2 actions
+    follow the prefix, and the step from the last frozen action to the new chunk's next is smaller."""
+    from kilovla.serve.engine import Request, Rtc
+
+    rng = np.random.default_rng(10)
+    inputs = engine.inputs()
+    first, second = (to_policy_observation(_obs(rng), inputs) for _ in range(2))
+    [chunk], _ = engine.infer([Request(first, seed=1)])
+    prefix, d = chunk[1:], 2
+    [plain], _ = engine.infer([Request(second, seed=2)])
+    [guided], _ = engine.infer([Request(second, seed=2, rtc=Rtc(prefix, inference_delay=d))])
+    follow = lambda c: np.abs(c[:d] - prefix[:d]).mean()  # noqa: E731
+    jump = lambda c: np.abs(c[d] - prefix[d - 1]).mean()  # noqa: E731
+    assert follow(guided) < 0.5 * follow(plain)
+    assert jump(guided) < jump(plain)
+    # a request without rtc in the same batch is untouched by its neighbour's guidance
+    both, _ = engine.infer([Request(second, seed=2, rtc=Rtc(prefix, inference_delay=d)), Request(second, seed=2)])
+    np.testing.assert_allclose(both[1], plain, atol=1e-5)
+    np.testing.assert_allclose(both[0], guided, atol=1e-5)
+
+
+def test_rtc_requests_are_checked_and_gr00t_refuses_them(engine, server, monkeypatch):
+    from openpi_client import websocket_client_policy
+
+    from kilovla.serve.server import PolicyServer, ServeConfig
+
+    client = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    rng = np.random.default_rng(11)
+    out = client.infer({**_obs(rng), "rtc": {"inference_delay": 1, "prefix": np.zeros((3, 4), np.float32)}})
+    assert out["actions"].shape == (4, 4)
+    with pytest.raises(RuntimeError, match=r"rtc.prefix must be a finite \(k, 4\) array"):
+        client.infer({**_obs(rng), "rtc": {"inference_delay": 1, "prefix": np.zeros((3, 7), np.float32)}})
+    monkeypatch.setattr(engine, "supports_rtc", False)
+    with pytest.raises(BadRequest, match="GR00T.* refuses it"):
+        PolicyServer(engine, ServeConfig())._rtc({"inference_delay": 1, "prefix": np.zeros((3, 4))})
+
+
+# -- a served policy in closed-loop evaluation -----------------------------------------------------
+def test_a_served_policy_acts_as_the_local_one(server, policy_dir):
+    import torch
+
+    from kilovla.eval.closed_loop import load_policy
+
+    local, served = load_policy(policy_dir), load_policy(f"ws://127.0.0.1:{server.port}")
+    assert served.cameras == local.cameras and served.action_dim == local.action_dim
+    rng = np.random.default_rng(12)
+    batch = {"observation.images.scene": rng.integers(0, 255, (3, 32, 32, 3), dtype=np.uint8),
+             "observation.images.wrist": rng.integers(0, 255, (3, 32, 32, 3), dtype=np.uint8),
+             "observation.state": rng.standard_normal((3, 4)).astype(np.float32), "task": ["reach"] * 3}
+    torch.manual_seed(3)
+    mine = local.select_action(batch)
+    torch.manual_seed(3)
+    theirs = served.select_action(batch)  # three connections: the server may batch them
+    np.testing.assert_allclose(theirs, mine, atol=1e-5)
+    served.close()
+
+
+def test_kilovla_eval_of_a_served_policy_reports_what_a_local_eval_does(server, policy_dir, tmp_path):
+    import json
+
+    from kilovla.cli import main
+
+    args = ["--tasks", "reach-v3", "--episodes", "2", "--batch-size", "2", "--max-steps", "12", "--videos", "0"]
+    import torch
+
+    torch.manual_seed(0)
+    assert main(["eval", "--policy", str(policy_dir), "--out", str(tmp_path / "local"), *args]) == 0
+    torch.manual_seed(0)
+    assert main(["eval", "--policy", f"ws://127.0.0.1:{server.port}", "--out", str(tmp_path / "served"), *args]) == 0
+    local, served = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("local", "served"))
+    assert served["per_task"]["reach-v3"]["successes"] == local["per_task"]["reach-v3"]["successes"]
+    assert served["per_task"]["reach-v3"]["mean_steps"] == local["per_task"]["reach-v3"]["mean_steps"]
+    assert served["per_task"]["reach-v3"]["seeds"] == local["per_task"]["reach-v3"]["seeds"]

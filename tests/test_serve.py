@@ -360,6 +360,7 @@ def test_a_served_policy_acts_as_the_local_one(server, policy_dir):
     served.close()
 
 
+@pytest.mark.slow
 def test_kilovla_eval_of_a_served_policy_reports_what_a_local_eval_does(server, policy_dir, tmp_path):
     import json
 

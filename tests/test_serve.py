@@ -377,3 +377,33 @@ def test_kilovla_eval_of_a_served_policy_reports_what_a_local_eval_does(server, 
     assert served["per_task"]["reach-v3"]["successes"] == local["per_task"]["reach-v3"]["successes"]
     assert served["per_task"]["reach-v3"]["mean_steps"] == local["per_task"]["reach-v3"]["mean_steps"]
     assert served["per_task"]["reach-v3"]["seeds"] == local["per_task"]["reach-v3"]["seeds"]
+
+
+def test_a_client_that_leaves_mid_batch_does_not_disturb_the_rest(engine):
+    from websockets.sync.client import connect
+
+    from kilovla.serve.server import PolicyServer, ServeConfig
+
+    server = PolicyServer(engine, ServeConfig(port=0, max_batch=3, max_wait_ms=300))
+    ports, loop, stop = [], asyncio.new_event_loop(), asyncio.Event()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(ready=ports.append, stop=stop)),
+                              daemon=True)
+    thread.start()
+    while not ports:
+        threading.Event().wait(0.01)
+    url = f"ws://127.0.0.1:{ports[0]}"
+    rng = np.random.default_rng(13)
+    sockets = [connect(url, max_size=None) for _ in range(3)]
+    for ws in sockets:
+        unpackb(ws.recv())
+        ws.send(packb({**_obs(rng), "seed": 1}))
+    sockets[1].close()  # leaves while its request waits in the batch
+    replies = [unpackb(sockets[i].recv())["actions"] for i in (0, 2)]
+    assert all(r.shape == (4, 4) for r in replies)
+    for ws in (sockets[0], sockets[2]):  # and they keep being served
+        ws.send(packb(_obs(rng)))
+        assert unpackb(ws.recv())["actions"].shape == (4, 4)
+        ws.close()
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(60)
+    assert server.batcher.stats.batch_sizes[3] == 1 and server.in_flight == 0

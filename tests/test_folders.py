@@ -79,6 +79,7 @@ def test_collect_overwrite_keeps_a_folder_of_other_files(tmp_path, capsys):
 
 
 def test_demo_keeps_an_output_folder_of_other_files(tmp_path, capsys):
+    (tmp_path / ".kilovla-demo").write_text("")  # an earlier demo's folder ...
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "precious.txt").write_text("hi")
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 2
@@ -157,3 +158,58 @@ def test_data_bench_refusing_a_cache_leaves_no_folder(tmp_path, tiny_root, capsy
     assert main(["data", "bench", str(tiny_root), "--cache", str(tmp_path / "no-cache"), "--out", str(out), "--quick"]) == 2
     assert "manifest.json: missing" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_demo_does_not_take_a_folder_that_only_looks_like_its_output(tmp_path, dataset, capsys):
+    import shutil
+
+    shutil.copytree(dataset, tmp_path / "dataset")  # the user's own dataset/, no demo ever ran here
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 2
+    assert "is not a kilovla demo output (no .kilovla-demo or report.json)" in capsys.readouterr().err
+    assert (tmp_path / "dataset" / "meta" / "info.json").read_text() == (dataset / "meta" / "info.json").read_text()
+
+
+def test_user_dot_files_are_not_taken_for_kilovla_temporary_names(tmp_path, dataset, capsys):
+    import shutil
+
+    target = tmp_path / "d"
+    shutil.copytree(dataset, target)
+    (target / ".data_backup").mkdir()
+    (target / ".data_backup" / "p.txt").write_text("p")
+    assert main(["data", "synth", str(target), "--overwrite", *SYNTH]) == 2
+    assert "holds .data_backup" in capsys.readouterr().err
+    assert (target / ".data_backup" / "p.txt").read_text() == "p"
+
+
+def test_a_run_dir_may_hold_a_log_and_notes_beside_the_run(tmp_path, dataset, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("the shell opened this before kilovla started\n")
+    assert main(_train_args(dataset, run, 2)) == 0
+    (run / "NOTES.md").write_text("mine")
+    assert main(_train_args(dataset, run, 4, "--resume") + ["auto"]) == 0
+    import shutil
+
+    shutil.rmtree(run / "checkpoints")
+    assert main(_train_args(dataset, run, 2, "--resume") + ["auto"]) == 0  # fresh: the run's files replaced
+    assert (run / "NOTES.md").read_text() == "mine" and (run / "train.log").exists()
+
+
+def test_resume_auto_without_a_latest_pointer_keeps_the_checkpoints(tmp_path, dataset, capsys):
+    run = tmp_path / "run"
+    assert main(_train_args(dataset, run, 4)) == 0
+    (run / "checkpoints" / "latest").unlink()
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert main(_train_args(dataset, run, 6, "--resume") + ["auto"]) == 2
+    err = capsys.readouterr().err
+    assert "holds step_000002, step_000004 but no `latest` pointer" in err and "--resume" in err
+    assert _snapshot(run) == before
+
+
+def test_resume_auto_of_another_kind_of_run_is_one_line(tmp_path, dataset, capsys):
+    run = tmp_path / "run"
+    assert main(_train_args(dataset, run, 2)) == 0
+    capsys.readouterr()
+    assert main(["rl", f"--run_dir={run}", "--resume", "auto"]) == 2
+    assert "is not of this kind of run (no rl_state.json)" in capsys.readouterr().err

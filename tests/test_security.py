@@ -358,3 +358,23 @@ def test_a_quantized_folder_follows_the_umask(tmp_path, umask_022):
     assert "model.safetensors" in {p.name for p in files}
     assert {p.relative_to(tmp_path / "q").as_posix(): _mode(p) for p in files} == {
         p.relative_to(tmp_path / "q").as_posix(): 0o644 for p in files}
+
+
+class RunsAShellCommand:
+    """The most common hostile pickle: os.system (posix.system), which torch names differently."""
+
+    def __init__(self, marker: Path):
+        self.command = f"touch {marker}"
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_an_os_system_pickle_is_refused_naming_what_it_would_run(tmp_path):
+    from kilovla.safe_load import UnsafeFileError, load_torch
+
+    marker, path = tmp_path / "marker", tmp_path / "optimizer.pt"
+    torch.save({"optimizer": RunsAShellCommand(marker)}, path)
+    with pytest.raises(UnsafeFileError, match=r"optimizer.pt: not loaded: it would unpickle posix.system"):
+        load_torch(path)
+    assert not marker.exists()

@@ -34,7 +34,7 @@ from kilovla.envs.collect import collect
 from kilovla.envs.metaworld import DEFAULT_TASKS
 from kilovla.errors import KilovlaError
 from kilovla.eval.intervals import wilson_interval
-from kilovla.folders import DATASET, DEMO, RUN, check_replaceable, clear
+from kilovla.folders import DATASET, DEMO, DEMO_MARKER, RUN, check_replaceable, clear
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +115,14 @@ def train_overrides(recipe: DemoRecipe, data: Path, run: Path, progress: bool) -
 
 
 def collect_demonstrations(recipe: DemoRecipe, data: Path):
-    return collect(data, tasks=list(recipe.tasks), episodes_per_task=recipe.episodes_per_task,
-                   resolution=recipe.resolution, noise_std=recipe.collect_noise, seed=recipe.collect_seed,
-                   labels=recipe.collect_labels,
-                   batch_size=5, num_workers=recipe.workers, overwrite=True)
+    from kilovla.eval.closed_loop import task_progress
+
+    progress, update = task_progress("collect")
+    with progress:
+        return collect(data, tasks=list(recipe.tasks), episodes_per_task=recipe.episodes_per_task,
+                       resolution=recipe.resolution, noise_std=recipe.collect_noise, seed=recipe.collect_seed,
+                       labels=recipe.collect_labels, batch_size=5, num_workers=recipe.workers, overwrite=True,
+                       progress=update)
 
 
 def build_demo_cache(data: Path):
@@ -145,7 +149,7 @@ def train_policy(recipe: DemoRecipe, data: Path, run: Path, progress: bool = Tru
 def evaluate_both(recipe: DemoRecipe, checkpoint: str, out: Path, train_seeds: dict[str, list[int]]) -> tuple[dict, dict]:
     """The learned policy (with videos) and the scripted expert (state only: it renders nothing but the resets) on the
     same seeds, which must not be seeds the demonstrations were recorded on."""
-    from kilovla.eval.closed_loop import episode_seeds, evaluate, load_policy
+    from kilovla.eval.closed_loop import episode_seeds, evaluate, load_policy, task_progress
 
     tasks = list(recipe.tasks)
     for t, task in enumerate(tasks):
@@ -155,9 +159,13 @@ def evaluate_both(recipe: DemoRecipe, checkpoint: str, out: Path, train_seeds: d
                                "choose another eval_seed")
     common = dict(tasks=tasks, episodes=recipe.eval_episodes, seed=recipe.eval_seed, batch_size=5,
                   resolution=recipe.resolution, num_workers=recipe.workers, n_action_steps=recipe.n_action_steps)
-    learned = evaluate(load_policy(checkpoint, ema=bool(recipe.ema_decay)), out_dir=out / "eval-policy",
-                       videos=recipe.videos_per_task, **common)
-    expert = evaluate(load_policy("scripted"), out_dir=out / "eval-expert", **common)
+    progress, update = task_progress("eval policy")
+    with progress:
+        learned = evaluate(load_policy(checkpoint, ema=bool(recipe.ema_decay)), out_dir=out / "eval-policy",
+                           videos=recipe.videos_per_task, progress=update, **common)
+    progress, update = task_progress("eval expert")
+    with progress:
+        expert = evaluate(load_policy("scripted"), out_dir=out / "eval-expert", progress=update, **common)
     return learned, expert
 
 
@@ -172,6 +180,7 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
     check_replaceable(out / "dataset", DATASET)
     check_replaceable(out / "run", RUN)
     out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).write_text("written by `kilovla demo`: it replaces this folder's contents on every run\n")
     console = Console(width=max(Console().width, 100))
     stage_s = {}
 
@@ -192,7 +201,7 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
 
     console.rule(f"2/4 train {recipe.preset} with packing")
     t = time.perf_counter()
-    summary = train_policy(recipe, data, out / "run", progress=not quick)
+    summary = train_policy(recipe, data, out / "run")
     stage_s["train"] = time.perf_counter() - t
 
     console.rule("3/4 closed-loop evaluation (policy, then the scripted expert on the same seeds)")

@@ -11,12 +11,14 @@ written or removed anything:
     >>> check_replaceable(Path("d"), DATASET)  # d/precious.txt exists  # doctest: +SKIP
     KilovlaError: d: holds precious.txt, which is not part of a LeRobot dataset; not replacing it ...
 
-`claim_run_dir` adds what a run_dir needs on top: a folder that already holds a run is continued
-only with `--resume`, never silently mixed with a new one.
+`claim_run_dir` is what a run_dir needs instead: a run writes its own entries beside whatever else is
+there (a log the shell opened, notes), but a folder that already holds a run is continued only with
+`--resume`, never silently mixed with a new one.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,39 +30,38 @@ from kilovla.errors import KilovlaError
 class FolderKind:
     name: str  # for messages: "a LeRobot dataset"
     entries: frozenset[str]  # the top-level names such a folder is made of
-    marker: tuple[str, ...] = ()  # a non-empty folder of this kind has at least one of these (empty: any entry)
+    marker: tuple[str, ...] = ()  # a non-empty folder of this kind has at least one of these
 
 
-# LeRobot v2.1 / v3.0 as written by LeRobot or kilovla, plus what the Hugging Face Hub adds to a download.
-DATASET = FolderKind("a LeRobot dataset", frozenset({"meta", "data", "videos", "images", "README.md", ".gitattributes"}),
-                     marker=("meta",))
-# What `kilovla train` and `kilovla rl` write into run_dir.
+# LeRobot v2.1 / v3.0 as written by LeRobot or kilovla, plus what a Hugging Face Hub download adds.
+DATASET = FolderKind("a LeRobot dataset", frozenset({"meta", "data", "videos", "images", "README.md", ".gitattributes",
+                                                     ".cache"}), marker=("meta",))
+# What `kilovla train` and `kilovla rl` write into run_dir (other files beside them are left alone).
 RUN = FolderKind("a kilovla run", frozenset({"checkpoints", "metrics.jsonl", "config.yaml", "summary.json",
                                              "learning_curve.png", "tensorboard", "eval"}),
                  marker=("checkpoints", "metrics.jsonl", "config.yaml", "summary.json"))
-# What `kilovla demo` writes into its --out folder.
-DEMO = FolderKind("a kilovla demo output", frozenset({"dataset", "run", "eval-policy", "eval-expert", "report.json",
-                                                      "report.md", "learning_curve.png", "success_per_task.png"}))
+# What `kilovla demo` writes into its --out folder; DEMO_MARKER is written first, so a demo that died
+# half-way is still recognised as one.
+DEMO_MARKER = ".kilovla-demo"
+DEMO = FolderKind("a kilovla demo output", frozenset({DEMO_MARKER, "dataset", "run", "eval-policy", "eval-expert",
+                                                      "report.json", "report.md", "learning_curve.png",
+                                                      "success_per_task.png"}), marker=(DEMO_MARKER, "report.json"))
+
+# The temporary names kilovla writes beside an entry before renaming it into place:
+# `.metrics.jsonl.tmp`, `.report.json.0123abcd`, `.success_per_task.0123ab.png`.
+_TEMP = re.compile(r"\.(?P<stem>.+?)(?:\.tmp|\.[0-9a-f]{6,8})(?P<suffix>\.png)?")
 
 
 def _ours(name: str, kind: FolderKind) -> bool:
     if name in kind.entries:
         return True
-    # kilovla's temporary names: a leading dot and one of the kind's entries (`.metrics.jsonl.tmp`).
-    return name.startswith(".") and any(name[1:].startswith(e) for e in kind.entries)
+    m = _TEMP.fullmatch(name)
+    return m is not None and m["stem"] + (m["suffix"] or "") in kind.entries
 
 
 def stray_entries(folder: Path, kind: FolderKind) -> list[str]:
     """Top-level names in `folder` that are not part of `kind`, sorted."""
     return sorted(p.name for p in folder.iterdir() if not _ours(p.name, kind))
-
-
-def holds(folder: Path, kind: FolderKind) -> bool:
-    """True when `folder` is a non-empty folder of `kind` (its marker present, nothing stray)."""
-    folder = Path(folder)
-    if not folder.is_dir() or not any(folder.iterdir()) or stray_entries(folder, kind):
-        return False
-    return not kind.marker or any((folder / m).exists() for m in kind.marker)
 
 
 def check_replaceable(folder: str | Path, kind: FolderKind) -> None:
@@ -83,11 +84,12 @@ def check_replaceable(folder: str | Path, kind: FolderKind) -> None:
 
 
 def clear(folder: str | Path, kind: FolderKind) -> None:
-    """Remove what `folder` holds of `kind` (checked first: nothing else is ever touched)."""
+    """Remove the entries of `kind` (and kilovla's temporary names) from `folder`; nothing else."""
     folder = Path(folder)
-    check_replaceable(folder, kind)
     if folder.is_dir():
         for entry in folder.iterdir():
+            if not _ours(entry.name, kind):
+                continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:
@@ -96,15 +98,18 @@ def clear(folder: str | Path, kind: FolderKind) -> None:
 
 def claim_run_dir(run_dir: str | Path, resume: str | None, checkpoint: Path | None, main: bool = True) -> str:
     """Decide how a run uses `run_dir`, before anything is read or written: 'resume', 'fresh', or
-    'replace' (the caller `clear`s the folder right before it writes, after its own checks passed).
+    'replace' (the caller `clear`s the earlier run's entries right before it writes, after its own
+    checks passed). Files of other kinds beside a run (a log, notes) are never touched.
 
     `resume` is the --resume flag (None, 'auto' or a folder) and `checkpoint` the folder it resolved
     to (None: none found). A run_dir holding a run is refused without --resume; `--resume auto` on a
     run_dir without a checkpoint starts fresh, replacing what the earlier run logged, and says so
-    (on the `main` rank)."""
+    (on the `main` rank); a checkpoints/ folder with step folders but no `latest` pointer is refused
+    rather than replaced."""
     run_dir = Path(run_dir)
-    check_replaceable(run_dir, RUN)
-    has_run = holds(run_dir, RUN)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise KilovlaError(f"{run_dir}: exists and is not a folder; run_dir must be a folder")
+    has_run = run_dir.is_dir() and any((run_dir / m).exists() for m in RUN.marker)
     if checkpoint is not None:
         inside = Path(checkpoint).resolve().is_relative_to((run_dir / "checkpoints").resolve())
         if has_run and not inside:
@@ -113,6 +118,11 @@ def claim_run_dir(run_dir: str | Path, resume: str | None, checkpoint: Path | No
         return "resume"
     if has_run and resume is None:
         raise KilovlaError(f"{run_dir}: run_dir holds a run: pass --resume auto or use a new run_dir")
+    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()) if has_run else []
+    if steps:
+        raise KilovlaError(f"{run_dir / 'checkpoints'}: holds {', '.join(steps)} but no `latest` pointer to a "
+                           f"complete one: pass --resume {run_dir / 'checkpoints' / steps[-1]} to continue it, "
+                           "or use a new run_dir")
     if resume == "auto" and main:
         print(f"no checkpoint in {run_dir / 'checkpoints'}: starting fresh"
               + (" (replacing the earlier run's logs)" if has_run else ""), flush=True)

@@ -53,11 +53,17 @@ class PlainLines:
         self._stop = threading.Event()
         self._thread = None
 
-    def say(self, status: str, force: bool = False) -> None:
+    POLL_S = 0.5  # how often the heartbeat thread looks; it speaks this much before every_s is up
+
+    def say(self, status, force: bool = False) -> None:
+        """`status`: a line, or a function giving it (the heartbeat then repeats it with fresh figures)."""
         with self._lock:
             self.status = status
             if force or self.clock() - self.last >= self.every_s:
-                self._print(f"{self.label}: {status}")
+                self._print(f"{self.label}: {self._text()}")
+
+    def _text(self) -> str:
+        return self.status() if callable(self.status) else self.status
 
     def _print(self, line: str) -> None:
         print(line, file=self.stream, flush=True)
@@ -66,12 +72,12 @@ class PlainLines:
     def beat(self) -> None:
         """One heartbeat check (the thread calls it; tests call it with a fake clock)."""
         with self._lock:
-            if self.clock() - self.last >= max(self.every_s, 1.0):
-                self._print(f"{self.label}: still at {self.status} after {duration(self.clock() - self.t0)}")
+            if self.clock() - self.last >= max(self.every_s - self.POLL_S, 1.0):
+                self._print(f"{self.label}: still at {self._text()} after {duration(self.clock() - self.t0)}")
 
     def start(self) -> PlainLines:
         def loop():
-            while not self._stop.wait(min(1.0, max(self.every_s / 4, 0.25))):
+            while not self._stop.wait(self.POLL_S):
                 self.beat()
 
         self._thread = threading.Thread(target=loop, name=f"progress-{self.label}", daemon=True)
@@ -130,7 +136,7 @@ class StepProgress:
         if self._bar is not None:
             self._bar.update(self._task, completed=step, info=info)
         elif self._plain is not None:
-            self._plain.say(self._status())
+            self._plain.say(self._status)
 
 
 class TaskProgress:
@@ -155,7 +161,7 @@ class TaskProgress:
                 self._rows[task] = self._bar.add_task(f"{self.label} {task}", total=total)
             self._bar.update(self._rows[task], completed=done)
         else:
-            self._plain.say(self._status(task))
+            self._plain.say(lambda: self._status(task))
 
     def _status(self, task: str) -> str:
         done, total = self._done[task]
@@ -207,7 +213,7 @@ class CountProgress:
         if self.terminal:
             self._bar.update(self._task, completed=done, total=self.total)
         else:
-            self._plain.say(self._status())
+            self._plain.say(self._status)
 
     def _status(self) -> str:
         elapsed = self._plain.clock() - self._plain.t0

@@ -78,7 +78,8 @@ def _refused(source: str | Path, what: str) -> UnsafeFileError:
 
 def _refused_name(message: str) -> str | None:
     """The global or class named in torch's weights-only refusal (which is several lines of advice)."""
-    for pattern in (r"GLOBAL ([\w.]+) was not an allowed global", r"but got <class '([\w.]+)'>"):
+    for pattern in (r"GLOBAL ([\w.]+) was not an allowed global", r"GLOBAL ([\w.]+) whose module \w+ is blocked",
+                    r"but got <class '([\w.]+)'>"):
         found = re.search(pattern, message)
         if found:
             return found.group(1)

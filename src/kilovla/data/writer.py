@@ -138,7 +138,8 @@ class DatasetWriter:
         self.features.update(DEFAULT_FEATURES)
         self.video_keys = [k for k, f in self.features.items() if f["dtype"] == "video"]
         self.table_keys = [k for k, f in self.features.items() if f["dtype"] != "video"]
-        self._tmp = self.root.parent / f".{self.root.name}.tmp-{uuid.uuid4().hex[:8]}"
+        where = self.root.absolute()  # "." has no name to put a sibling beside
+        self._tmp = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
         self._tmp.mkdir(parents=True)
         self.tasks: dict[str, int] = {}
         self.episodes: list[dict[str, Any]] = []
@@ -329,6 +330,7 @@ def _as_hwc_uint8(value: np.ndarray, key: str) -> np.ndarray:
 
 
 def _move_into_place(tmp: Path, root: Path, overwrite: bool) -> None:
+    root = root.absolute()
     if root.exists():
         if not overwrite:
             raise KilovlaError(f"{root}: appeared while writing; not replacing it")
@@ -385,7 +387,8 @@ def convert_v21_to_v30(src: str | Path, dst: str | Path, overwrite: bool = False
     if dst.exists() and not overwrite:
         raise KilovlaError(f"{dst}: already exists (pass --overwrite to replace it)")
     check_replaceable(dst, DATASET)
-    tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+    where = dst.absolute()
+    tmp = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
         _convert(src_meta, tmp, data_files_size_in_mb * 2**20, video_files_size_in_mb * 2**20)

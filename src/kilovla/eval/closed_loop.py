@@ -135,6 +135,8 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
         "env": env,
         "env_backend": _backend(env),
         "policy": getattr(policy, "name", type(policy).__name__),
+        "policy_source": getattr(policy, "source", None),  # the folder or URL a learned policy came from
+        "ema": getattr(policy, "ema", False),  # its EMA weights (eval --ema)
         "seed": seed,
         "episodes_per_task": episodes,
         "n_action_steps": n_action_steps,

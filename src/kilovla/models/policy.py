@@ -96,4 +96,6 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu", ema: bool = 
         from kilovla.quant.fp8 import load_quantized_weights
 
         load_quantized_weights(model, quantization, folder, str(meta_path))
-    return VLAPolicy(model, meta, device, root=folder)
+    policy = VLAPolicy(model, meta, device, root=folder)
+    policy.source, policy.ema = str(folder), ema  # recorded in evaluation reports
+    return policy

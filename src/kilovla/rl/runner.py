@@ -68,7 +68,7 @@ class EnvSection:
     tasks: list[str] = field(default_factory=lambda: ["reach-v3", "push-v3"])
     workers: int = 2
     envs_per_worker: int = 8
-    resolution: int = 64
+    resolution: int | None = None  # None: the policy's training resolution (policy.json image_size)
     cameras: list[str] = field(default_factory=lambda: ["scene", "wrist"])
     max_steps: int = 150
     latency: dict = field(default_factory=dict)  # LatencyModel fields, e.g. {distribution: lognormal, mean_s: 0.02}
@@ -153,6 +153,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     if meta.get("quantization_config"):
         raise KilovlaError(f"{policy_dir}: a quantized policy cannot be trained; start from the unquantized folder")
     _check_policy_fits_env(cfg, policy_dir, meta)
+    cfg = _with_policy_resolution(cfg, meta, policy_dir)
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     state.setdefault("started_from", str(Path(policy_dir).resolve()))  # the KL's reference, whatever the cwd later
@@ -256,6 +257,24 @@ def _check_value_head(policy_dir: str, meta: dict, resuming: bool) -> None:
         log.warning("%s: starting a fresh critic", note)
 
 
+def _with_policy_resolution(cfg: RLConfig, meta: dict, policy_dir: str) -> RLConfig:
+    """Rollouts and the final evaluation render at the policy's training resolution unless env.resolution
+    says otherwise (then a warning when the two differ)."""
+    from kilovla.eval.closed_loop import DEFAULT_RESOLUTION
+
+    size = meta.get("image_size")
+    trained = max(size) if size else None
+    if cfg.env.resolution is None:
+        if trained is None:
+            log.warning("%s/policy.json does not record its training resolution; rendering at %d px "
+                        "(--env.resolution sets it)", policy_dir, DEFAULT_RESOLUTION)
+        return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, resolution=trained or DEFAULT_RESOLUTION))
+    if trained is not None and cfg.env.resolution != trained:
+        log.warning("rendering at %d px (env.resolution), but %s was trained on %dx%d frames", cfg.env.resolution,
+                    policy_dir, *size)
+    return cfg
+
+
 def _check_policy_fits_env(cfg: RLConfig, policy_dir: str, meta: dict) -> None:
     """The training tasks exist and the policy's action, state and cameras fit the env (from policy.json)."""
     from types import SimpleNamespace
@@ -282,6 +301,7 @@ def calibrate(cfg: RLConfig) -> ComputeSection:
     from kilovla.rl.calibrated import calibrate as measure, env_observation
 
     meta = json.loads((Path(cfg.policy) / "policy.json").read_text())
+    cfg = _with_policy_resolution(cfg, meta, cfg.policy)
     n_action_steps = cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     n_envs = cfg.env.workers * cfg.env.envs_per_worker
     fitted = measure(cfg.policy, _sde(cfg, meta), n_action_steps, env_observation(cfg.env, cfg.seed), cfg.learner.algo,

@@ -24,6 +24,7 @@ from kilovla.serve.protocol import packb, unpackb
 class ServedPolicy:
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 300.0):
         self.url, self.api_key, self.timeout_s = url, api_key, timeout_s
+        self.source = url
         self._connections = []
         first = self._connect()
         self.metadata = self._metadata

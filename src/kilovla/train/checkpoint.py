@@ -157,7 +157,11 @@ def resolve(resume: str, run_dir: Path, marker: str = "trainer_state.json") -> P
     """'auto' -> the run's latest checkpoint (None if there is none); else the given folder, which must
     hold `marker` (trainer_state.json for supervised runs, rl_state.json for RL runs)."""
     if resume == "auto":
-        return latest(Path(run_dir) / "checkpoints")
+        folder = latest(Path(run_dir) / "checkpoints")
+        if folder is not None and not (folder / marker).is_file():
+            raise KilovlaError(f"{folder}: the run_dir's latest checkpoint is not of this kind of run (no {marker}): "
+                               "use a new run_dir")
+        return folder
     folder = Path(resume)
     if not (folder / marker).is_file():
         raise KilovlaError(f"{folder}: not a kilovla checkpoint of this kind (no {marker})")

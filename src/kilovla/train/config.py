@@ -78,7 +78,7 @@ class EvalConfig:
     tasks: list[str] = field(default_factory=list)
     episodes: int = 5
     batch_size: int = 5
-    resolution: int = 64
+    resolution: int | None = None  # None: the training frames' resolution (policy.json image_size)
     max_steps: int | None = None
     timeout_s: float = 3600.0  # how long the other ranks wait for rank 0's evaluation
 

@@ -142,7 +142,7 @@ def cmd_data_bench(args) -> int:
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data", "envs", "packing", "pruning", "scaling", "load", "rl", "fp8")
+SUITES = ("data", "envs", "packing", "pruning", "scaling", "load", "rl", "fp8", "serve")
 
 
 def cmd_bench(args) -> int:
@@ -153,6 +153,7 @@ def cmd_bench(args) -> int:
     from kilovla.bench import models as models_bench
     from kilovla.bench import rl as rl_bench
     from kilovla.bench import scaling as scaling_bench
+    from kilovla.bench import serve as serve_bench
 
     runners = {
         "data": lambda: data_bench.run(quick=args.quick, out_dir=args.out, world_size=args.world_size),
@@ -164,6 +165,7 @@ def cmd_bench(args) -> int:
         "rl": lambda: rl_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, minutes=args.minutes),
         "fp8": lambda: fp8_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, dataset=args.dataset,
                                      episodes=args.episodes, resolution=args.resolution),
+        "serve": lambda: serve_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy),
     }
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     if args.suite == "all" and args.policy is None:

@@ -9,7 +9,6 @@ kernel compiles per shape, which takes minutes for a whole model).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
@@ -18,10 +17,11 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from gpu_probe import serving_pair  # benchmarks/gpu_probe.py: the bf16 / FP8 pair its serve section measures
 from kilovla.bench.models import libero_batch
-from kilovla.models.presets import build_model, preset
+from kilovla.models.presets import preset
 from kilovla.quant import fp8
-from kilovla.quant.fp8 import Fp8BlockLinear, Fp8Config, quantize_model, set_kernel
+from kilovla.quant.fp8 import Fp8BlockLinear
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out", nargs="?")
@@ -137,10 +137,7 @@ if not args.no_gemms:
 
 
 cfg = preset("pi05-3b")
-base = build_model("pi05-3b", device="cuda").to(torch.bfloat16).eval()
-ours = copy.deepcopy(base)
-quantize_model(ours, Fp8Config())
-set_kernel(ours, args.kernel)
+base, ours = serving_pair("pi05-3b", "cuda", args.kernel)
 batch = libero_batch(cfg, 1, seed=0).to("cuda")
 noise = torch.randn(1, cfg.chunk_size, cfg.max_action_dim, device="cuda")
 

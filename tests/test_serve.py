@@ -2,6 +2,7 @@
 gives each request its alone-actions; errors keep the connection (or close it with 1011); SIGTERM drains."""
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -65,6 +66,25 @@ class ServerProcess:
         self.proc.send_signal(signal.SIGTERM)
         out, _ = self.proc.communicate(timeout=60)
         return self.proc.returncode, out
+
+
+@contextlib.contextmanager
+def _in_process_server(engine, **cfg):
+    """A PolicyServer on its own event loop thread; yields (server, url), then stops it."""
+    from kilovla.serve.server import PolicyServer, ServeConfig
+
+    server = PolicyServer(engine, ServeConfig(port=0, **cfg))
+    ports, loop, stop = [], asyncio.new_event_loop(), asyncio.Event()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(ready=ports.append, stop=stop)),
+                              daemon=True)
+    thread.start()
+    while not ports:
+        threading.Event().wait(0.01)
+    try:
+        yield server, f"ws://127.0.0.1:{ports[0]}"
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(60)
 
 
 @pytest.fixture(scope="module")
@@ -184,39 +204,22 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_reply(engine):
     from websockets.sync.client import connect
 
     from kilovla.serve.engine import Request
-    from kilovla.serve.server import PolicyServer, ServeConfig
 
-    server = PolicyServer(engine, ServeConfig(port=0, max_batch=8, max_wait_ms=200))
-    stop, ports = None, []
-    loop = asyncio.new_event_loop()
-
-    def serve():
-        nonlocal stop
-        asyncio.set_event_loop(loop)
-        stop = asyncio.Event()
-        loop.run_until_complete(server.serve(ready=ports.append, stop=stop))
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    while not ports:
-        threading.Event().wait(0.01)
     rng = np.random.default_rng(6)
     observations = [_obs(rng) for _ in range(8)]
     replies = [None] * 8
+    with _in_process_server(engine, max_batch=8, max_wait_ms=200) as (server, url):
+        def client(i):
+            with connect(url, max_size=None) as ws:
+                unpackb(ws.recv())
+                ws.send(packb({**observations[i], "seed": 100 + i}))
+                replies[i] = unpackb(ws.recv())["actions"]
 
-    def client(i):
-        with connect(f"ws://127.0.0.1:{ports[0]}", max_size=None) as ws:
-            unpackb(ws.recv())
-            ws.send(packb({**observations[i], "seed": 100 + i}))
-            replies[i] = unpackb(ws.recv())["actions"]
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(60)
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
     stats = server.batcher.stats.summary()
     assert stats["requests"] == 8 and stats["batches"] < 8
     inputs = engine.inputs()
@@ -229,9 +232,6 @@ def test_a_model_failure_closes_that_connection_with_1011_and_the_server_goes_on
     from websockets.exceptions import ConnectionClosedError
     from websockets.sync.client import connect
 
-    from kilovla.serve.server import PolicyServer, ServeConfig
-
-    server = PolicyServer(engine, ServeConfig(port=0, max_batch=1))
     calls = {"n": 0}
     real = engine.infer
 
@@ -242,28 +242,19 @@ def test_a_model_failure_closes_that_connection_with_1011_and_the_server_goes_on
         return real(requests)
 
     monkeypatch.setattr(engine, "infer", flaky)
-    ports, loop = [], asyncio.new_event_loop()
-    stop = asyncio.Event()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(ready=ports.append, stop=stop)),
-                              daemon=True)
-    thread.start()
-    while not ports:
-        threading.Event().wait(0.01)
-    url = f"ws://127.0.0.1:{ports[0]}"
     rng = np.random.default_rng(7)
-    with connect(url, max_size=None) as ws:
-        unpackb(ws.recv())
-        ws.send(packb(_obs(rng)))
-        assert "CUDA out of memory (injected)" in ws.recv()
-        with pytest.raises(ConnectionClosedError) as closed:
-            ws.recv()
-        assert closed.value.rcvd.code == 1011
-    with connect(url, max_size=None) as ws:  # another robot is still served
-        unpackb(ws.recv())
-        ws.send(packb(_obs(rng)))
-        assert unpackb(ws.recv())["actions"].shape == (4, 4)
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(60)
+    with _in_process_server(engine, max_batch=1) as (_, url):
+        with connect(url, max_size=None) as ws:
+            unpackb(ws.recv())
+            ws.send(packb(_obs(rng)))
+            assert "CUDA out of memory (injected)" in ws.recv()
+            with pytest.raises(ConnectionClosedError) as closed:
+                ws.recv()
+            assert closed.value.rcvd.code == 1011
+        with connect(url, max_size=None) as ws:  # another robot is still served
+            unpackb(ws.recv())
+            ws.send(packb(_obs(rng)))
+            assert unpackb(ws.recv())["actions"].shape == (4, 4)
 
 
 def test_sigterm_answers_what_is_in_flight_then_exits(policy_dir):
@@ -382,28 +373,17 @@ def test_kilovla_eval_of_a_served_policy_reports_what_a_local_eval_does(server, 
 def test_a_client_that_leaves_mid_batch_does_not_disturb_the_rest(engine):
     from websockets.sync.client import connect
 
-    from kilovla.serve.server import PolicyServer, ServeConfig
-
-    server = PolicyServer(engine, ServeConfig(port=0, max_batch=3, max_wait_ms=300))
-    ports, loop, stop = [], asyncio.new_event_loop(), asyncio.Event()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(ready=ports.append, stop=stop)),
-                              daemon=True)
-    thread.start()
-    while not ports:
-        threading.Event().wait(0.01)
-    url = f"ws://127.0.0.1:{ports[0]}"
     rng = np.random.default_rng(13)
-    sockets = [connect(url, max_size=None) for _ in range(3)]
-    for ws in sockets:
-        unpackb(ws.recv())
-        ws.send(packb({**_obs(rng), "seed": 1}))
-    sockets[1].close()  # leaves while its request waits in the batch
-    replies = [unpackb(sockets[i].recv())["actions"] for i in (0, 2)]
-    assert all(r.shape == (4, 4) for r in replies)
-    for ws in (sockets[0], sockets[2]):  # and they keep being served
-        ws.send(packb(_obs(rng)))
-        assert unpackb(ws.recv())["actions"].shape == (4, 4)
-        ws.close()
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(60)
+    with _in_process_server(engine, max_batch=3, max_wait_ms=300) as (server, url):
+        sockets = [connect(url, max_size=None) for _ in range(3)]
+        for ws in sockets:
+            unpackb(ws.recv())
+            ws.send(packb({**_obs(rng), "seed": 1}))
+        sockets[1].close()  # leaves while its request waits in the batch
+        replies = [unpackb(sockets[i].recv())["actions"] for i in (0, 2)]
+        assert all(r.shape == (4, 4) for r in replies)
+        for ws in (sockets[0], sockets[2]):  # and they keep being served
+            ws.send(packb(_obs(rng)))
+            assert unpackb(ws.recv())["actions"].shape == (4, 4)
+            ws.close()
     assert server.batcher.stats.batch_sizes[3] == 1 and server.in_flight == 0

@@ -139,7 +139,34 @@ class StepProgress:
             self._plain.say(self._status)
 
 
-class TaskProgress:
+class _Lines:
+    """A rich bar on a terminal (`_bar`), plain lines elsewhere (`_plain`); a context manager that says
+    when the work starts and, off a terminal, what it came to (`_last`)."""
+
+    terminal: bool
+
+    def _last(self) -> str | None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        if self.terminal:
+            self._bar.__enter__()
+        else:
+            self._plain.say("starting", force=True)
+            self._plain.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.terminal:
+            self._bar.__exit__(*exc)
+            return
+        self._plain.stop()
+        last = self._last()
+        if last is not None:
+            self._plain.say(last, force=True)
+
+
+class TaskProgress(_Lines):
     """Episodes per task (evaluation, collection): `callback(task, done, total)`; a context manager."""
 
     def __init__(self, label: str, terminal: bool | None = None):
@@ -172,24 +199,11 @@ class TaskProgress:
         return (f"{task} {done}/{total} episodes  ({all_done} in {len(self._done)} task(s), {rate:.2f} episodes/s, "
                 f"elapsed {duration(elapsed)}){eta}")
 
-    def __enter__(self):
-        if self.terminal:
-            self._bar.__enter__()
-        else:
-            self._plain.say("starting", force=True)
-            self._plain.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.terminal:
-            self._bar.__exit__(*exc)
-            return
-        self._plain.stop()
-        if self._done:
-            self._plain.say(self._status(next(reversed(self._done))), force=True)
+    def _last(self) -> str | None:
+        return self._status(next(reversed(self._done))) if self._done else None
 
 
-class CountProgress:
+class CountProgress(_Lines):
     """Items of one job (episodes written, parts decoded): `callback(done, total)`; a context manager.
     `stream`: where the lines go (stderr when stdout carries the command's JSON)."""
 
@@ -198,9 +212,8 @@ class CountProgress:
         self.terminal = on_terminal(stream) if terminal is None else terminal
         self.done = 0
         if self.terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), transient=True, console=Console(file=stream or sys.stdout))
@@ -222,20 +235,8 @@ class CountProgress:
                if rate > 0 and self.total and self.done < self.total else "")
         return f"{self.done}/{self.total or '?'}  ({rate:.2f}/s, elapsed {duration(elapsed)}){eta}"
 
-    def __enter__(self):
-        if self.terminal:
-            self._bar.__enter__()
-        else:
-            self._plain.say("starting", force=True)
-            self._plain.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.terminal:
-            self._bar.__exit__(*exc)
-        else:
-            self._plain.stop()
-            self._plain.say(self._status(), force=True)
+    def _last(self) -> str:
+        return self._status()
 
 
 _active: list[Heartbeat] = []

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a 
 
 ROWS = ["serve_requests_per_s_1", "serve_requests_per_s_4", "serve_requests_per_s_16", "serve_p50_ms_16",
         "serve_p99_ms_16", "serve_rss_growth_mb"]
-TINY = serve_bench.ServeBenchSize(duration_s=1.0, repeats=1, warmup=1, load_requests=64, load_connections=16)
+TINY = serve_bench.ServeBenchSize(duration_s=1.0, repeats=1, warmup=1, load_requests=32, load_connections=8)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_every_request_is_answered_exactly_once(result):
     assert result["exactly_once"] is True
     assert all(m["server_replies"] == m["sent"] for m in result["measurements"])
     load = result["measurements"][-1]
-    assert load["clients"] == 16 and load["replies"] == 64 and load["sent"] == 64 + 16  # one warm-up each
+    assert load["clients"] == 8 and load["replies"] == 32 and load["sent"] == 32 + 8  # one warm-up each
     assert "exactly once: yes" in result["rows"][-1]["note"]
 
 

@@ -199,8 +199,8 @@ def test_a_request_s_actions_are_the_same_batched_or_alone(engine):
 
 
 def test_concurrent_clients_are_batched_and_each_gets_its_own_reply(engine):
-    """Eight connections at once into a server that waits 200 ms for a batch: fewer forwards than
-    requests, and each reply equals that request run alone (its own seed)."""
+    """Eight connections at once into a server that waits 200 ms for a batch (or until every open
+    connection has asked): fewer forwards than requests, and each reply equals that request run alone."""
     from websockets.sync.client import connect
 
     from kilovla.serve.engine import Request
@@ -208,10 +208,12 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_reply(engine):
     rng = np.random.default_rng(6)
     observations = [_obs(rng) for _ in range(8)]
     replies = [None] * 8
+    connected = threading.Barrier(8)
     with _in_process_server(engine, max_batch=8, max_wait_ms=200) as (server, url):
         def client(i):
             with connect(url, max_size=None) as ws:
                 unpackb(ws.recv())
+                connected.wait(30)  # all eight are open: a lone early request waits for the others
                 ws.send(packb({**observations[i], "seed": 100 + i}))
                 replies[i] = unpackb(ws.recv())["actions"]
 
@@ -387,3 +389,17 @@ def test_a_client_that_leaves_mid_batch_does_not_disturb_the_rest(engine):
             assert unpackb(ws.recv())["actions"].shape == (4, 4)
             ws.close()
     assert server.batcher.stats.batch_sizes[3] == 1 and server.in_flight == 0
+
+
+def test_a_lone_client_does_not_wait_for_company(engine):
+    """With one connection open, its request runs at once, not after --max-wait-ms."""
+    import time
+
+    from websockets.sync.client import connect
+
+    with _in_process_server(engine, max_batch=16, max_wait_ms=2000) as (_, url), connect(url, max_size=None) as ws:
+        unpackb(ws.recv())
+        t0 = time.monotonic()
+        ws.send(packb(_obs(np.random.default_rng(14))))
+        unpackb(ws.recv())
+        assert time.monotonic() - t0 < 1.5

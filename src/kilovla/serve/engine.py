@@ -102,7 +102,7 @@ class PolicyEngine:
                 "action_horizon": int(self.horizon), "action_dim": int(self.meta.action_dim),
                 "n_action_steps": self.meta.n_action_steps, "cameras": list(self.meta.camera_map),
                 "image_size": list(size) if size else None, "state_keys": list(self.meta.state_keys),
-                "state_dim": int(self.meta.state_dim),
+                "state_widths": self.inputs().state_widths, "state_dim": int(self.meta.state_dim),
                 "observation_keys": [*self.meta.camera_map, *self.meta.state_keys, "task"],
                 "layouts": ["lerobot", "libero", "droid"], "device": str(self.device),
                 "noise_shape": [int(self.horizon), int(self.width)], "rtc": self.supports_rtc,

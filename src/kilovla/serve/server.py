@@ -8,8 +8,8 @@ requests and `{"actions", "server_timing", "policy_timing"}` replies, `GET /heal
 `Authorization: Api-Key` check before the upgrade. The model runs on one inference thread, never on
 the loop, so handshakes, pings and health checks stay responsive while it computes. Requests of
 every connection go into one `DynamicBatcher`: when the model is free and a batch is ready (full at
-`--max-batch`, or its oldest request has waited `--max-wait-ms`), the queued requests run as one
-forward, and each reply goes back to the connection that asked. `--max-batch 1` serves one request
+`--max-batch`, its oldest request has waited `--max-wait-ms`, or every open connection is already
+queued), the queued requests run as one forward, and each reply goes back to the connection that asked. `--max-batch 1` serves one request
 at a time, as openpi does.
 
 Errors: a malformed frame or observation gets a text frame naming the problem and the connection
@@ -73,6 +73,7 @@ class PolicyServer:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kilovla-infer")
         self.answered = 0  # replies sent with actions
         self.in_flight = 0  # requests queued or in a running batch
+        self.connections = 0  # open connections: each has at most one request in flight (openpi is lock-step)
         self._wake: asyncio.Event | None = None
 
     # -- HTTP before the upgrade ---------------------------------------------------------------------
@@ -89,6 +90,7 @@ class PolicyServer:
     async def _handle(self, ws) -> None:
         from websockets.exceptions import ConnectionClosed
 
+        self.connections += 1
         try:
             await ws.send(packb(self.metadata))
             last = None
@@ -105,6 +107,8 @@ class PolicyServer:
                 last = start
         except ConnectionClosed:
             return
+        finally:
+            self.connections -= 1
 
     async def _answer(self, message) -> dict | str | _Failure:
         """A reply frame for one message: a dict (packed), a text (an error naming the problem, or
@@ -174,7 +178,9 @@ class PolicyServer:
         loop = asyncio.get_running_loop()
         while True:
             now = time.monotonic()
-            if not self.batcher.ready(now):
+            # Every open connection is already waiting in the queue: no one else can join this batch.
+            everyone = len(self.batcher) and len(self.batcher) >= self.connections
+            if not everyone and not self.batcher.ready(now):
                 deadline = self.batcher.deadline()
                 self._wake.clear()
                 try:
@@ -247,5 +253,7 @@ def run(policy: str, cfg: ServeConfig, device: str = "auto", ema: bool = False, 
               f"{', api key required' if cfg.api_key else ''})", flush=True)
 
     asyncio.run(server.serve(ready))
-    print(f"kilovla serve: stopped after {server.answered} replies", flush=True)
+    stats = server.batcher.stats.summary()
+    print(f"kilovla serve: stopped after {server.answered} replies ({stats['batches']} batches, mean batch "
+          f"{stats['mean_batch_size']:.2f}, queue wait p99 {1e3 * stats['queue_wait_p99_s']:.1f} ms)", flush=True)
     return 0

@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
     p.add_argument("suite", choices=[*SUITES, "all"])
     _bench_flags(p)
-    p.add_argument("--policy", default=None, help="rl, fp8: the policy folder to fine-tune / quantize (default: the "
+    p.add_argument("--policy", default=None, help="rl, fp8, serve: the policy folder to fine-tune / quantize / serve (default: the "
                    "demo's checkpoint; fp8 trains one with the demo's recipe when there is none)")
     p.add_argument("--minutes", type=float, default=30.0, help="rl: wall-time budget of the RL fine-tuning run")
     p.add_argument("--dataset", default=None, help="fp8: held-out LeRobot data (default: fresh scripted episodes)")

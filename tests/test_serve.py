@@ -403,3 +403,110 @@ def test_a_lone_client_does_not_wait_for_company(engine):
         ws.send(packb(_obs(np.random.default_rng(14))))
         unpackb(ws.recv())
         assert time.monotonic() - t0 < 1.5
+
+
+def test_robots_with_different_camera_sizes_share_a_batch(engine):
+    from kilovla.serve.engine import Request
+
+    rng = np.random.default_rng(15)
+    inputs = engine.inputs()
+    small, large = _obs(rng, size=32), _obs(rng, size=96)
+    large["observation.images.wrist"] = rng.integers(0, 255, (60, 80, 3), dtype=np.uint8)
+    requests = [Request(to_policy_observation(o, inputs), seed=i) for i, o in enumerate((small, large))]
+    batched, _ = engine.infer(requests)
+    for r, got in zip(requests, batched):
+        [alone], _ = engine.infer([r])
+        np.testing.assert_allclose(got, alone, atol=1e-5)
+
+
+def test_each_rtc_request_keeps_its_own_guidance_weight(engine, server):
+    from openpi_client import websocket_client_policy
+
+    from kilovla.serve.engine import Request, Rtc
+
+    rng = np.random.default_rng(16)
+    obs = to_policy_observation(_obs(rng), engine.inputs())
+    prefix = np.full((3, 4), 0.5, np.float32)
+    mild, strong = Rtc(prefix, 1, max_guidance_weight=1.0), Rtc(prefix, 1, max_guidance_weight=50.0)
+    batched, _ = engine.infer([Request(obs, seed=1, rtc=mild), Request(obs, seed=1, rtc=strong)])
+    for rtc, got in zip((mild, strong), batched):
+        [alone], _ = engine.infer([Request(obs, seed=1, rtc=rtc)])
+        np.testing.assert_allclose(got, alone, atol=1e-5)
+    client = websocket_client_policy.WebsocketClientPolicy(host="127.0.0.1", port=server.port)
+    for beta in (float("inf"), 1e300, 0.0):
+        with pytest.raises(RuntimeError, match=r"rtc.max_guidance_weight must be a number in \(0, 100\]"):
+            client.infer({**_obs(rng), "rtc": {"inference_delay": 1, "prefix": prefix, "max_guidance_weight": beta}})
+    with pytest.raises(RuntimeError, match="rtc.inference_delay 5 is longer than the prefix"):
+        client.infer({**_obs(rng), "rtc": {"inference_delay": 5, "prefix": prefix}})
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("observation.state", "abc", "observation.state: must be numbers"),
+    ("observation.state", [[0.0], [0.0, 0.0]], "observation.state: must be numbers"),
+    ("observation.state", np.zeros((2, 2)), "the policy reads 4 values, got shape [2, 2]"),
+    ("observation.images.scene", np.zeros((0, 0, 3), np.uint8), "an image must be an (H, W, 3)"),
+    ("endpoint", np.zeros(3), "endpoint must be 'infer' or 'reset'"),
+])
+def test_misshapen_requests_get_a_bad_request_text_and_the_connection_stays(server, field, value, said):
+    from websockets.sync.client import connect
+
+    rng = np.random.default_rng(17)
+    with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as ws:
+        unpackb(ws.recv())
+        ws.send(packb({**_obs(rng), field: value}))
+        reply = ws.recv()
+        assert isinstance(reply, str) and reply.startswith("bad request") and said in reply
+        ws.send(packb(_obs(rng)))
+        assert unpackb(ws.recv())["actions"].shape == (4, 4)
+
+
+def test_hostile_frames_are_bad_requests_not_crashes(server):
+    import msgpack
+    from websockets.sync.client import connect
+
+    frames = [msgpack.packb({1: 2}), msgpack.packb({"observation.state": {b"__ndarray__": True, b"dtype": "<f4"}}),
+              msgpack.packb({"x": {b"__npgeneric__": True, b"data": 1000, b"dtype": "|i1"}}),
+              msgpack.packb({"x": {b"__ndarray__": True, b"data": b"", b"dtype": "O", b"shape": [0]}}),
+              msgpack.packb({"x": msgpack.ExtType(5, b"xx")})]
+    with connect(f"ws://127.0.0.1:{server.port}", max_size=None) as ws:
+        unpackb(ws.recv())
+        for frame in frames:
+            ws.send(frame)
+            assert ws.recv().startswith("bad request"), frame
+        ws.send(packb(_obs(np.random.default_rng(18))))
+        assert unpackb(ws.recv())["actions"].shape == (4, 4)
+
+
+def test_sigterm_under_load_answers_what_was_asked_then_exits(policy_dir):
+    import time
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    s = ServerProcess(policy_dir)
+    rng = np.random.default_rng(19)
+    stop_at, answered, closed = time.monotonic() + 30, [0], []
+
+    def robot():
+        with connect(f"ws://127.0.0.1:{s.port}", max_size=None) as ws:
+            unpackb(ws.recv())
+            try:
+                while time.monotonic() < stop_at:  # keeps asking, as a robot would
+                    ws.send(packb(_obs(rng)))
+                    unpackb(ws.recv())
+                    answered[0] += 1
+            except ConnectionClosed as e:
+                closed.append(e.rcvd.code if e.rcvd else None)
+
+    threads = [threading.Thread(target=robot) for _ in range(4)]
+    for t in threads:
+        t.start()
+    while answered[0] < 8:
+        threading.Event().wait(0.05)
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    out, _ = s.proc.communicate(timeout=30)
+    for t in threads:
+        t.join(30)
+    assert s.proc.returncode == 0 and time.monotonic() - t0 < 10
+    assert closed == [1001] * 4 and f"stopped after {answered[0]} replies" in out

@@ -50,20 +50,22 @@ def prefix_weights(horizon: int, inference_delay: int, execution_horizon: int, p
     return w
 
 
-def guidance_weight(tau: float, max_weight: float) -> float:
+def guidance_weight(tau: float, max_weight: torch.Tensor) -> torch.Tensor:
+    """min(c / r^2, beta) per row (`max_weight` (B,)); beta at tau = 0, 0 at tau = 1."""
     if tau <= 0.0:
         return max_weight
     if tau >= 1.0:
-        return 0.0
+        return torch.zeros_like(max_weight)
     c = (1.0 - tau) / tau
     inv_r2 = ((1.0 - tau) ** 2 + tau ** 2) / (1.0 - tau) ** 2
-    return min(c * inv_r2, max_weight)
+    return torch.clamp(max_weight, max=c * inv_r2)
 
 
 def sample_actions_rtc(model, batch, noise: torch.Tensor, prefix: torch.Tensor, weights: torch.Tensor,
-                       max_guidance_weight: float = 10.0) -> torch.Tensor:
+                       max_guidance_weight: float | torch.Tensor = 10.0) -> torch.Tensor:
     """Euler sampling of a pi0 / pi0.5 model (openpi's convention: noise at t = 1, actions at t = 0)
-    with RTC guidance. noise, prefix (B, H, A) normalised and zero-padded; weights (B, H, A)."""
+    with RTC guidance. noise, prefix (B, H, A) normalised and zero-padded; weights (B, H, A);
+    max_guidance_weight: one beta, or one per row (B,), so rows of a batch do not share theirs."""
     from kilovla.models.pi05 import Pi05Model
 
     if not isinstance(model, Pi05Model):
@@ -72,6 +74,7 @@ def sample_actions_rtc(model, batch, noise: torch.Tensor, prefix: torch.Tensor, 
     with torch.no_grad():
         field, _ = model.velocity_field(batch)
     guided = bool(weights.any())
+    beta = torch.as_tensor(max_guidance_weight, dtype=noise.dtype, device=noise.device).expand(noise.shape[0])
     x, dt = noise, -1.0 / n
     for step in range(n):
         t = 1.0 + step * dt
@@ -86,6 +89,6 @@ def sample_actions_rtc(model, batch, noise: torch.Tensor, prefix: torch.Tensor, 
                 x0 = xg - t * v
                 err = (prefix - x0) * weights
                 (correction,) = torch.autograd.grad(x0, xg, err.detach())
-            v = v.detach() - guidance_weight(1.0 - t, max_guidance_weight) * correction
+            v = v.detach() - guidance_weight(1.0 - t, beta)[:, None, None] * correction
         x = (x + dt * v).detach()
     return x

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
+from kilovla.models.images import resize_images
 from kilovla.models.pi05 import Pi05Model
 from kilovla.models.rtc import prefix_weights, sample_actions_rtc
 from kilovla.serve.graphs import GraphedSampler
@@ -134,6 +135,19 @@ class PolicyEngine:
             weights[i, :, :dim] = torch.from_numpy(w)[:, None]
         return prefix, weights
 
+    def _stack_images(self, images: list[np.ndarray]) -> np.ndarray:
+        """Robots' frames of one camera as one array. Frames of different sizes are each resized to the
+        model's input first, as the processor would resize each alone (on the 0-255 scale, so its
+        division by 255 follows): a request's actions do not depend on its neighbours' cameras."""
+        if len({im.shape for im in images}) == 1:
+            return np.stack(images)
+        size = self.model.config.vision.image_size
+        out = []
+        for im in images:
+            t = torch.from_numpy(np.ascontiguousarray(im)).permute(2, 0, 1)[None].float()
+            out.append(resize_images(t, size, self.meta.image_resize)[0].permute(1, 2, 0).numpy())
+        return np.stack(out)
+
     def warm_up(self) -> float:
         """One request of zeros before the server says it is ready (first-call allocations, a batch-1
         CUDA graph); returns its ms."""
@@ -146,8 +160,8 @@ class PolicyEngine:
 
     def infer(self, requests: list[Request]) -> tuple[list[np.ndarray], float]:
         """One forward for the batch: the actions of each request (H, action_dim) and the model's ms."""
-        keys = [*self.meta.camera_map, *self.meta.state_keys]
-        data = {k: np.stack([r.obs[k] for r in requests]) for k in keys}
+        data = {k: self._stack_images([r.obs[k] for r in requests]) for k in self.meta.camera_map}
+        data.update({k: np.stack([r.obs[k] for r in requests]) for k in self.meta.state_keys})
         data["task"] = [r.obs["task"] for r in requests]
         rtc = any(r.rtc is not None for r in requests)
         # RTC differentiates the action expert: no inference_mode then (its tensors refuse autograd).
@@ -158,9 +172,9 @@ class PolicyEngine:
             t0 = time.perf_counter()
             if rtc:
                 prefix, weights = self.rtc_guidance(requests)
-                beta = max(r.rtc.max_guidance_weight for r in requests if r.rtc is not None)
+                beta = torch.tensor([r.rtc.max_guidance_weight if r.rtc is not None else 0.0 for r in requests])
                 actions = sample_actions_rtc(self.model, batch, noise, prefix.to(self.device), weights.to(self.device),
-                                             max_guidance_weight=beta)
+                                             max_guidance_weight=beta.to(self.device))
             else:
                 actions = self.sampler(batch, noise)
             if self.device.type == "cuda":

@@ -39,21 +39,35 @@ def _pack_array(obj):
     return obj
 
 
+NUMERIC_KINDS = "biuf"  # bool, signed and unsigned integers, floats: all a request's arrays may hold
+
+
+def _dtype(obj: dict, what: str) -> np.dtype:
+    try:
+        dtype = np.dtype(obj[b"dtype"])
+    except (KeyError, TypeError, ValueError):
+        raise BadRequest(f"{what} without a valid dtype") from None
+    if dtype.kind not in NUMERIC_KINDS:
+        raise BadRequest(f"unsupported dtype {dtype} in {what} (numbers and booleans only)")
+    return dtype
+
+
 def _unpack_array(obj: dict):
     if b"__ndarray__" in obj:
-        dtype = np.dtype(obj[b"dtype"])
-        if dtype.kind in "VOc":
-            raise BadRequest(f"unsupported dtype {dtype} in an array")
-        shape = tuple(int(d) for d in obj[b"shape"])
-        data = obj[b"data"]
-        if not isinstance(data, bytes) or len(data) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        dtype = _dtype(obj, "an array")
+        shape, data = obj.get(b"shape"), obj.get(b"data")
+        if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape) \
+                or not isinstance(data, bytes):
+            raise BadRequest("an array needs bytes 'data' and a 'shape' of non-negative integers")
+        if len(data) != int(np.prod(shape, dtype=object)) * dtype.itemsize:
             raise BadRequest(f"an array of shape {list(shape)} {dtype} does not match its {len(data)} data bytes")
-        return np.ndarray(buffer=data, dtype=dtype, shape=shape)
+        return np.ndarray(buffer=data, dtype=dtype, shape=tuple(shape))
     if b"__npgeneric__" in obj:
-        dtype = np.dtype(obj[b"dtype"])
-        if dtype.kind in "VOc":
-            raise BadRequest(f"unsupported dtype {dtype} in a scalar")
-        return dtype.type(obj[b"data"])
+        dtype = _dtype(obj, "a scalar")
+        try:
+            return dtype.type(obj.get(b"data"))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise BadRequest(f"a {dtype} scalar: {e}") from None
     return obj
 
 
@@ -67,8 +81,10 @@ def unpackb(data: bytes):
         return msgpack.unpackb(data, object_hook=_unpack_array, raw=False, strict_map_key=False)
     except BadRequest:
         raise
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise BadRequest(f"not a msgpack frame: {e}") from None
+    except msgpack.StackError:
+        raise BadRequest("not a msgpack frame: nested too deeply") from None
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as e:
+        raise BadRequest(f"not a msgpack frame: {e or type(e).__name__}") from None
 
 
 # -- observation layouts -------------------------------------------------------------------------
@@ -115,9 +131,10 @@ def detect_layout(obs: dict) -> str:
 
 def as_hwc_uint8(image, key: str) -> np.ndarray:
     """HWC uint8, or CHW / HWC float in [0, 1] -> HWC uint8."""
-    a = np.asarray(image)
-    if a.ndim != 3 or 3 not in (a.shape[0], a.shape[-1]):
-        raise BadRequest(f"{key}: an image must be (H, W, 3) or (3, H, W), got shape {list(a.shape)}")
+    a = image if isinstance(image, np.ndarray) else None
+    if a is None or a.ndim != 3 or 3 not in (a.shape[0], a.shape[-1]) or min(a.shape) < 1:
+        raise BadRequest(f"{key}: an image must be an (H, W, 3) or (3, H, W) array, got "
+                         f"{list(a.shape) if a is not None else type(image).__name__}")
     if a.shape[-1] != 3:
         a = a.transpose(1, 2, 0)
     if a.dtype == np.uint8:
@@ -135,6 +152,8 @@ def to_policy_observation(obs: dict, inputs: PolicyInputs, layout: str | None = 
     Raises BadRequest naming the missing or misshapen key."""
     if not isinstance(obs, dict):
         raise BadRequest(f"a request must be a map of observation keys, got {type(obs).__name__}")
+    if not all(isinstance(k, str) for k in obs):
+        raise BadRequest(f"observation keys must be strings, got {[k for k in obs if not isinstance(k, str)][:3]}")
     name = layout or detect_layout(obs)
     if name not in ("lerobot", *LAYOUTS):
         raise BadRequest(f"unknown observation layout {name!r}; known: lerobot, {', '.join(LAYOUTS)}")
@@ -147,9 +166,10 @@ def to_policy_observation(obs: dict, inputs: PolicyInputs, layout: str | None = 
     for key, width in zip(inputs.state_keys, inputs.state_widths):
         if key not in source:
             raise BadRequest(f"missing state {key!r} ({_wanted(inputs, name, key)})")
-        value = np.asarray(source[key], np.float64).reshape(-1)
-        if value.shape != (width,):
-            raise BadRequest(f"{key}: the policy reads {width} values, got shape {list(np.shape(source[key]))}")
+        value = _numbers(source[key], key)
+        if value.ndim > 1 or value.size != width:
+            raise BadRequest(f"{key}: the policy reads {width} values, got shape {list(value.shape)}")
+        value = value.reshape(-1).astype(np.float64)
         if not np.isfinite(value).all():
             raise BadRequest(f"{key}: holds NaN or inf")
         out[key] = value.astype(np.float32)
@@ -171,13 +191,25 @@ def _policy_keys(obs: dict, inputs: PolicyInputs, name: str) -> dict:
     for req, camera in zip(layout.cameras, inputs.cameras):
         if req in source and req not in inputs.mapping:
             source[camera] = source.pop(req)
-    parts = [np.asarray(source[k], np.float64).reshape(-1) for k in layout.state if k in source]
+    parts = [_numbers(source[k], k).reshape(-1) for k in layout.state if k in source]
     if parts and len(parts) == len(layout.state) and len(inputs.state_keys) == 1 \
             and inputs.state_keys[0] not in source:
         source[inputs.state_keys[0]] = np.concatenate(parts)
     if layout.prompt in source and "task" not in source:
         source["task"] = source.pop(layout.prompt)
     return source
+
+
+def _numbers(value, key: str) -> np.ndarray:
+    """A state value (array, list or number) as a numeric array, or BadRequest naming the key."""
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError):
+        a = None
+    if a is None or a.dtype.kind not in NUMERIC_KINDS:
+        raise BadRequest(f"{key}: must be numbers, got {type(value).__name__}"
+                         + (f" of {a.dtype}" if a is not None else ""))
+    return a
 
 
 def _wanted(inputs: PolicyInputs, name: str, key: str) -> str:

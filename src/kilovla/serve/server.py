@@ -40,6 +40,8 @@ from kilovla.serve.protocol import BadRequest, packb, to_policy_observation, unp
 
 log = logging.getLogger(__name__)
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+RTC_FIELDS = ("inference_delay", "prefix", "execution_horizon", "max_guidance_weight")
+MAX_GUIDANCE_WEIGHT = 100.0  # LeRobot uses 10 for 10-step flow; far beyond it guidance only overshoots
 
 
 @dataclass
@@ -74,7 +76,13 @@ class PolicyServer:
         self.answered = 0  # replies sent with actions
         self.in_flight = 0  # requests queued or in a running batch
         self.connections = 0  # open connections: each has at most one request in flight (openpi is lock-step)
+        self.stopping = False  # SIGTERM came: what is queued is answered, nothing new is taken
         self._wake: asyncio.Event | None = None
+        known = {*self.inputs.cameras, *self.inputs.state_keys, "task"}
+        wrong = {k: v for k, v in self.inputs.mapping.items() if v not in known}
+        if wrong:
+            raise KilovlaError(f"--map {', '.join(f'{k}={v}' for k, v in wrong.items())}: not a key of the policy "
+                               f"(its keys: {', '.join(sorted(known))})")
 
     # -- HTTP before the upgrade ---------------------------------------------------------------------
     def _process_request(self, connection, request):
@@ -95,6 +103,9 @@ class PolicyServer:
             await ws.send(packb(self.metadata))
             last = None
             async for message in ws:
+                if self.stopping:
+                    await ws.close(1001, "server shutting down")
+                    return
                 start = time.monotonic()
                 reply = await self._answer(message)
                 if isinstance(reply, _Failure):
@@ -120,19 +131,25 @@ class PolicyServer:
             if not isinstance(obs, dict):
                 raise BadRequest(f"a request must be a map of observation keys, got {type(obs).__name__}")
             obs = dict(obs)
-            if obs.pop("endpoint", "infer") == "reset":
+            endpoint = obs.pop("endpoint", "infer")
+            if not isinstance(endpoint, str) or endpoint not in ("infer", "reset"):
+                raise BadRequest(f"endpoint must be 'infer' or 'reset', got {endpoint!r}"[:200])
+            if endpoint == "reset":
                 return "reset successful"
             seed, noise = obs.pop("seed", None), obs.pop("noise", None)
-            if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-                raise BadRequest(f"seed must be an integer, got {seed!r}")
+            if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
+                                     or not 0 <= int(seed) < 2**63):
+                raise BadRequest(f"seed must be an integer in [0, 2^63), got {seed!r}")
+            seed = None if seed is None else int(seed)
             shape = tuple(self.metadata["noise_shape"])
             if noise is not None and (not hasattr(noise, "shape") or tuple(noise.shape) != shape
                                       or noise.dtype.kind != "f" or not np.isfinite(noise).all()):
                 raise BadRequest(f"noise must be a finite float array of shape {list(shape)}")
             rtc = self._rtc(obs.pop("rtc", None))
             request = Request(to_policy_observation(obs, self.inputs, self.cfg.layout), seed, noise, rtc)
-        except BadRequest as e:
-            return f"bad request: {e}"
+        except (BadRequest, ValueError, TypeError, KeyError, AttributeError, OverflowError, MemoryError) as e:
+            # whatever a malformed request trips over is its own fault: said to it, the connection stays
+            return f"bad request: {e if isinstance(e, BadRequest) else f'{type(e).__name__}: {e}'}"[:2000]
         t0 = time.monotonic()
         future = asyncio.get_running_loop().create_future()
         self.in_flight += 1
@@ -158,20 +175,27 @@ class PolicyServer:
                              "(GR00T) refuses it")
         if not isinstance(spec, dict) or "prefix" not in spec or "inference_delay" not in spec:
             raise BadRequest("rtc must be a map with 'inference_delay' and 'prefix'")
+        unknown = sorted(set(spec) - set(RTC_FIELDS), key=str)
+        if unknown:
+            raise BadRequest(f"rtc: unknown field(s) {unknown}; known: {', '.join(RTC_FIELDS)}")
         prefix, d = spec["prefix"], spec["inference_delay"]
         dim = self.metadata["action_dim"]
-        if not hasattr(prefix, "shape") or prefix.ndim != 2 or prefix.shape[1] != dim or not len(prefix) \
+        if not isinstance(prefix, np.ndarray) or prefix.ndim != 2 or prefix.shape[1] != dim or not len(prefix) \
                 or prefix.dtype.kind not in "fiu" or not np.isfinite(prefix).all():
-            raise BadRequest(f"rtc.prefix must be a finite (k, {dim}) array with k >= 1, "
-                             f"got {list(getattr(prefix, 'shape', []))}")
+            got = list(prefix.shape) if isinstance(prefix, np.ndarray) else type(prefix).__name__
+            raise BadRequest(f"rtc.prefix must be a finite (k, {dim}) array with k >= 1, got {got}")
         s = spec.get("execution_horizon")
         for name, value in (("inference_delay", d), ("execution_horizon", s)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0):
                 raise BadRequest(f"rtc.{name} must be an integer >= 0, got {value!r}")
+        if d > len(prefix):
+            raise BadRequest(f"rtc.inference_delay {d} is longer than the prefix ({len(prefix)} actions): the "
+                             "actions that execute before the new chunk arrives must be in the prefix")
         beta = spec.get("max_guidance_weight", 10.0)
-        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta > 0:
-            raise BadRequest(f"rtc.max_guidance_weight must be a number > 0, got {beta!r}")
-        return Rtc(np.asarray(prefix, np.float32), d, s, float(beta))
+        if not isinstance(beta, (int, float, np.floating, np.integer)) or isinstance(beta, bool) \
+                or not 0 < beta <= MAX_GUIDANCE_WEIGHT:
+            raise BadRequest(f"rtc.max_guidance_weight must be a number in (0, {MAX_GUIDANCE_WEIGHT:g}], got {beta!r}")
+        return Rtc(np.asarray(prefix, np.float32), int(d), None if s is None else int(s), float(beta))
 
     # -- batching ------------------------------------------------------------------------------------
     async def _run_batches(self) -> None:
@@ -223,7 +247,8 @@ class PolicyServer:
             if ready is not None:
                 ready(port)
             await stop.wait()
-            server.close(close_connections=False)  # no new connections; the open ones get their answers
+            self.stopping = True  # open connections get what they asked before now, then 1001
+            server.close(close_connections=False)  # no new connections
             while self.in_flight:
                 await asyncio.sleep(0.01)
             for ws in list(server.connections):

@@ -59,7 +59,7 @@ class PlainLines:
         """`status`: a line, or a function giving it (the heartbeat then repeats it with fresh figures)."""
         with self._lock:
             self.status = status
-            if force or self.clock() - self.last >= self.every_s:
+            if force or self.clock() - self.last >= self.every_s - self.POLL_S:  # before the heartbeat would
                 self._print(f"{self.label}: {self._text()}")
 
     def _text(self) -> str:

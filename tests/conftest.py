@@ -113,3 +113,19 @@ def assert_training_reduces_loss(model, batch, steps: int = 30) -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def tiny_reach_policy(root: Path, *overrides: str) -> str:
+    """A tiny pi0.5 trained for 2 steps on 2 scripted reach-v3 demonstrations at 32 px (cameras scene and
+    wrist, 4-D state, chunks of 4): a policy folder for the tests that serve, evaluate or fine-tune one.
+    `overrides` (dotted flags) come after the defaults and win."""
+    from kilovla.config import load_config
+    from kilovla.envs.collect import collect
+    from kilovla.train.trainer import TrainConfig, train
+
+    collect(root / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
+    cfg = load_config(TrainConfig, None, [
+        f"--run_dir={root / 'run'}", "--steps=2", f"--dataset.roots=[{root / 'mw'}]", "--batch.global_batch_size=8",
+        "--batch.token_budget=512", "--progress=false", "--policy.n_action_steps=4",
+        "--policy.overrides={chunk_size: 4}", *overrides])
+    return train(cfg)["checkpoint"]

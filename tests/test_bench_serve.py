@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import tiny_reach_policy
 from kilovla.bench import serve as serve_bench
 
 pytest.importorskip("openpi_client")
@@ -18,17 +19,8 @@ TINY = serve_bench.ServeBenchSize(duration_s=1.0, repeats=1, warmup=1, load_requ
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     """The suite's quick path on a tiny pi0.5 (reach-v3, 2 episodes at 32 px, 2 training steps)."""
-    from kilovla.config import load_config
-    from kilovla.envs.collect import collect
-    from kilovla.train.trainer import TrainConfig, train
-
     root = tmp_path_factory.mktemp("bench-serve")
-    collect(root / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
-    cfg = load_config(TrainConfig, None, [
-        f"--run_dir={root / 'run'}", "--steps=2", f"--dataset.roots=[{root / 'mw'}]", "--batch.global_batch_size=8",
-        "--batch.token_budget=512", "--progress=false", "--policy.n_action_steps=4",
-        "--policy.overrides={chunk_size: 4}"])
-    policy = train(cfg)["checkpoint"]
+    policy = tiny_reach_policy(root)
     path = serve_bench.run(quick=True, out_dir=root / "out", policy=policy, size=TINY)
     return json.loads(path.read_text())
 

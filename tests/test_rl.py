@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_reach_policy
 from kilovla.errors import KilovlaError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -20,19 +21,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.filterwarnings("ign
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    """A tiny pi0.5 trained for a few steps on scripted reach demonstrations: a policy folder."""
-    from kilovla.config import load_config
-    from kilovla.envs.collect import collect
-    from kilovla.train.trainer import TrainConfig, train
-
-    root = tmp_path_factory.mktemp("rlpolicy")
-    collect(root / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
-    cfg = load_config(TrainConfig, None, [
-        f"--run_dir={root / 'run'}", "--steps=3", f"--dataset.roots=[{root / 'mw'}]", "--batch.global_batch_size=8",
-        "--batch.token_budget=512", "--checkpoint.every=3", "--progress=false", "--policy.n_action_steps=4",
-        "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
-        "--policy.state_keys=[observation.state, observation.environment_state]"])
-    return train(cfg)["checkpoint"]
+    """A tiny pi0.5 reading the environment state too (3 training steps, a checkpoint at the last)."""
+    return tiny_reach_policy(tmp_path_factory.mktemp("rlpolicy"), "--steps=3", "--checkpoint.every=3",
+                             "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
+                             "--policy.state_keys=[observation.state, observation.environment_state]")
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from conftest import tiny_reach_policy
 from kilovla.serve.protocol import BadRequest, packb, to_policy_observation, unpackb
 
 pytest.importorskip("openpi_client")
@@ -24,18 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a 
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    """A tiny pi0.5 trained for a few steps on scripted reach demonstrations (cameras scene, wrist; 4-D state)."""
-    from kilovla.config import load_config
-    from kilovla.envs.collect import collect
-    from kilovla.train.trainer import TrainConfig, train
-
-    root = tmp_path_factory.mktemp("serve")
-    collect(root / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
-    cfg = load_config(TrainConfig, None, [
-        f"--run_dir={root / 'run'}", "--steps=2", f"--dataset.roots=[{root / 'mw'}]", "--batch.global_batch_size=8",
-        "--batch.token_budget=512", "--progress=false", "--policy.n_action_steps=4",
-        "--policy.overrides={chunk_size: 4}"])
-    return train(cfg)["checkpoint"]
+    return tiny_reach_policy(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")

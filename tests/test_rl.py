@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tiny_reach_policy
 from kilovla.errors import KilovlaError
@@ -43,7 +44,7 @@ def _config(policy_dir, run_dir, *overrides):
         f"--run_dir={run_dir}", f"--policy={policy_dir}", "--steps=3", "--env.tasks=[reach-v3]", "--env.workers=2",
         "--env.envs_per_worker=2", "--env.resolution=32", "--env.max_steps=30", "--rollout.segment_steps=3",
         "--learner.batch_segments=4", "--learner.algo.micro_batch=6", "--checkpoint.every=2", "--eval.episodes=2",
-        "--eval.batch_size=2", "--progress=false", *overrides])
+        "--eval.batch_size=2", "--progress=false", "--learner.algo.name=ppo", *overrides])
 
 
 def _records(run_dir):
@@ -145,21 +146,29 @@ def test_a_hung_weight_sync_ends_the_run_with_one_message(policy_dir, local_ray,
         runner.run(cfg, faults={"server": {"hang_weight_sync_at": 1}})
 
 
-def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
-    run = tmp_path / "run"
-    args = [sys.executable, "-m", "kilovla", "rl", "--mode", "async", "--policy", str(policy_dir),
-            f"--run_dir={run}", "--steps=5", "--env.tasks=[reach-v3]", "--env.workers=1", "--env.envs_per_worker=2",
+def _kill_driver_at(run, steps: int, algo: list, checkpoint: str) -> tuple[list, dict]:
+    """Start `kilovla rl` (async, tiny) in its own session, kill -9 it and its Ray once `checkpoint` is
+    written; returns the command line and environment to resume it with."""
+    args = [sys.executable, "-m", "kilovla", "rl", "--mode", "async", "--policy", str(algo[0]),
+            f"--run_dir={run}", f"--steps={steps}", "--env.tasks=[reach-v3]", "--env.workers=1", "--env.envs_per_worker=2",
             "--env.resolution=32", "--env.max_steps=30", "--rollout.segment_steps=3", "--learner.batch_segments=2",
-            "--checkpoint.every=2", "--eval.episodes=0", "--progress=false", "--learner.algo.kl_coef=0.5",
-            "--learner.algo.optim.lr=1e-3", "--learner.algo.optim.warmup_steps=0"]
+            "--checkpoint.every=2", "--eval.episodes=0", "--progress=false", *algo[1:]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     driver = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 240
-    while not (run / "checkpoints" / "step_000002" / "rl_state.json").is_file():
+    while not (run / "checkpoints" / checkpoint / "rl_state.json").is_file():
         assert driver.poll() is None and time.monotonic() < deadline, driver.stderr.read().decode()[-2000:]
         time.sleep(0.5)
     os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray instance it started
     driver.wait()
+    return args, env
+
+
+def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
+    run = tmp_path / "run"
+    args, env = _kill_driver_at(run, 5, [policy_dir, "--learner.algo.name=ppo", "--learner.algo.kl_coef=0.5",
+                                         "--learner.algo.optim.lr=1e-3", "--learner.algo.optim.warmup_steps=0"],
+                                "step_000002")
     from kilovla.rl.runner import first_train_seed
 
     saved = json.loads((run / "checkpoints" / "step_000002" / "rl_state.json").read_text())["next_seeds"]["0"]
@@ -171,6 +180,56 @@ def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
     assert steps[-3:] == [3, 4, 5] and steps.count(3) == 1  # continued after step 2; nothing logged twice
     # the KL's reference is still the policy the run began with, not the checkpoint it resumed from
     assert _records(run)[-3]["learner/kl_to_start"] > 1e-6
+
+
+SAC = ("--learner.algo.name=residual_sac", "--learner.algo.sac.warmup_transitions=8", "--learner.algo.sac.batch_size=16",
+       "--learner.algo.sac.critic_warmup_updates=4",
+       "--learner.algo.sac.utd=2")
+
+
+def test_residual_sac_in_sync_mode_loses_only_a_crashed_workers_round_and_writes_a_policy_folder(policy_dir, local_ray,
+                                                                                                tmp_path):
+    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.models.residual import ResidualPolicyModel
+    from kilovla.rl import runner
+
+    summary = runner.run(_config(policy_dir, tmp_path / "run", "--mode=sync", "--steps=4", *SAC),
+                         faults={"env_workers": {0: {"crash_after": 10}}})
+    records = _records(tmp_path / "run")
+    assert summary["steps"] == 4 and [r["step"] for r in records] == [1, 2, 3, 4]
+    assert summary["replaced_workers"] == 1 and summary["dropped_segments"] % 4 == 0 < summary["dropped_segments"]
+    last = records[-1]
+    # 4 versions x 4 segments x 3 chunk steps stored; updates at utd 2 once 8 transitions are usable
+    assert last["learner/replay"] == 48 and last["learner/updates"] > 0
+    assert {"learner/alpha", "learner/entropy", "learner/q", "learner/critic_loss", "learner/residual_at_bound",
+            "successes"} <= set(last)
+    final = Path(summary["checkpoint"])
+    for name in ("model.safetensors", "residual.safetensors", "critic.safetensors", "replay.safetensors", "learner.pt"):
+        assert (final / name).is_file(), name
+    assert not (final / "value_head.safetensors").exists()
+    assert json.loads((final / "policy.json").read_text())["residual"]["algorithm"] == "residual_sac"
+    assert isinstance(load_checkpoint_policy(final).model, ResidualPolicyModel)
+    assert 0.0 <= summary["eval"]["success_rate"] <= 1.0
+    with pytest.raises(KilovlaError, match="holds a residual actor"):  # PPO would drop the residual
+        runner.run(_config(final, tmp_path / "ppo", "--steps=1"))
+
+
+def test_residual_sac_resumes_after_kill_9_with_its_buffer(policy_dir, tmp_path):
+    from kilovla.models.checkpoints import read_safetensors
+
+    run = tmp_path / "run"
+    args, env = _kill_driver_at(run, 6, [policy_dir, *SAC], "step_000004")
+    saved = read_safetensors(run / "checkpoints" / "step_000004" / "replay.safetensors")
+    assert len(saved["reward"]) == 4 * 2 * 3  # every transition of 4 versions of 2 segments x 3 steps
+    resumed = subprocess.run([*args, "--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads(resumed.stdout[resumed.stdout.index("{"):])["steps"] == 6
+    records = _records(run)
+    steps = [r["step"] for r in records]
+    assert steps[-2:] == [5, 6] and steps.count(5) == 1
+    assert records[-1]["learner/replay"] == 6 * 2 * 3  # the saved buffer plus what came after: nothing lost
+    final = read_safetensors(run / "checkpoints" / "step_000006" / "replay.safetensors")
+    assert torch.equal(final["features"][:24], saved["features"])
 
 
 def test_a_critic_of_another_width_is_relearned_from_a_policy_and_refused_on_resume(policy_dir, tmp_path, caplog,
@@ -286,3 +345,37 @@ def test_resuming_a_kl_run_whose_start_policy_is_gone_is_refused_in_one_line(pol
     with pytest.raises(KilovlaError, match="the policy this run began with.*is gone") as err:
         runner.run(cfg, resume=str(step))
     assert "\n" not in str(err.value)
+
+
+CANARY = ("--mode=sync", "--env.tasks=[reach-v3]", "--env.workers=2", "--env.envs_per_worker=4", "--env.max_steps=60",
+          "--rollout.segment_steps=4", "--learner.batch_segments=8", "--env.reward_scale=1e-2", "--env.success_bonus=10",
+          "--learner.algo.sac.res_scale=1.0", "--learner.algo.sac.warmup_transitions=256",
+          "--learner.algo.sac.critic_warmup_updates=256", "--learner.algo.sac.utd=2", "--eval.episodes=0",
+          "--checkpoint.every=100000", "--progress=false")
+
+
+def _canary_success(folder, episodes=30):
+    from kilovla.eval.closed_loop import evaluate, load_policy
+    from kilovla.eval.intervals import wilson_interval
+
+    torch.manual_seed(0)  # the base's noise: the same draws for every policy evaluated
+    report = evaluate(load_policy(str(folder)), tasks=["reach-v3"], episodes=episodes, batch_size=10, seed=1,
+                      resolution=32, max_steps=60)
+    won = round(report["overall_success_rate"] * episodes)
+    return won, wilson_interval(won, episodes)
+
+
+def test_canary_residual_sac_lifts_a_weak_reach_policy_and_not_at_lr_0(policy_dir, local_ray, tmp_path):
+    """The pipeline must improve a case that can improve: the 3-step policy (it does not reach) with a
+    residual that may take over the action (bound 1.0), shaped reach reward, sync mode, fixed seeds. With
+    the actor's learning rate at 0 the policy must stay exactly the start's."""
+    from kilovla.rl import runner
+
+    before, before_ci = _canary_success(policy_dir)
+    learned = runner.run(runner.load(None, [f"--run_dir={tmp_path / 'lr'}", f"--policy={policy_dir}", *CANARY,
+                                            "--max_env_steps=20000", "--steps=100000"]))
+    after, after_ci = _canary_success(learned["checkpoint"])
+    assert after_ci[0] > before_ci[1], (before, after)  # the intervals do not overlap
+    frozen = runner.run(runner.load(None, [f"--run_dir={tmp_path / 'lr0'}", f"--policy={policy_dir}", *CANARY,
+                                           "--max_env_steps=3000", "--steps=100000", "--learner.algo.sac.actor_lr=0"]))
+    assert _canary_success(frozen["checkpoint"]) == (before, before_ci)

@@ -162,18 +162,15 @@ def cmd_bench(args) -> int:
         "pruning": lambda: models_bench.run_pruning(quick=args.quick, out_dir=args.out),
         "scaling": lambda: scaling_bench.run(quick=args.quick, out_dir=args.out),
         "load": lambda: load_bench.run(quick=args.quick, out_dir=args.out),
-        "rl": lambda: rl_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, minutes=args.minutes),
+        "rl": lambda: rl_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, minutes=args.minutes,
+                                   env_steps=args.env_steps, only=args.only),
         "fp8": lambda: fp8_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, dataset=args.dataset,
                                      episodes=args.episodes, resolution=args.resolution),
         "serve": lambda: serve_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy),
     }
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    if args.suite == "all" and args.policy is None:
-        try:
-            args.policy = rl_bench.default_policy()
-        except KilovlaError as e:
-            print(f"skipping the rl suite: {e}")
-            suites.remove("rl")
+    if args.only is not None and args.suite != "rl":
+        raise KilovlaError(f"--only selects rows of the rl suite, not of {args.suite}")
     from kilovla.progress import Heartbeat
 
     for suite in suites:
@@ -424,7 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_flags(p)
     p.add_argument("--policy", default=None, help="rl, fp8, serve: the policy folder to fine-tune / quantize / serve (default: the "
                    "demo's checkpoint; fp8 trains one with the demo's recipe when there is none)")
-    p.add_argument("--minutes", type=float, default=30.0, help="rl: wall-time budget of the RL fine-tuning run")
+    p.add_argument("--minutes", type=float, default=60.0, help="rl: wall-time cap of each RL run of the gain rows")
+    p.add_argument("--env-steps", type=int, default=250_000, help="rl: env-step budget of each RL run of the gain rows")
+    p.add_argument("--only", choices=["gain", "throughput"], default=None,
+                   help="rl: just the closed-loop gain rows, or just the throughput rows")
     p.add_argument("--dataset", default=None, help="fp8: held-out LeRobot data (default: fresh scripted episodes)")
     p.add_argument("--resolution", type=int, default=None,
                    help="fp8: camera pixels of the held-out episodes and the closed loop (default: the demo's)")

@@ -1,5 +1,8 @@
 """`kilovla bench rl`: RL-VLA3 against the synchronous baseline, same workers, same policy, same algorithm.
 
+`--only throughput` runs the throughput rows and the batcher grid (PPO, as always measured), `--only
+gain` the closed-loop gain rows; neither: both (`--quick`: throughput only).
+
 Throughput rows `env_steps_per_s_sigma_{0,0.5,1.0,1.5}` and `env_steps_per_s_straggler`: Meta-World
 envs (2 env workers x 12 envs, reach-v3 and push-v3, 32 px, two cameras rendered once per chunk)
 behind `LatencyWrapper` (lognormal step latency with the given sigma around the workload's mean;
@@ -23,11 +26,14 @@ Two workloads (`Workload`), each the same for both modes:
 Batcher grid (async, sigma 1.0): B_max x T_max -> env steps/s and p99 queue wait (table, JSON, PNG);
 in --quick the throughput row's async run is the default batcher's (B_max 16, T_max 0) point.
 
-Learning (not in --quick; `FINETUNE` is the recipe): from the same supervised checkpoint, sync and
-async RL on the weak tasks (3 seeds each, `minutes / 6` each, success rate of training episodes
-against env steps, PNG), and row
-`rl_success_gain_points`: closed-loop success on 50 fixed-seed episodes per task after an async RL
-run of at most `minutes` minutes, minus before (baseline: the supervised checkpoint).
+Gain rows (not in --quick): from a start checkpoint (`--policy`, or the weak one `start_policy` builds
+under OUT/rl-start with `START_RECIPE`), closed-loop success on reach-v3 + push-v3 (100 fixed-seed
+episodes per task, `EVAL_SEED`, disjoint from the demonstrations' and RL's seeds), then an RL run of
+residual SAC (the `GAIN` recipe) for `env_steps` (250 k; `minutes` caps it),
+async, evaluated again: `rl_success_gain_points`; the same budget in sync mode:
+`rl_success_gain_points_sync`. Each row's note has the per-task rates, both Wilson intervals, env
+steps, versions and minutes; OUT/rl_learning_curve.png plots training-episode success against env
+steps for both runs.
 """
 
 from __future__ import annotations
@@ -53,16 +59,22 @@ SETTINGS = {  # row suffix -> LatencyModel fields
     "straggler": {"distribution": "straggler", "mean_s": LATENCY_MEAN_S, "p": 0.05, "k": 10},
 }
 WEAK_TASKS = ("reach-v3", "push-v3")
-# The fine-tuning recipe of the learning runs: 12 envs in 2 workers at the demo's 64 px, episodes of
-# 200 steps, 4-step SDE chains while acting, one version of staleness, 24 segments (192 samples) per
-# step at lr 3e-5, and a KL penalty to the start policy: without it every learning rate tried drifted
-# down (the narrow demo checkpoint, 14 min: 48 % -> 30 % at lr 3e-5, 40 % at 1e-5 with 48 segments;
-# with kl_coef 1.0 -> 54 % in 14 min, 48 % in 30: it holds, it does not add; advantage-weighted regression
-# instead of PPO lost more, 38 % at best; docs/rl_finetune.md).
-FINETUNE = ("--env.workers=2", "--env.envs_per_worker=6", "--env.resolution=64", "--env.max_steps=200",
-            "--rollout.segment_steps=8", "--rollout.sde_steps=4", "--learner.batch_segments=24",
-            "--learner.max_staleness=1", "--learner.algo.micro_batch=48", "--learner.algo.optim.lr=3e-5",
-            "--learner.algo.kl_coef=1.0", "--checkpoint.every=20")
+# The start checkpoint of the gain rows when no --policy is given: the demo's recipe cut down to the two
+# tasks, few demonstrations and few steps, no EMA (the folder's weights are what is evaluated and fine-
+# tuned). Measured on 2 cores: see docs/rl_finetune.md (closed loop between 25 % and 65 %).
+START_RECIPE = {"tasks": WEAK_TASKS, "episodes_per_task": 10, "train_steps": 500, "warmup_steps": 50, "ema_decay": None}
+# The gain rows' RL recipe (residual SAC): 12 envs in 2 workers at the policy's
+# resolution, Meta-World's 200-step evaluation horizon, 8-chunk segments, a policy version (an actor
+# sync) every 12 segments; off-policy, so rollouts may run ahead of the learner by several versions.
+# Reward: Meta-World's shaping at 1e-3 per step (at most 0.05 a chunk) and 2.5 on success, which still
+# outweighs a whole episode of shaping (200 x 10 x 1e-3 = 2.0) but gives the critics a signal between
+# successes (docs/rl_finetune.md, trial g3 on).
+GAIN = ("--learner.algo.name=residual_sac", "--env.workers=2", "--env.envs_per_worker=6", "--env.max_steps=200", "--rollout.segment_steps=8",
+        "--learner.batch_segments=12", "--learner.max_staleness=4", "--checkpoint.every=50",
+        "--env.reward_scale=1e-3", "--env.success_bonus=2.5")
+GAIN_ENV_STEPS = 250_000
+GAIN_EPISODES = 100  # per task, before and after
+EVAL_SEED = 1  # closed_loop.episode_seeds: disjoint from the demonstrations' (collect seed 0) and RL's (>= 10^7)
 
 
 @dataclass(frozen=True)
@@ -106,7 +118,7 @@ def workload_config(policy: str, run_dir: Path, mode: str, work: Workload, setti
                  f"--env.tasks=[{','.join(WEAK_TASKS)}]", "--env.workers=2", "--env.envs_per_worker=12",
                  "--env.resolution=32", f"--rollout.segment_steps={work.segment_steps}",
                  f"--learner.batch_segments={work.batch_segments}", "--learner.max_staleness=1", "--eval.episodes=0",
-                 "--progress=false", f"--checkpoint.every={steps + 1}",
+                 "--progress=false", f"--checkpoint.every={steps + 1}", "--learner.algo.name=ppo",
                  "--env.latency=" + json.dumps(work.latency(setting))]
     overrides += [f"--rollout.{k}={v}" for k, v in rollout.items()]
     if work.compute is not None:
@@ -164,52 +176,125 @@ def _batcher_grid(policy: str, tmp: Path, work: Workload, done: dict | None = No
     return grid
 
 
-def success_gain(policy: str, run_dir: Path, *, minutes: float, episodes: int, seed: int = 0,
-                 tasks=WEAK_TASKS, overrides: list[str] = ()) -> dict:
-    """Closed-loop success of `policy` on `tasks`, an async RL run of at most `minutes`, success again."""
+def start_policy(out: Path) -> str:
+    """The gain rows' weak start checkpoint (START_RECIPE), built under OUT/rl-start unless one built with the
+    same recipe is there."""
+    from kilovla.demo import FULL, build_demo_cache, collect_demonstrations, train_policy
+    from kilovla.train.checkpoint import latest
+
+    root = out / "rl-start"
+    recipe_file = root / "recipe.json"
+    found = latest(root / "run" / "checkpoints") if recipe_file.is_file() else None
+    if found is not None and json.loads(recipe_file.read_text()) == json.loads(json.dumps(START_RECIPE)):
+        return str(found)
+    recipe = FULL.replace(**START_RECIPE)
+    root.mkdir(parents=True, exist_ok=True)
+    log.info("bench rl: building the weak start checkpoint (%d demonstrations per task, %d steps)",
+             recipe.episodes_per_task, recipe.train_steps)
+    collect_demonstrations(recipe, root / "data")
+    build_demo_cache(root / "data")
+    checkpoint = train_policy(recipe, root / "data", root / "run", progress=False)["checkpoint"]
+    recipe_file.write_text(json.dumps(START_RECIPE))
+    return str(checkpoint)
+
+
+def closed_loop(policy: str, episodes: int, tasks=WEAK_TASKS) -> dict:
+    """Closed-loop success per task on fixed seeds (EVAL_SEED), with 95 % Wilson intervals: the base's Euler
+    steps from seeded noise, a residual's mean (deterministic given the seed)."""
+    import torch
+
     from kilovla.eval.closed_loop import evaluate, load_policy
+    from kilovla.eval.intervals import wilson_interval
+
+    torch.manual_seed(EVAL_SEED)  # the base's initial noise: the same draws before and after
+    report = evaluate(load_policy(policy), tasks=list(tasks), episodes=episodes, batch_size=10, seed=EVAL_SEED,
+                      resolution=_resolution(policy))
+    per_task = {}
+    for t, r in report["per_task"].items():
+        won = round(r["success_rate"] * episodes)
+        per_task[t] = {"success": won / episodes, "successes": won, "ci95": list(wilson_interval(won, episodes))}
+    won = sum(r["successes"] for r in per_task.values())
+    n = episodes * len(tasks)
+    return {"success": won / n, "successes": won, "episodes": n, "ci95": list(wilson_interval(won, n)), "per_task": per_task}
+
+
+def _resolution(policy: str) -> int:
+    size = json.loads((Path(policy) / "policy.json").read_text()).get("image_size")
+    return max(size) if size else 64
+
+
+def success_gain(policy: str, run_dir: Path, *, mode: str, env_steps: int, minutes: float, before: dict,
+                 episodes: int = GAIN_EPISODES, seed: int = 0, overrides: list[str] = ()) -> dict:
+    """An RL run of `mode` from `policy` for `env_steps` (at most `minutes`), then its closed loop against `before`."""
     from kilovla.rl import runner
 
-    common = dict(tasks=list(tasks), episodes=episodes, batch_size=10, resolution=64, seed=seed)
-    before = evaluate(load_policy(policy), **common)
-    cfg = runner.load(None, [f"--run_dir={run_dir}", f"--policy={policy}", "--mode=async", f"--seed={seed}",
-                             f"--env.tasks=[{','.join(tasks)}]", "--eval.episodes=0", "--progress=false", *FINETUNE,
-                             "--steps=100000", *overrides])
+    cfg = runner.load(None, [f"--run_dir={run_dir}", f"--policy={policy}", f"--mode={mode}", f"--seed={seed}",
+                             f"--env.tasks=[{','.join(WEAK_TASKS)}]", "--eval.episodes=0", "--progress=false", *GAIN,
+                             "--steps=1000000", f"--max_env_steps={env_steps}", *overrides])
     t0 = time.monotonic()
     summary = runner.run(cfg, time_budget_s=minutes * 60)
-    after = evaluate(load_policy(summary["checkpoint"]), **common)
-    return {"before": before["overall_success_rate"], "after": after["overall_success_rate"],
-            "per_task": {t: {"before": before["per_task"][t]["success_rate"], "after": after["per_task"][t]["success_rate"]}
-                         for t in tasks},
-            "rl_minutes": (time.monotonic() - t0) / 60, "rl_steps": summary["steps"], "env_steps": summary["env_steps"],
-            "checkpoint": summary["checkpoint"]}
+    rl_minutes = (time.monotonic() - t0) / 60
+    after = closed_loop(summary["checkpoint"], episodes)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"mode": mode, "algorithm": cfg.learner.algo.name, "before": before, "after": after,
+            "gain_points": round(100 * (after["success"] - before["success"]), 1),
+            "rl_minutes": rl_minutes, "versions": summary["steps"], "env_steps": summary["env_steps"],
+            "checkpoint": summary["checkpoint"],
+            "curve": [(r["env_steps"], r["wall_s"], r["episodes"], r["successes"]) for r in records]}
 
 
-def learning_curves(policy: str, tmp: Path, *, minutes: float, seeds=(0, 1, 2), overrides: list[str] = ()) -> dict:
-    """Training-episode success against env steps for sync and async from the same start."""
-    from kilovla.rl import runner
-
-    curves = {}
-    for mode in ("sync", "async"):
-        for seed in seeds:
-            run_dir = tmp / f"learn-{mode}-{seed}"
-            cfg = runner.load(None, [f"--run_dir={run_dir}", f"--policy={policy}", f"--mode={mode}", f"--seed={seed}",
-                                     f"--env.tasks=[{','.join(WEAK_TASKS)}]", "--eval.episodes=0", "--progress=false",
-                                     *FINETUNE, "--steps=100000", *overrides])
-            runner.run(cfg, time_budget_s=minutes * 60)
-            records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            curves[f"{mode}/{seed}"] = [(r["env_steps"], r["wall_s"], r["success_rate"]) for r in records]
-    return curves
+def gain_row(name: str, gain: dict) -> Row:
+    b, a = gain["before"], gain["after"]
+    tasks = ", ".join(f"{t} {100 * b['per_task'][t]['success']:.0f} -> {100 * a['per_task'][t]['success']:.0f} %"
+                      for t in b["per_task"])
+    ci = lambda r: f"[{100 * r['ci95'][0]:.0f}, {100 * r['ci95'][1]:.0f}]"  # noqa: E731
+    return Row(name, "points", round(100 * b["success"], 1), gain["gain_points"], None, None,
+               note=f"baseline: closed-loop success (%) of the start checkpoint, ours: after - before; {tasks}; "
+                    f"{b['episodes'] // len(b['per_task'])} fixed-seed deterministic episodes per task; before "
+                    f"{ci(b)}, after {ci(a)} (95 % Wilson); {gain['mode']} {gain['algorithm']}, {gain['env_steps']} env "
+                    f"steps, {gain['versions']} versions, {gain['rl_minutes']:.1f} min")
 
 
-def _plot(out_dir: Path, rows: list[Row], grid: list[dict], curves: dict) -> Path:
+def plot_curves(out_dir: Path, gains: list[dict]) -> Path:
+    """Training-episode success against env steps, one line per run (success over windows of ~10k env steps)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 3 if curves else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for gain in gains:
+        xs, ys, window = [], [], [0, 0, 0]
+        for env_steps, _, episodes, successes in gain["curve"]:
+            window[1] += episodes
+            window[2] += successes
+            if env_steps - window[0] >= 10_000 and window[1]:
+                xs.append(env_steps)
+                ys.append(100 * window[2] / window[1])
+                window = [env_steps, 0, 0]
+        ax.plot(xs, ys, "-o", ms=3, label=f"{gain['mode']} (closed loop {100 * gain['before']['success']:.0f} -> "
+                                          f"{100 * gain['after']['success']:.0f} %)",
+                color="tab:orange" if gain["mode"] == "async" else "tab:gray")
+    if gains:
+        ax.axhline(100 * gains[0]["before"]["success"], color="black", lw=0.8, ls="--", label="start, closed loop")
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("training-episode success (%)")
+    ax.set_title("residual SAC on reach-v3 + push-v3, 2 CPU cores")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "rl_learning_curve.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot(out_dir: Path, rows: list[Row], grid: list[dict]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     names = [r.name.removeprefix("env_steps_per_s_") for r in rows]
     axes[0].bar(names, [r.ratio or 0 for r in rows], color="tab:blue")
     axes[0].axhline(1.0, color="black", lw=0.8)
@@ -226,15 +311,6 @@ def _plot(out_dir: Path, rows: list[Row], grid: list[dict], curves: dict) -> Pat
     axes[1].set_ylabel("env-steps/s")
     axes[1].set_title("dynamic batcher, sigma 1.0")
     axes[1].legend()
-    if curves:
-        for key, pts in curves.items():
-            pts = [(s, r) for s, _, r in pts if r is not None]
-            axes[2].plot([s for s, _ in pts], [r for _, r in pts], color="tab:orange" if key.startswith("async") else
-                         "tab:gray", alpha=0.8, label=key)
-        axes[2].set_xlabel("env steps")
-        axes[2].set_ylabel("training success rate")
-        axes[2].set_title("learning: sync vs async")
-        axes[2].legend(fontsize=7)
     fig.tight_layout()
     path = out_dir / "rl.png"
     fig.savefig(path, dpi=110)
@@ -243,21 +319,44 @@ def _plot(out_dir: Path, rows: list[Row], grid: list[dict], curves: dict) -> Pat
 
 
 def default_policy() -> str:
-    """The demo's supervised checkpoint (`kilovla demo` writes it)."""
+    """The demo's supervised checkpoint (`kilovla demo` writes it): what `bench fp8` and `bench serve` take."""
     from kilovla.train.checkpoint import latest
 
     found = latest(Path("demo-output") / "run" / "checkpoints")
     if found is None:
-        raise KilovlaError("kilovla bench rl needs a policy folder: pass --policy PATH (e.g. the checkpoint "
+        raise KilovlaError("this benchmark needs a policy folder: pass --policy PATH (e.g. the checkpoint "
                            "`kilovla demo` writes to demo-output/run/checkpoints/)")
     return str(found)
 
 
-def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str | None = None, minutes: float = 30.0,
-        console=None) -> Path:
-    policy = policy or default_policy()
+def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str | None = None, minutes: float = 60.0,
+        env_steps: int = GAIN_ENV_STEPS, only: str | None = None, console=None) -> Path:
+    """`only`: "throughput" (the sync/async rows and the batcher grid) or "gain" (the closed-loop gain rows);
+    None: both (--quick: throughput only). Without `policy` the start checkpoint is built (`start_policy`)."""
+    if only not in (None, "gain", "throughput"):
+        raise KilovlaError(f"bench rl --only must be gain or throughput, not {only!r}")
+    if quick and only == "gain":
+        raise KilovlaError("bench rl --only gain has no --quick form: the gain rows need real RL runs")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    policy = policy or start_policy(out)
+    rows, extra, grid = [], {"policy": policy}, []
+    if only != "gain":
+        grid = _throughput(policy, quick, rows, extra)
+        extra["plot"] = str(_plot(out, rows, grid))
+    if not quick and only != "throughput":
+        before = closed_loop(policy, GAIN_EPISODES)
+        gains = [success_gain(policy, out / f"rl-gain-{mode}", mode=mode, env_steps=env_steps, minutes=minutes,
+                              before=before) for mode in ("async", "sync")]
+        rows += [gain_row("rl_success_gain_points", gains[0]), gain_row("rl_success_gain_points_sync", gains[1])]
+        extra.update(success_gain={g["mode"]: g for g in gains}, learning_curve=str(plot_curves(out, gains)))
+    if grid:
+        _print_grid(grid, console)
+    return write_suite("rl", rows, quick=quick, out_dir=out, extra=extra, console=console)
+
+
+def _throughput(policy: str, quick: bool, rows: list, extra: dict) -> list[dict]:
+    """The throughput rows (appended to `rows`) and the batcher grid; PPO, as they have always been measured."""
     with tempfile.TemporaryDirectory(prefix="kilovla-bench-rl-") as tmp:
         tmp = Path(tmp)
         work = FULL
@@ -270,27 +369,15 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
                 dataclasses.replace(calibrating, compute=ComputeSection("calibrated"))))
         from kilovla.rl.runner import RolloutSection
 
-        rows, raw = _throughput_rows(policy, tmp, work)
+        measured, raw = _throughput_rows(policy, tmp, work)
+        rows += measured
         default, run_dirs = RolloutSection(), {k: v.pop("run_dir") for k, v in raw.items()}
         same = {(default.max_batch_size, default.max_wait_s): run_dirs["sigma_1.0/async"]} \
             if work.grid_steps == work.steps else {}
         grid = _batcher_grid(policy, tmp, work, same)
-        extra = {"throughput": raw, "batcher_grid": grid, "policy": policy,
-                 "workload": {k: v for k, v in vars(work).items() if k != "compute"},
-                 "model_compute": "real" if work.compute is None else vars(work.compute)}
-        curves = {}
-        if not quick:
-            curves = learning_curves(policy, tmp, minutes=minutes / 6)  # 6 runs: as long as the fine-tuning
-            gain = success_gain(policy, out / "rl-finetune", minutes=minutes, episodes=50)
-            extra.update(learning_curves=curves, success_gain=gain)
-            rows.append(Row("rl_success_gain_points", "points", round(gain["before"] * 100, 1),
-                            round((gain["after"] - gain["before"]) * 100, 1), None, None,
-                            note=f"baseline: closed-loop success (%) of the supervised checkpoint on "
-                                 f"{', '.join(WEAK_TASKS)}, 50 fixed-seed episodes per task; ours: after - before, "
-                                 f"after {gain['rl_minutes']:.0f} min of async RL ({gain['env_steps']} env steps)"))
-        extra["plot"] = str(_plot(out, rows, grid, curves))
-    _print_grid(grid, console)
-    return write_suite("rl", rows, quick=quick, out_dir=out, extra=extra, console=console)
+    extra.update(throughput=raw, batcher_grid=grid, workload={k: v for k, v in vars(work).items() if k != "compute"},
+                 model_compute="real" if work.compute is None else vars(work.compute))
+    return grid
 
 
 def _print_grid(grid: list[dict], console=None) -> None:

@@ -523,7 +523,11 @@ class GrootModel(nn.Module):
         b = batch.state.shape[0]
         x = torch.randn(b, cfg.action_horizon, cfg.max_action_dim, device=batch.state.device) if noise is None else noise
         field, _ = self.velocity_field(batch)
-        dt = 1.0 / cfg.num_inference_steps
-        for step in range(cfg.num_inference_steps):
-            x = x - dt * field(x, torch.full((b,), 1.0 - step * dt, device=x.device))
+        return self.integrate(field, x)
+
+    def integrate(self, field, x: torch.Tensor) -> torch.Tensor:
+        """Euler steps of `field` (from `velocity_field`, openpi's time convention) from noise to actions."""
+        dt = 1.0 / self.config.num_inference_steps
+        for step in range(self.config.num_inference_steps):
+            x = x - dt * field(x, torch.full((x.shape[0],), 1.0 - step * dt, device=x.device))
         return x

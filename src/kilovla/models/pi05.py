@@ -424,9 +424,13 @@ class Pi05Model(nn.Module):
         if not use_cache:
             return self._sample_uncached(batch, x)
         field, _ = self.velocity_field(batch)
-        dt = -1.0 / cfg.num_inference_steps
-        for step in range(cfg.num_inference_steps):
-            x = x + dt * field(x, torch.full((b,), 1.0 + step * dt, device=x.device))
+        return self.integrate(field, x)
+
+    def integrate(self, field, x: torch.Tensor) -> torch.Tensor:
+        """Euler steps of `field` (from `velocity_field`) from noise x (t = 1) to actions (t = 0)."""
+        dt = -1.0 / self.config.num_inference_steps
+        for step in range(self.config.num_inference_steps):
+            x = x + dt * field(x, torch.full((x.shape[0],), 1.0 + step * dt, device=x.device))
         return x
 
     def _sample_uncached(self, batch: PaddedBatch, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ A policy checkpoint is a folder (the trainer's checkpoints are such folders)::
     policy.json         preset + config overrides, camera mapping, state keys, dims, normalisation stats,
                         tokenizer, image processing, where training started from (`init_from`), and
                         in a `kilovla quantize` folder its `quantization_config` (FP8 layers, quant/fp8.py)
+    residual.safetensors  an RL run's residual actor (policy.json `residual`; models/residual.py): the folder's
+                        policy is the base above plus its bounded correction of each executed chunk
     tokenizer/          the tokenizer files when the policy uses a real tokenizer (`VLAPolicy.save`;
                         trainer checkpoints record the tokenizer's absolute path instead)
 
@@ -96,6 +98,26 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu", ema: bool = 
         from kilovla.quant.fp8 import load_quantized_weights
 
         load_quantized_weights(model, quantization, folder, str(meta_path))
+    if meta.residual is not None:  # an RL folder: the base's weights above, its learned residual beside them
+        model = with_residual(model, meta, folder)
     policy = VLAPolicy(model, meta, device, root=folder)
     policy.source, policy.ema = str(folder), ema  # recorded in evaluation reports
     return policy
+
+
+def with_residual(model, meta: PolicyMeta, folder: Path):
+    """The base `model` with the residual actor of `folder` (residual.safetensors) on top."""
+    from kilovla.models.checkpoints import read_safetensors
+    from kilovla.models.residual import RESIDUAL_FILE, ResidualActor, ResidualPolicyModel, ResidualSpec, check_fits
+
+    spec = ResidualSpec.from_json(meta.residual, str(folder / "policy.json"))
+    check_fits(spec, model.config, meta.action_dim, str(folder / "policy.json"))
+    path = folder / RESIDUAL_FILE
+    if not path.is_file():
+        raise KilovlaError(f"{path}: missing; policy.json names a residual actor")
+    actor = ResidualActor(spec)
+    try:
+        actor.load_state_dict(read_safetensors(path))
+    except RuntimeError as e:
+        raise KilovlaError(f"{path}: does not match policy.json's residual: {str(e).splitlines()[0]}") from None
+    return ResidualPolicyModel(model, actor)

@@ -47,6 +47,7 @@ class PolicyMeta:
     augmentation: dict = field(default_factory=dict)  # ImageAugmentation fields; empty: none
     init_from: dict | None = None  # {"path", "layout"} of the checkpoint training started from
     image_size: list[int] | None = None  # [H, W] of the training data's camera frames (eval renders at it)
+    residual: dict | None = None  # an RL residual on top of these weights (models/residual.py ResidualSpec)
 
 
 CONSTANT = 1e-4  # a feature dimension narrower than this carries nothing: it normalises to 0

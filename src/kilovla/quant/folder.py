@@ -149,6 +149,7 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     """
     from kilovla.models.policy import VLAPolicy, load_checkpoint_policy
     from kilovla.models.presets import build_model
+    from kilovla.models.residual import RESIDUAL_FILE, base_of
 
     source, out = Path(source), Path(out)
     if samples < 1:
@@ -167,7 +168,8 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     device = resolve_device(device)
 
     baseline = load_checkpoint_policy(source, device=device, ema=ema)
-    model = copy.deepcopy(baseline.model).cpu()
+    # an RL folder's base is quantized; its residual actor (a few small layers) is carried over as it is
+    model = copy.deepcopy(base_of(baseline.model)).cpu()
     weight_sqnr = quantize_model(model, config)  # non-finite weights stop here, before anything is written
 
     created = [p for p in reversed(out.parents) if not p.exists()]
@@ -176,6 +178,8 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     try:
         tmp.mkdir()
         _write_folder(tmp, VLAPolicy(model, baseline.meta, root=source), config, list(weight_sqnr))
+        if baseline.meta.residual is not None:
+            shutil.copy2(source / RESIDUAL_FILE, tmp / RESIDUAL_FILE)
         quantized = load_checkpoint_policy(tmp, device=device)  # what is on disk is what gets measured
         set_kernel(quantized.model, kernel)
         report = _report(source, out, tmp, baseline, quantized, config, weight_sqnr, dataset=dataset, samples=samples,
@@ -230,8 +234,10 @@ def _latency_batch(policy, rows: list[dict] | None):
 
 def _report(source, out, folder, baseline, quantized, config, weight_sqnr, *, dataset, samples, evaluation, seed,
             latency_repeats) -> dict:
+    from kilovla.models.residual import base_of
+
     sizes = qreport.folder_bytes(source, baseline.model.state_dict(), folder, folder)
-    counts = checkpoint_bytes(baseline.model, list(weight_sqnr), config.block)
+    counts = checkpoint_bytes(base_of(baseline.model), list(weight_sqnr), config.block)
     sizes.update(fp8_params=counts["fp8_params"], total_params=counts["total_params"])
     qconfig = json.loads((folder / "policy.json").read_text())["quantization_config"]
     report = {"source": str(source), "out": str(out), "quantization_config": qconfig,

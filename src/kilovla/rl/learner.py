@@ -47,6 +47,7 @@ from kilovla.rl.core import trajectory
 from kilovla.rl.core.losses import awr_loss, decoupled_ppo_loss, gae, value_loss
 from kilovla.rl.core.streaming import StreamingStep
 from kilovla.rl.policy import ActorCritic
+from kilovla.rl.sac import SACConfig
 from kilovla.train import distributed
 from kilovla.train.optim import OptimConfig, build_optimizer
 from kilovla.train.build import apply_freeze
@@ -54,6 +55,11 @@ from kilovla.train.build import apply_freeze
 
 @dataclass
 class AlgoConfig:
+    # "ppo": the on-policy family below (decoupled PPO, or AWR with policy_loss awr), which trains the VLA
+    # itself; "residual_sac": off-policy SAC of a bounded residual over the frozen VLA (rl/sac.py). Neither
+    # has yet gained on reach + push here (docs/rl_finetune.md), so the default stays what it was.
+    name: str = "ppo"
+    sac: SACConfig = field(default_factory=SACConfig)
     gamma: float = 0.99
     lam: float = 0.95
     clip: float = 0.2
@@ -140,6 +146,7 @@ class Learner:
         self.version = 0
         self.adv_scale = AdvantageScale(cfg.advantage_rms_momentum)
         self._stats: list[dict] = []
+        self._ev = torch.zeros(5, dtype=torch.float64)  # n, sum and sum of squares of returns and of return - V
         self._no_loss = torch.zeros((), requires_grad=True)  # calibrated compute: a backward that touches no weight
 
     def advantages(self, segment: trajectory.Segment) -> tuple[np.ndarray, np.ndarray]:
@@ -196,8 +203,13 @@ class Learner:
             stats["flow_error"] = score.detach().mean().item()
         else:
             policy, stats = decoupled_ppo_loss(score, score.detach(), behav, adv, self.cfg.clip, self.cfg.behav_cap)
-            stats["logp_gap"] = (score.detach() - behav).abs().mean().item()
+            gap = score.detach() - behav
+            stats["logp_gap"] = gap.abs().mean().item()
+            stats["log_ratio_std"] = gap.std().item() if len(gap) > 1 else 0.0
         critic = value_loss(values, t("ret"), t("value"), self.cfg.value_clip)
+        ret, residual = t("ret").double(), (t("ret") - values.detach()).double()
+        self._ev += torch.stack([torch.tensor(float(len(rows)), dtype=torch.float64), ret.sum(), (ret ** 2).sum(),
+                                 residual.sum(), (residual ** 2).sum()])
         loss = policy + self.cfg.value_coef * critic
         if kl is not None:
             loss = loss + self.cfg.kl_coef * kl
@@ -218,9 +230,27 @@ class Learner:
         self.adv_scale.step(self.world)
         stats = {k: float((np.max if k.endswith("_max") else np.mean)([s[k] for s in self._stats])) for k in self._stats[0]}
         self._stats = []
+        n, sr, sr2, se, se2 = self._ev.tolist()
+        self._ev.zero_()
+        if n > 1:  # the critic's explained variance over the global batch: 1 - Var(R - V) / Var(R)
+            var_r, var_e = sr2 / n - (sr / n) ** 2, se2 / n - (se / n) ** 2
+            stats["explained_variance"] = 1.0 - var_e / var_r if var_r > 1e-12 else 0.0
         return {"version": self.version, "grad_norm": out["grad_norm"], "lr": self.scheduler.get_last_lr()[0],
                 "advantage_scale": self.adv_scale.scale, **stats}
 
     def weights(self) -> dict[str, torch.Tensor]:
         """CPU copies of the acting weights (the VLA and the value head) for the inference servers."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def state_dict(self) -> dict:
+        return {"model": self.weights(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "version": self.version,
+                "advantage_scale": self.adv_scale.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+        if "advantage_scale" in state:
+            self.adv_scale.load_state_dict(state["advantage_scale"])

@@ -25,6 +25,7 @@ from torch import nn
 
 from kilovla.models.policy import load_checkpoint_policy
 from kilovla.models.processor import PolicyMeta, Processor
+from kilovla.models.residual import pooled_width
 from kilovla.errors import KilovlaError
 from kilovla.rl.core.flow import FlowSDE, chain_log_prob, flow_draws, flow_matching_error, sample_chain
 
@@ -100,6 +101,10 @@ class ActorCritic(nn.Module):
             score, kl = chain_log_prob(field, chain, stochastic, self.sde, self.executed, reference=ref_field)
         return score, self._value(features, batch), kl
 
+    def acting_module(self) -> nn.Module:
+        """What a weight sync sends the inference server: all of it (the VLA trains)."""
+        return self
+
     def _value(self, features: torch.Tensor, batch) -> torch.Tensor:
         """V (B,) from the pooled prefix features and the normalised state, both detached from the VLA."""
         return self.value_head(torch.cat([features.detach().float(), batch.state.float()], dim=-1))[:, 0]
@@ -124,6 +129,15 @@ def load_actor_critic(policy_dir: str, sde: FlowSDE, n_action_steps: int | None 
     return model
 
 
+def load_agent(policy_dir: str, algo, sde: FlowSDE, n_action_steps: int | None = None, privileged: tuple = ()):
+    """The acting and learning model of `algo` (AlgoConfig): a residual agent (residual SAC) or an actor-critic (PPO)."""
+    if algo is not None and algo.name == "residual_sac":
+        from kilovla.rl.sac import load_residual_agent
+
+        return load_residual_agent(policy_dir, n_action_steps or 1, algo.sac, privileged)
+    return load_actor_critic(policy_dir, sde, n_action_steps)
+
+
 def frozen_policy(policy_dir: str) -> nn.Module:
     """A policy folder's VLA with no gradients, in eval mode: the reference of a KL penalty."""
     return load_checkpoint_policy(policy_dir).model.eval().requires_grad_(False)
@@ -132,8 +146,7 @@ def frozen_policy(policy_dir: str) -> nn.Module:
 def critic_width(config) -> int:
     """The value head's inputs: the pooled prefix features (GR00T: its LLM's width; pi0 / pi0.5: the last
     layer's keys and values) and the padded state."""
-    features = config.llm.width if hasattr(config, "llm") else 2 * config.lm.kv_heads * config.lm.head_dim
-    return features + config.max_state_dim
+    return pooled_width(config) + config.max_state_dim
 
 
 def stale_value_head(policy_dir: str, width: int) -> str | None:

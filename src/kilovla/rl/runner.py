@@ -60,6 +60,9 @@ REPLACEMENT_SEED_SKIP = 1000
 MAX_BUILD_FAILURES = 3  # a worker that dies this many times in a row before answering ends the run
 METAWORLD_MAX_REWARD = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]
 STARTUP_S = 120.0  # a new env worker's grace period to start before it counts as hung
+# A checkpoint's weight files: (file, key prefixes of the learner's model, the prefix its keys lose)
+CHECKPOINT_FILES = (("model.safetensors", ("vla.",), "vla."), ("value_head.safetensors", ("value_head.",), "value_head."),
+                    ("residual.safetensors", ("actor.",), "actor."), ("critic.safetensors", ("critics.", "targets."), ""))
 
 
 @dataclass
@@ -120,6 +123,7 @@ class RLConfig:
     mode: str = "async"
     seed: int = 0
     steps: int = 50  # optimizer steps (policy versions)
+    max_env_steps: int = 0  # > 0: also end at the first policy version past this many env steps
     env: EnvSection = field(default_factory=EnvSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     learner: LearnerSection = field(default_factory=LearnerSection)
@@ -140,8 +144,6 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     final checkpoint) at the first policy version past that wall time; `faults` injects failures (tests)."""
     import ray
 
-    from kilovla.safe_load import load_torch
-
     _check_config(cfg)
     run_dir = Path(cfg.run_dir)
     folder = ckpt.resolve(resume, run_dir, "rl_state.json") if resume else None
@@ -157,12 +159,15 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     state.setdefault("started_from", str(Path(policy_dir).resolve()))  # the KL's reference, whatever the cwd later
-    if cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
+    _check_algorithm_fits(cfg, policy_dir, meta)
+    ppo = cfg.learner.algo.name == "ppo"
+    if ppo and cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
             and not (Path(state["started_from"]) / "policy.json").is_file():
         raise KilovlaError(f"{folder}/rl_state.json: the policy this run began with, {state['started_from']}, is gone; "
                            f"it is the KL penalty's reference (learner.algo.kl_coef): put it back, or resume with "
                            f"--learner.algo.kl_coef=0")
-    _check_value_head(policy_dir, meta, resuming=folder is not None)
+    if ppo:
+        _check_value_head(policy_dir, meta, resuming=folder is not None)
     version = state.get("version", 0)
     if folder is not None and state.get("compute_model", "real") != cfg.compute.model:
         raise KilovlaError(f"{folder}: this run's model compute was {state.get('compute_model', 'real')!r} (its weights "
@@ -172,7 +177,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
         cfg = dataclasses.replace(cfg, compute=calibrate(dataclasses.replace(cfg, policy=policy_dir)))
 
     # read before Ray starts: a learner.pt that would unpickle anything but plain data is refused in one line
-    learner_state = load_torch(folder / "learner.pt") if folder is not None else None
+    learner_state = _learner_state(folder) if folder is not None else None
     connect_ray(ray_address, num_cpus=max(2, os.cpu_count() or 2), what="kilovla rl")
     if use == "replace":
         clear(run_dir, RUN)
@@ -199,6 +204,39 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     return summary
 
 
+def _learner_state(folder: Path) -> dict:
+    """learner.pt (weights-only), with the replay buffer of residual SAC from replay.safetensors."""
+    from kilovla.models.checkpoints import read_safetensors
+    from kilovla.safe_load import load_torch
+
+    state = load_torch(folder / "learner.pt")
+    if (folder / "replay.safetensors").is_file():
+        state["replay"] = read_safetensors(folder / "replay.safetensors")
+    return state
+
+
+def write_policy_files(folder: Path, learner_state: dict, meta: dict) -> None:
+    """A learner's state (`LearnerWorker.state`) as a policy folder: the weight files of CHECKPOINT_FILES,
+    residual SAC's replay buffer (replay.safetensors), policy.json (with the residual's description) and
+    learner.pt, the rest (weights-only: tensors, numbers, dicts)."""
+    from kilovla.models.checkpoints import save_safetensors
+
+    learner_state, meta = dict(learner_state), dict(meta)
+    weights = learner_state.pop("model")
+    for name, prefixes, strip in CHECKPOINT_FILES:
+        part = {k.removeprefix(strip): v for k, v in weights.items() if k.startswith(prefixes)}
+        if part:
+            save_safetensors(part, folder / name)
+    if "replay" in learner_state:  # residual SAC's buffer: tensors, never pickled
+        save_safetensors(learner_state.pop("replay"), folder / "replay.safetensors")
+    if "residual" in learner_state:  # its weights are in the files above; resume reads them from there
+        meta["residual"] = learner_state["residual"]
+    else:  # PPO keeps the weights in learner.pt too (resume reads them from there)
+        learner_state["model"] = weights
+    torch.save(learner_state, folder / "learner.pt")
+    (folder / "policy.json").write_text(json.dumps(meta, indent=2))
+
+
 def first_train_seed(run_seed: int, worker: int, env_slot: int) -> int:
     """The first episode seed of an env slot; its episodes count up from here (10_000 seeds per slot)."""
     return TRAIN_SEED_BASE + run_seed * 1_000_000_000 + worker * 1_000_000 + env_slot * 10_000
@@ -218,6 +256,10 @@ def _check_config(cfg: RLConfig) -> None:
         if value < least:
             raise KilovlaError(f"{name} must be >= {least}, got {value}")
     algo = cfg.learner.algo
+    if algo.name not in ("residual_sac", "ppo"):
+        raise KilovlaError(f"learner.algo.name must be residual_sac or ppo, not {algo.name!r}")
+    if algo.name == "residual_sac":
+        _check_sac(cfg)
     if algo.policy_loss not in ("ppo", "awr"):
         raise KilovlaError(f"learner.algo.policy_loss must be ppo or awr, not {algo.policy_loss!r}")
     if not (math.isfinite(algo.kl_coef) and math.isfinite(algo.awr_temperature) and math.isfinite(algo.awr_max_weight)):
@@ -239,6 +281,41 @@ def _check_config(cfg: RLConfig) -> None:
         log.warning("env.reward_scale %g: a full episode's shaped reward (up to %g) can exceed the success bonus %g, "
                     "so a near miss may pay more than a success", cfg.env.reward_scale,
                     cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale, cfg.env.success_bonus)
+
+
+def _check_sac(cfg: RLConfig) -> None:
+    sac = cfg.learner.algo.sac
+    if cfg.learner.ranks != 1:
+        raise KilovlaError(f"learner.algo.name residual_sac trains small networks on one learner: learner.ranks must be 1, "
+                           f"got {cfg.learner.ranks}")
+    if cfg.compute.calibrated:
+        raise KilovlaError("compute.model calibrated times PPO's learner (a throughput benchmark); use it with "
+                           "--learner.algo.name=ppo")
+    for name, value, ok in (("res_scale", sac.res_scale, sac.res_scale > 0), ("init_std", sac.init_std, sac.init_std > 0),
+                            ("utd", sac.utd, sac.utd >= 0), ("batch_size", sac.batch_size, sac.batch_size >= 1),
+                            ("replay_size", sac.replay_size, sac.replay_size >= sac.batch_size),
+                            ("tau", sac.tau, 0 < sac.tau <= 1), ("penalty", sac.penalty, sac.penalty >= 0),
+                            ("init_alpha", sac.init_alpha, sac.init_alpha > 0),
+                            ("actor_every", sac.actor_every, sac.actor_every >= 1),
+                            ("critic_warmup_updates", sac.critic_warmup_updates, sac.critic_warmup_updates >= 0)):
+        if not ok or not math.isfinite(value):
+            raise KilovlaError(f"learner.algo.sac.{name} = {value} is out of range")
+
+
+def _check_algorithm_fits(cfg: RLConfig, policy_dir: str, meta: dict) -> None:
+    """A residual folder trains on with residual SAC; PPO trains a plain VLA (it would drop the residual)."""
+    if meta.get("residual") and cfg.learner.algo.name != "residual_sac":
+        raise KilovlaError(f"{policy_dir}: holds a residual actor (residual SAC); learner.algo.name={cfg.learner.algo.name} "
+                           f"trains the VLA itself and would drop it: continue with residual_sac, or start from the "
+                           f"supervised folder it began with")
+
+
+def _privileged(cfg: RLConfig) -> tuple:
+    """(key, width) of the env's privileged observation entries (Meta-World's 39-d state), for critics only."""
+    from kilovla.envs.base import env_spec
+
+    spec = env_spec(cfg.env.env, cfg.env.tasks[0], cameras=tuple(cfg.env.cameras), max_steps=cfg.env.max_steps)
+    return tuple(tuple(e) for e in spec.extra_state)
 
 
 def _check_value_head(policy_dir: str, meta: dict, resuming: bool) -> None:
@@ -353,10 +430,11 @@ class _Roles:
         self.cfg, self.policy_dir, self.faults = cfg, policy_dir, faults
         self.started_from = state["started_from"]  # the policy the run began with (the KL's reference)
         self.meta = json.loads((Path(policy_dir) / "policy.json").read_text())
+        self.privileged = _privileged(cfg)
         here = _here()
         self.server = workers.InferenceServer.options(scheduling_strategy=here).remote(
             policy_dir, sde, n_action_steps, cfg.rollout.max_batch_size, cfg.rollout.max_wait_s, cfg.seed,
-            cfg.inference_threads, cfg.compute)
+            cfg.inference_threads, cfg.compute, cfg.learner.algo, self.privileged)
         if faults.get("server"):
             ray.get(self.server.inject.remote(faults["server"]))
         ray.get(self.server.stats.remote())  # started: weight syncs are timed from here
@@ -366,7 +444,8 @@ class _Roles:
         ranks = cfg.learner.ranks
         self.learners = [workers.LearnerWorker.options(scheduling_strategy=here).remote(
             policy_dir, sde, n_action_steps, cfg.learner.algo, cfg.learner.batch_segments, cfg.rollout.segment_steps,
-            cfg.steps, cfg.learner_threads, cfg.compute, self.started_from) for _ in range(ranks)]
+            cfg.steps, cfg.learner_threads, cfg.compute, self.started_from, self.privileged, cfg.seed)
+            for _ in range(ranks)]
         store = ray.get(self.learners[0].address.remote()) if ranks > 1 else None
         ray.get([lw.start.remote(rank, ranks, store) for rank, lw in enumerate(self.learners)])
         seeds = state.get("next_seeds") or {}
@@ -493,13 +572,7 @@ class _Roles:
         tmp = root / f".{folder.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        weights = learner_state["model"]
-        save_safetensors({k.removeprefix("vla."): v for k, v in weights.items() if k.startswith("vla.")},
-                         tmp / "model.safetensors")
-        save_safetensors({k.removeprefix("value_head."): v for k, v in weights.items() if k.startswith("value_head.")},
-                         tmp / "value_head.safetensors")
-        torch.save(learner_state, tmp / "learner.pt")
-        (tmp / "policy.json").write_text(json.dumps(self.meta, indent=2))
+        write_policy_files(tmp, learner_state, self.meta)
         state = {"version": version, "started_from": self.started_from, "compute_model": self.cfg.compute.model,
                  "next_seeds": {str(w): s for w, s in self.next_seed.items()},
                  "replaced_workers": self.replaced, **counters}
@@ -569,7 +642,8 @@ class _Loop:
         return stats["buffer"]
 
     def going(self) -> bool:
-        return self.version < self.cfg.steps and (self.deadline is None or time.monotonic() < self.deadline)
+        return self.version < self.cfg.steps and (self.deadline is None or time.monotonic() < self.deadline) \
+            and not 0 < self.cfg.max_env_steps <= self.env_steps
 
     def counters(self) -> dict:
         return {"env_steps": self.env_steps, "episodes": self.episodes, "successes": self.successes}
@@ -599,7 +673,8 @@ class _Loop:
         record = {"kind": "rl", "step": self.version, "mode": self.cfg.mode, "env_steps": self.env_steps,
                   "env_steps_per_s": (self.env_steps - w["env_steps"]) / dt, "wall_s": now - self.t_start,
                   "success_rate": (self.successes - w["successes"]) / episodes if episodes else None,
-                  "episodes": episodes, **{f"learner/{k}": v for k, v in learner_stats.items() if k != "version"},
+                  "episodes": episodes, "successes": self.successes - w["successes"],
+                  **{f"learner/{k}": v for k, v in learner_stats.items() if k != "version"},
                   "env_steps_executed": stats["env_steps_executed"],
                   "busy/env": stats["env_busy_fraction"], "busy/inference": inference["busy_fraction"],
                   "busy/learner": stats["learner_busy_fraction"], "batch_size_histogram": inference["batch_size_histogram"],

@@ -184,15 +184,21 @@ class EnvWorker:
         self._stop.set()
 
 
+PPO_FIELDS = ("chain", "stochastic", "logp", "value")
+
+
 def _segment(segment_id, ticket: int, start_version: int, steps: list, next_obs: dict, episodes: list[Episode],
              env_steps: int) -> Segment:
     obs, outs, rewards, ended, cut = zip(*steps)
+    acted = {k: np.stack([np.asarray(o[k]) for o in outs]) for k in outs[0] if k not in ("actions", "version")}
+    ppo = {k: acted.pop(k, None) for k in PPO_FIELDS}
     return Segment(segment_id=segment_id, ticket=ticket, start_version=start_version, obs=stack(list(obs)),
-                   chain=np.stack([o["chain"] for o in outs]), stochastic=np.stack([o["stochastic"] for o in outs]),
-                   logp=np.array([o["logp"] for o in outs], np.float32), value=np.array([o["value"] for o in outs], np.float32),
+                   chain=ppo["chain"], stochastic=ppo["stochastic"],
+                   logp=None if ppo["logp"] is None else ppo["logp"].astype(np.float32),
+                   value=None if ppo["value"] is None else ppo["value"].astype(np.float32),
                    reward=np.array(rewards, np.float32), done=np.array(ended, bool), truncated=np.array(cut, bool),
                    version=np.array([o["version"] for o in outs]), next_obs=next_obs,
-                   env_steps=env_steps, episodes=episodes)
+                   env_steps=env_steps, episodes=episodes, extras=acted)
 
 
 def sync_segment(segment_id: tuple, start_version: int, steps: list, next_obs: dict) -> Segment:
@@ -239,11 +245,11 @@ class WeightChannel:
 @ray.remote(num_cpus=0)
 class InferenceServer:
     def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, max_batch_size: int, max_wait_s: float,
-                 seed: int, threads: int = 1, compute=None):
-        from kilovla.rl.policy import load_actor_critic
+                 seed: int, threads: int = 1, compute=None, algo=None, privileged: tuple = ()):
+        from kilovla.rl.policy import load_agent
 
         torch.set_num_threads(threads)
-        self.model = load_actor_critic(policy_dir, sde, n_action_steps).eval()
+        self.model = load_agent(policy_dir, algo, sde, n_action_steps, privileged).eval()
         self.compute = compute
         self.batcher = DynamicBatcher(max_batch_size, max_wait_s)
         self.generator = torch.Generator().manual_seed(seed)
@@ -304,7 +310,7 @@ class InferenceServer:
         if self.fault.get("hang_weight_sync_at") == version:
             await asyncio.sleep(1 << 20)
         async with self._lock:
-            self.model.load_state_dict(weights)
+            self.model.acting_module().load_state_dict(weights)
             self.version = version
         return version
 
@@ -316,7 +322,7 @@ class InferenceServer:
         """The collective path of `set_weights`: the learner broadcasts, this replica receives in place."""
         if self.fault.get("hang_weight_sync_at") == version:
             await asyncio.sleep(1 << 20)
-        tensors = list(self.model.state_dict().values())
+        tensors = list(self.model.acting_module().state_dict().values())
         async with self._lock:
             await asyncio.get_running_loop().run_in_executor(self._pool, self.channel.broadcast, tensors)
             self.version = version
@@ -429,15 +435,17 @@ class LearnerWorker:
     whose TCP store lives on rank 0's node."""
 
     def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, algo, segments_per_step: int,
-                 segment_steps: int, total_steps: int, threads: int = 1, compute=None, reference_dir: str | None = None):
-        from kilovla.rl.policy import frozen_policy, load_actor_critic
+                 segment_steps: int, total_steps: int, threads: int = 1, compute=None, reference_dir: str | None = None,
+                 privileged: tuple = (), seed: int = 0):
+        from kilovla.rl.policy import frozen_policy, load_agent
 
         torch.set_num_threads(threads)
         torch.manual_seed(0)
-        self.model = load_actor_critic(policy_dir, sde, n_action_steps).eval()  # eval: no dropout, as when acting
+        self.model = load_agent(policy_dir, algo, sde, n_action_steps, privileged).eval()  # eval: no dropout
         reference = None  # the policy the run began with, frozen: what a KL penalty (algo.kl_coef) holds it near
-        if algo.kl_coef > 0 and (compute is None or not compute.calibrated):
+        if algo.name == "ppo" and algo.kl_coef > 0 and (compute is None or not compute.calibrated):
             reference = frozen_policy(reference_dir or policy_dir)
+        self.algo, self.seed = algo, seed
         self.args = (algo, segments_per_step, segment_steps, total_steps)
         self.reference = reference
         self.compute = compute
@@ -461,6 +469,11 @@ class LearnerWorker:
             host, port = store
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                     init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
+        if self.algo.name == "residual_sac":
+            from kilovla.rl.sac import SACLearner
+
+            self.learner = SACLearner(self.model, self.algo.gamma, self.algo.sac, self.args[1], self.seed)
+            return
         self.learner = Learner(self.model, *self.args, distributed.World(rank=rank, size=world_size), self.compute,
                                self.reference)
 
@@ -477,20 +490,13 @@ class LearnerWorker:
         self.channel = WeightChannel(host, port, 0, timeout_s)
 
     def send_weights(self) -> None:
-        self.channel.broadcast(list(self.learner.model.state_dict().values()))
+        self.channel.broadcast(list(self.model.acting_module().state_dict().values()))
 
     def state(self) -> dict:
-        return {"model": self.learner.weights(), "optimizer": self.learner.optimizer.state_dict(),
-                "scheduler": self.learner.scheduler.state_dict(), "version": self.learner.version,
-                "advantage_scale": self.learner.adv_scale.state_dict()}
+        return self.learner.state_dict()
 
     def load_state(self, state: dict) -> None:
-        self.learner.model.load_state_dict(state["model"])
-        self.learner.optimizer.load_state_dict(state["optimizer"])
-        self.learner.scheduler.load_state_dict(state["scheduler"])
-        self.learner.version = state["version"]
-        if "advantage_scale" in state:
-            self.learner.adv_scale.load_state_dict(state["advantage_scale"])
+        self.learner.load_state_dict(state)
 
     def busy_fraction(self) -> float:
         return self.busy.fraction()

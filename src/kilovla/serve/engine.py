@@ -71,6 +71,12 @@ class PolicyEngine:
         self.supports_rtc = isinstance(self.model, Pi05Model)
         self._lock = threading.Lock()  # one forward at a time, whichever thread asks
 
+    @property
+    def no_rtc(self) -> str:
+        """What a refused rtc request is told the policy is: an RL residual (RTC would not guide its correction)
+        or GR00T's flow."""
+        return "an RL residual policy" if self.meta.residual else "GR00T"
+
     @classmethod
     def load(cls, folder: str | Path, device: str = "auto", ema: bool = False, precision: str = "auto",
              cuda_graphs: bool = True) -> PolicyEngine:

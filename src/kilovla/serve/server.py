@@ -172,7 +172,7 @@ class PolicyServer:
             return None
         if not self.engine.supports_rtc:
             raise BadRequest(f"rtc: real-time chunking is for pi0 / pi0.5 policies; {self.metadata['model']} "
-                             "(GR00T) refuses it")
+                             f"({self.engine.no_rtc}) refuses it")
         if not isinstance(spec, dict) or "prefix" not in spec or "inference_delay" not in spec:
             raise BadRequest("rtc must be a map with 'inference_delay' and 'prefix'")
         unknown = sorted(set(spec) - set(RTC_FIELDS), key=str)

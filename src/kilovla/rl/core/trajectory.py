@@ -68,10 +68,10 @@ class Segment:
     ticket: int  # the staleness gate's admission ticket: global batch ticket // B consumes it (-1: sync mode)
     start_version: int  # policy version when the staleness gate admitted it
     obs: dict  # stacked over the T steps
-    chain: np.ndarray  # (T, K + 1, H, A)
-    stochastic: np.ndarray  # (T, K) bool
-    logp: np.ndarray  # (T,)
-    value: np.ndarray  # (T,)
+    chain: np.ndarray | None  # (T, K + 1, H, A); None: the algorithm keeps no chains (residual SAC)
+    stochastic: np.ndarray | None  # (T, K) bool
+    logp: np.ndarray | None  # (T,)
+    value: np.ndarray | None  # (T,)
     reward: np.ndarray  # (T,)
     done: np.ndarray  # (T,) bool: an episode ended at this step (terminated or truncated)
     version: np.ndarray  # (T,) behaviour version of each step
@@ -79,6 +79,7 @@ class Segment:
     truncated: np.ndarray | None = None  # (T,) bool: that end was the time limit, not a termination
     env_steps: int = 0  # actions executed in the env
     episodes: list[Episode] = field(default_factory=list)
+    extras: dict = field(default_factory=dict)  # what else the acting policy returned per step, stacked (T, ...)
 
     def __len__(self) -> int:
         return len(self.reward)

@@ -1,0 +1,252 @@
+"""Residual SAC (rl/sac.py, models/residual.py): the residual starts as the identity, the replay buffer
+links chunk transitions across segments, the update learns what the reward asks and nothing at lr 0,
+and an RL folder is a policy folder eval, serve and quantize load."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_reach_policy
+from kilovla.rl.core.trajectory import Segment
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """A tiny pi0.5 reading the environment state too (chunks of 4, all 4 executed)."""
+    return tiny_reach_policy(tmp_path_factory.mktemp("sacpolicy"), "--steps=2", "--checkpoint.every=2",
+                             "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
+                             "--policy.state_keys=[observation.state, observation.environment_state]")
+
+
+def _learner(policy_dir, segments_per_step, seed=0, **sac):
+    """A residual agent of the folder (4 executed actions, the env state privileged) and its SAC learner."""
+    from kilovla.rl.sac import SACConfig, SACLearner, load_residual_agent
+
+    cfg = SACConfig(**sac)
+    agent = load_residual_agent(policy_dir, 4, cfg, (("observation.environment_state", 39),))
+    return agent, SACLearner(agent, 0.99, cfg, segments_per_step=segments_per_step, seed=seed)
+
+
+def _obs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"observation.images.scene": rng.integers(0, 255, (n, 32, 32, 3), dtype=np.uint8),
+            "observation.images.wrist": rng.integers(0, 255, (n, 32, 32, 3), dtype=np.uint8),
+            "observation.state": rng.normal(size=(n, 4)).astype(np.float32),
+            "observation.environment_state": rng.normal(size=(n, 39)).astype(np.float32),
+            "task": ["reach the red goal"] * n}
+
+
+@pytest.mark.parametrize("preset", ["pi0-tiny", "groot-tiny"])
+def test_a_fresh_residual_returns_the_base_chunk_exactly(preset):
+    from kilovla.models.presets import build_model
+    from kilovla.models.processor import PolicyMeta, Processor
+    from kilovla.models.residual import ResidualActor, ResidualPolicyModel, ResidualSpec, pooled_width
+
+    torch.manual_seed(0)
+    base = build_model(preset).eval()
+    cfg = base.config
+    slot = cfg.cameras[0] if hasattr(cfg, "cameras") else cfg.vision_slots[0] if hasattr(cfg, "vision_slots") else None
+    meta = PolicyMeta(preset=preset, camera_map={"observation.images.scene": slot} if slot else {},
+                      state_dim=4, action_dim=4, stats=_stats(), n_action_steps=3)
+    obs = {k: v for k, v in _obs(3).items() if k in ("observation.images.scene", "observation.state", "task")}
+    batch = Processor(cfg, meta).observation_batch(obs)
+    spec = ResidualSpec(steps=3, action_dim=4, features=pooled_width(cfg), state_dim=cfg.max_state_dim)
+    actor = ResidualActor(spec)
+    model = ResidualPolicyModel(base, actor)
+    horizon = getattr(cfg, "chunk_size", None) or cfg.action_horizon
+    noise = torch.randn(3, horizon, cfg.max_action_dim)
+    assert torch.equal(model.sample_actions(batch, noise), base.sample_actions(batch, noise))
+    with torch.no_grad():  # a trained residual moves exactly the executed part, by at most its scale
+        actor.mean.weight.normal_()
+        actor.mean.bias.fill_(3.0)
+    moved = model.sample_actions(batch, noise) - base.sample_actions(batch, noise)
+    assert moved[:, :3, :4].abs().min() > 0 and moved[:, :3, :4].abs().max() <= spec.scale + 1e-6
+    assert moved[:, 3:].abs().max() == 0 and moved[:, :, 4:].abs().max() == 0
+
+
+def _stats():
+    return {"observation.state": {"q01": [-1.0] * 4, "q99": [1.0] * 4},
+            "action": {"q01": [-1.0] * 4, "q99": [1.0] * 4}}
+
+
+def _segment(extras, slot=(0, 0, 0), seq=0, done=(), truncated=(), states=None, next_state=None, rewards=None):
+    t_len = len(extras["features"])
+    states = np.arange(t_len, dtype=np.float32)[:, None] if states is None else states
+    done_a, cut = np.zeros(t_len, bool), np.zeros(t_len, bool)
+    done_a[list(done)] = True
+    cut[list(truncated)] = True
+    return Segment(segment_id=(*slot, seq), ticket=seq, start_version=0, obs={"observation.state": states},
+                   chain=None, stochastic=None, logp=None, value=None,
+                   reward=np.ones(t_len, np.float32) if rewards is None else np.asarray(rewards, np.float32),
+                   done=done_a | cut, truncated=cut, version=np.zeros(t_len, int),
+                   next_obs={"observation.state": np.asarray(next_state, np.float32)}, extras=extras)
+
+
+def _extras(t_len, rng, width=2):
+    return {"features": rng.normal(size=(t_len, 3)).astype(np.float32),
+            "state": rng.normal(size=(t_len, 2)).astype(np.float32),
+            "privileged": np.zeros((t_len, 0), np.float32),
+            "base": rng.normal(size=(t_len, 1, width)).astype(np.float32),
+            "executed": rng.normal(size=(t_len, 1, width)).astype(np.float32)}
+
+
+def test_the_replay_links_transitions_across_segments_and_never_through_a_cut_or_a_broken_chain():
+    from kilovla.rl.sac import Replay
+
+    rng = np.random.default_rng(0)
+    replay = Replay(100, {"features": 3, "state": 2, "privileged": 0, "base": 2, "executed": 2}, gamma=0.5)
+    # slot A: 3 steps, the episode goes on into its next segment, which starts at the state it promised
+    replay.add_segment(_segment(_extras(3, rng), states=np.array([[0.], [1.], [2.]]), next_state=[3.]))
+    assert list(replay.valid[:3]) == [True, True, False]  # the last waits for its successor
+    replay.add_segment(_segment(_extras(3, rng), seq=1, states=np.array([[3.], [4.], [5.]]), done=[1],
+                                next_state=[9.], rewards=[0, 1, 0]))
+    assert replay.nxt[2] == 3 and replay.valid[2]
+    assert replay.terminal[4] and replay.valid[4]  # terminated: needs no successor
+    assert not replay.valid[3] or replay.nxt[3] == 4
+    # the episode ended at index 4: Monte Carlo returns with gamma 0.5, backwards from the success
+    np.testing.assert_allclose(replay.mc[:5], [1 + .5 * (1 + .5 * (1 + .5 * (0 + .5 * 1))),
+                                               1 + .5 * (1 + .5 * (0 + .5 * 1)), 1 + .5 * (0 + .5 * 1), 0 + .5, 1.0])
+    # slot B: a segment that does not start where the last one left off (a dropped sync round) links nothing
+    replay.add_segment(_segment(_extras(2, rng), slot=(1, 0, 0), next_state=[7.]))
+    replay.add_segment(_segment(_extras(2, rng), slot=(1, 0, 0), seq=1, states=np.array([[8.], [9.]]), next_state=[10.]))
+    assert not replay.valid[7] and replay.nxt[7] == -1
+    # a time-limit cut is not a transition (the cut state is never seen), and not a terminal either
+    replay.add_segment(_segment(_extras(2, rng), slot=(2, 0, 0), truncated=[0], next_state=[5.]))
+    assert not replay.valid[10] and not replay.terminal[10]
+    idx = replay.sample(64, np.random.default_rng(1))
+    assert replay.valid[idx].all()
+    batch = replay.batch(idx)
+    linked = ~replay.terminal[idx]
+    np.testing.assert_array_equal(batch["next_features"].numpy()[linked], replay.data["features"][replay.nxt[idx][linked]])
+
+
+def _bandit_segments(agent, n, rng, target):
+    """One-step episodes (terminal at once) whose reward is -||executed - target||^2 in normalised units."""
+    spec = agent.spec
+    out = []
+    for i in range(n):
+        base = rng.uniform(-0.2, 0.2, (1, spec.steps, spec.action_dim)).astype(np.float32)
+        delta = rng.uniform(-spec.scale, spec.scale, base.shape).astype(np.float32)
+        executed = base + delta
+        extras = {"features": rng.normal(size=(1, spec.features)).astype(np.float32),
+                  "state": rng.normal(size=(1, spec.state_dim)).astype(np.float32),
+                  "privileged": rng.normal(size=(1, 39)).astype(np.float32), "base": base, "executed": executed}
+        reward = [-float(((executed - target) ** 2).sum())]
+        out.append(_segment(extras, slot=(0, 0, i), done=[0], states=np.zeros((1, 1)), next_state=[0.], rewards=reward))
+    return out
+
+
+@pytest.mark.parametrize("lr", [3e-3, 0.0])
+def test_the_update_moves_the_residual_toward_higher_reward_and_not_at_lr_0(policy_dir, lr):
+    torch.manual_seed(0)
+    agent, learner = _learner(policy_dir, 50, warmup_transitions=64, batch_size=64, utd=4.0, actor_lr=lr,
+                              critic_lr=3e-3, actor_every=1, res_scale=0.3, init_alpha=1e-3, alpha_lr=0.0,
+                              critic_warmup_updates=0, penalty=0.0)
+    target = 0.25  # every executed action wants to be 0.25: the residual should push up by ~0.25 - base
+    rng = np.random.default_rng(0)
+    probe = _bandit_segments(agent, 64, np.random.default_rng(9), target)
+    f, s, b = (torch.from_numpy(np.concatenate([p.extras[k] for p in probe])) for k in ("features", "state", "base"))
+    before = agent.actor.deterministic(f, s, b).detach()
+    stats = [learner.consume(_bandit_segments(agent, 50, rng, target)) for _ in range(8)]
+    after = agent.actor.deterministic(f, s, b).detach()
+    assert all(st is not None and st["updates_this_version"] == 200 for st in stats[2:])
+    assert before.abs().max() == 0  # the identity at the start
+    if lr == 0:
+        assert after.abs().max() == 0
+    else:  # mean correction clearly positive, toward the target
+        assert after.mean() > 0.1, after.mean()
+    assert stats[-1]["critic_loss"] < stats[1]["critic_loss"]
+
+
+def test_an_rl_folder_round_trips_through_the_checkpoint_and_every_loader(policy_dir, tmp_path):
+    """The learner's state as the runner writes it: a policy folder (base + residual) that the policy API
+    loads with the residual applied, and a learner.pt + replay.safetensors that resume it exactly."""
+    from kilovla.models.checkpoints import read_safetensors
+    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.safe_load import load_torch
+
+    torch.manual_seed(0)
+    agent, learner = _learner(policy_dir, 20, warmup_transitions=16, batch_size=16, utd=1.0, critic_warmup_updates=4)
+    rng = np.random.default_rng(0)
+    learner.consume(_bandit_segments(agent, 20, rng, 0.25))
+    learner.consume(_bandit_segments(agent, 20, rng, 0.25))
+    folder = _write_like_the_runner(learner, policy_dir, tmp_path / "ck")
+    policy = load_checkpoint_policy(folder)
+    obs = _obs(2)
+    torch.manual_seed(5)
+    got = policy.select_action(obs)
+    batch = policy.processor.observation_batch(obs)
+    torch.manual_seed(5)
+    noise = torch.randn(2, 4, policy.model.config.max_action_dim)
+    with torch.no_grad():
+        base = agent.vla.sample_actions(batch, noise)
+        field, features = agent.vla.velocity_field(batch)
+        want = base.clone()
+        want[:, :4, :4] += agent.actor.deterministic(features, batch.state, base[:, :4, :4])
+    np.testing.assert_allclose(got, policy.processor.unnormalize_actions(want.numpy()), atol=1e-5)
+    # resume: a fresh learner from the folder continues with the same buffer, optimizers and counters
+    state = load_torch(folder / "learner.pt")
+    state["replay"] = read_safetensors(folder / "replay.safetensors")
+    _, resumed = _learner(str(folder), 20, seed=123, warmup_transitions=16, batch_size=16, utd=1.0,
+                          critic_warmup_updates=4)
+    resumed.load_state_dict(state)
+    segs = _bandit_segments(agent, 20, np.random.default_rng(3), 0.25)
+    a, b = learner.consume(segs), resumed.consume(segs)
+    assert a["version"] == b["version"] == 3
+    for k in ("critic_loss", "actor_loss", "q", "alpha"):
+        assert a[k] == pytest.approx(b[k], rel=1e-6), k
+
+
+def _write_like_the_runner(learner, policy_dir, folder):
+    from pathlib import Path
+
+    from kilovla.rl.runner import write_policy_files
+
+    folder.mkdir(parents=True)
+    write_policy_files(folder, learner.state_dict(), json.loads((Path(policy_dir) / "policy.json").read_text()))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def rl_folder(policy_dir, tmp_path_factory):
+    """An RL folder whose residual is not zero (a few SAC updates on the bandit)."""
+    torch.manual_seed(0)
+    agent, learner = _learner(policy_dir, 40, warmup_transitions=16, batch_size=16, utd=2.0, critic_warmup_updates=0,
+                              actor_every=1, actor_lr=1e-2, penalty=0.0)
+    learner.consume(_bandit_segments(agent, 40, np.random.default_rng(0), 0.25))
+    return _write_like_the_runner(learner, policy_dir, tmp_path_factory.mktemp("rlfolder") / "ck")
+
+
+def test_serve_answers_an_rl_folder_with_the_residual_and_refuses_rtc_for_it(rl_folder):
+    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.serve.engine import PolicyEngine, Request
+
+    engine = PolicyEngine.load(rl_folder, device="cpu")
+    policy = load_checkpoint_policy(rl_folder)
+    obs = {k: v[0] for k, v in _obs(1).items() if k != "task"} | {"task": "reach the red goal"}
+    served, _ = engine.infer([Request(obs, seed=3)])
+    noise = engine.noise([Request(obs, seed=3)])
+    batch = policy.processor.observation_batch({k: (v[None] if k != "task" else [v]) for k, v in obs.items()})
+    want = policy.processor.unnormalize_actions(policy.model.sample_actions(batch, noise).numpy())[0]
+    base = policy.processor.unnormalize_actions(policy.model.base.sample_actions(batch, noise).numpy())[0]
+    np.testing.assert_allclose(served[0] if served[0].ndim == 2 else served, want, atol=1e-5)
+    assert np.abs(want[:4] - base[:4]).max() > 1e-4  # the residual acts
+    assert not engine.supports_rtc and engine.no_rtc == "an RL residual policy"
+
+
+def test_quantize_takes_the_base_of_an_rl_folder_and_keeps_its_residual(rl_folder, tmp_path):
+    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.models.residual import ResidualPolicyModel
+    from kilovla.quant.fp8 import Fp8Weights
+    from kilovla.quant.folder import quantize_policy_folder
+
+    quantize_policy_folder(rl_folder, tmp_path / "q", latency_repeats=1)
+    quantized = load_checkpoint_policy(tmp_path / "q")
+    assert isinstance(quantized.model, ResidualPolicyModel)
+    assert any(isinstance(m, Fp8Weights) for m in quantized.model.base.modules())
+    assert not any(isinstance(m, Fp8Weights) for m in quantized.model.actor.modules())  # the actor as it was
+    original = load_checkpoint_policy(rl_folder)
+    for k, v in original.model.actor.state_dict().items():
+        assert torch.equal(v, quantized.model.actor.state_dict()[k]), k

@@ -73,8 +73,8 @@ def table(out: Path) -> str:
     for line in rows.read_text().splitlines():
         r = json.loads(line)
         per = ", ".join(f"{t} {v['before']:.0%} -> {v['after']:.0%}" for t, v in r["per_task"].items())
-        overrides = " ".join(_overrides(r["name"])[1:]) or "(the recipe)" if r["name"] in {**VARIANTS, **SAC_VARIANTS} \
-            else "(a row no longer defined)"
+        overrides = " ".join(SAC_VARIANTS.get(r["name"], VARIANTS.get(r["name"], []))) or "(the recipe)" \
+            if r["name"] in {**VARIANTS, **SAC_VARIANTS} else "(a row no longer defined)"
         lines.append(f"| {r['name']} | {overrides} | {r['before']:.0%} | "
                      f"{r['after']:.0%} ({per}) | {(r['after'] - r['before']) * 100:+.0f} | "
                      f"{r['training_success'][0]:.2f} -> {r['training_success'][1]:.2f} | {r['rl_steps']} | {r['env_steps']} |")
@@ -82,7 +82,7 @@ def table(out: Path) -> str:
 
 
 def _overrides(name: str) -> list[str]:
-    """The row's flags after its recipe: PPO rows on PPO_FINETUNE, SAC rows on GAIN."""
+    """The row's recipe and its flags: PPO rows on PPO_FINETUNE, SAC rows on GAIN."""
     if name in SAC_VARIANTS:
         return [*GAIN, *SAC_VARIANTS[name]]
     return [*PPO_FINETUNE, *VARIANTS[name]]
@@ -121,7 +121,7 @@ def main() -> None:
         try:
             before = before or closed_loop(args.policy, args.episodes)
             gain = success_gain(args.policy, run_dir, mode="async", env_steps=args.env_steps, minutes=args.minutes,
-                                before=before, episodes=args.episodes, overrides=_overrides(name))
+                                before=before, episodes=args.episodes, recipe=(), overrides=_overrides(name))
         except KilovlaError as e:
             parser.error(str(e))
         gain.pop("curve")

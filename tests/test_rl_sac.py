@@ -236,13 +236,17 @@ def test_serve_answers_an_rl_folder_with_the_residual_and_refuses_rtc_for_it(rl_
     assert not engine.supports_rtc and engine.no_rtc == "an RL residual policy"
 
 
-def test_quantize_takes_the_base_of_an_rl_folder_and_keeps_its_residual(rl_folder, tmp_path):
+def test_quantize_takes_the_base_of_an_rl_folder_and_keeps_its_residual(rl_folder, policy_dir, tmp_path):
     from kilovla.models.policy import load_checkpoint_policy
     from kilovla.models.residual import ResidualPolicyModel
     from kilovla.quant.fp8 import Fp8Weights
     from kilovla.quant.folder import quantize_policy_folder
 
-    quantize_policy_folder(rl_folder, tmp_path / "q", latency_repeats=1)
+    from pathlib import Path
+
+    dataset = Path(policy_dir).parents[2] / "mw"  # the demonstrations the test policy was trained on
+    report = quantize_policy_folder(rl_folder, tmp_path / "q", dataset=dataset, samples=8, latency_repeats=1)
+    assert report["layers"] and not any(k.startswith(("base.", "actor.")) for k in report["layers"])  # the base's names
     quantized = load_checkpoint_policy(tmp_path / "q")
     assert isinstance(quantized.model, ResidualPolicyModel)
     assert any(isinstance(m, Fp8Weights) for m in quantized.model.base.modules())
@@ -250,3 +254,30 @@ def test_quantize_takes_the_base_of_an_rl_folder_and_keeps_its_residual(rl_folde
     original = load_checkpoint_policy(rl_folder)
     for k, v in original.model.actor.state_dict().items():
         assert torch.equal(v, quantized.model.actor.state_dict()[k]), k
+
+
+def test_bench_rl_only_is_checked_before_any_work(tmp_path):
+    from kilovla.bench import rl as rl_bench
+    from kilovla.cli import main
+    from kilovla.errors import KilovlaError
+
+    with pytest.raises(KilovlaError, match="no --quick form"):
+        rl_bench.run(quick=True, only="gain", out_dir=tmp_path)
+    with pytest.raises(KilovlaError, match="must be gain or throughput"):
+        rl_bench.run(only="speed", out_dir=tmp_path)
+    assert main(["bench", "fp8", "--only", "gain", "--out", str(tmp_path)]) == 2
+    assert not any(tmp_path.iterdir())  # nothing built, nothing written
+
+
+def test_residual_sac_settings_out_of_range_are_one_line_each():
+    from kilovla.errors import KilovlaError
+    from kilovla.rl import runner
+
+    for flag, match in (("--learner.algo.sac.replay_size=500", "replay_size = 500 is out of range .at least 1000"),
+                        ("--learner.algo.sac.actor_lr=-1", "actor_lr = -1.0 is out of range"),
+                        ("--learner.algo.sac.hidden=0", "hidden = 0 is out of range"),
+                        ("--learner.algo.gamma=1.5", "learner.algo.gamma = 1.5 is out of range"),
+                        ("--learner.ranks=2", "learner.ranks must be 1")):
+        cfg = runner.load(None, ["--learner.algo.name=residual_sac", "--learner.batch_segments=32", flag])
+        with pytest.raises(KilovlaError, match=match):
+            runner._check_config(cfg)

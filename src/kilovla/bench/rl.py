@@ -224,12 +224,17 @@ def _resolution(policy: str) -> int:
 
 
 def success_gain(policy: str, run_dir: Path, *, mode: str, env_steps: int, minutes: float, before: dict,
-                 episodes: int = GAIN_EPISODES, seed: int = 0, overrides: list[str] = ()) -> dict:
-    """An RL run of `mode` from `policy` for `env_steps` (at most `minutes`), then its closed loop against `before`."""
+                 episodes: int = GAIN_EPISODES, seed: int = 0, recipe=GAIN, overrides: list[str] = ()) -> dict:
+    """An RL run of `recipe` + `overrides` in `mode` from `policy` for `env_steps` (0: no cap; at most
+    `minutes`), then its closed loop against `before`. A run of an earlier invocation in `run_dir` is replaced."""
+    from kilovla.folders import RUN, clear
     from kilovla.rl import runner
 
+    if run_dir.exists():
+        clear(run_dir, RUN)  # refuses a folder holding anything but a run
+
     cfg = runner.load(None, [f"--run_dir={run_dir}", f"--policy={policy}", f"--mode={mode}", f"--seed={seed}",
-                             f"--env.tasks=[{','.join(WEAK_TASKS)}]", "--eval.episodes=0", "--progress=false", *GAIN,
+                             f"--env.tasks=[{','.join(WEAK_TASKS)}]", "--eval.episodes=0", "--progress=false", *recipe,
                              "--steps=1000000", f"--max_env_steps={env_steps}", *overrides])
     t0 = time.monotonic()
     summary = runner.run(cfg, time_budget_s=minutes * 60)

@@ -56,11 +56,18 @@ class ResidualSpec:
 
     @classmethod
     def from_json(cls, fields: dict, where: str) -> ResidualSpec:
-        fields = {k: v for k, v in fields.items() if k != "algorithm"}
+        fields = {k: v for k, v in fields.items() if k != "algorithm"} if isinstance(fields, dict) else fields
         try:
-            return cls(**fields)
+            spec = cls(**fields)
         except TypeError as e:
             raise KilovlaError(f"{where}: residual entry is not a residual description: {e}") from None
+        kinds = {"steps": int, "action_dim": int, "features": int, "state_dim": int, "hidden": int, "depth": int,
+                 "scale": (int, float), "init_std": (int, float), "shared": bool}
+        bad = [k for k, kind in kinds.items() if not isinstance(getattr(spec, k), kind)
+               or (kind is int and isinstance(getattr(spec, k), bool)) or (kind is not bool and getattr(spec, k) <= 0)]
+        if bad:
+            raise KilovlaError(f"{where}: residual entry has bad {', '.join(bad)} (positive numbers; shared true/false)")
+        return spec
 
 
 def mlp(width_in: int, hidden: int, depth: int) -> nn.Sequential:

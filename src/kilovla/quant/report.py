@@ -62,7 +62,11 @@ def _noise(policy, batch_size: int, generator: torch.Generator) -> torch.Tensor:
 def compare_actions(baseline, quantized, rows: list[dict], seed: int = 0) -> dict:
     """Action chunks of both policies on the same rows and noise, and every FP8 layer's output SQNR
     on the activations the baseline produced there."""
-    names = {n for n, m in quantized.model.named_modules() if isinstance(m, Fp8Weights)}
+    from kilovla.models.residual import base_of
+
+    # layer names of the bases (an RL folder's residual actor is not quantized): what weight_sqnr is keyed by
+    base, quantized_base = base_of(baseline.model), base_of(quantized.model)
+    names = {n for n, m in quantized_base.named_modules() if isinstance(m, Fp8Weights)}
     captured: dict[str, list[tuple]] = {n: [] for n in names}  # whole calls: GR00T's per-embodiment layers take two inputs
     counts = dict.fromkeys(names, 0)
 
@@ -74,7 +78,7 @@ def compare_actions(baseline, quantized, rows: list[dict], seed: int = 0) -> dic
                 counts[name] += x.numel() // x.shape[-1] if x.is_floating_point() else x.numel()
         return hook
 
-    handles = [baseline.model.get_submodule(n).register_forward_pre_hook(capture(n)) for n in names]
+    handles = [base.get_submodule(n).register_forward_pre_hook(capture(n)) for n in names]
     generator = torch.Generator().manual_seed(seed)
     diffs, truth = [], []
     try:
@@ -104,13 +108,15 @@ def compare_actions(baseline, quantized, rows: list[dict], seed: int = 0) -> dic
 
 
 def _output_sqnr(baseline, quantized, names, captured) -> dict[str, float | None]:
+    from kilovla.models.residual import base_of
+
     layers = {}
     for name in sorted(names):
         if not captured[name]:  # pi0.5's last prefix layer: q, o and MLP weights that inference never reads
             layers[name] = None
             continue
         calls = [tuple(a.to(baseline.device) for a in args) for args in captured[name]]
-        ref, got = baseline.model.get_submodule(name), quantized.model.get_submodule(name)
+        ref, got = base_of(baseline.model).get_submodule(name), base_of(quantized.model).get_submodule(name)
         layers[name] = sqnr_db(torch.cat([ref(*a).flatten() for a in calls]), torch.cat([got(*a).flatten() for a in calls]))
     return layers
 

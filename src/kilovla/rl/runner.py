@@ -159,7 +159,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     state.setdefault("started_from", str(Path(policy_dir).resolve()))  # the KL's reference, whatever the cwd later
-    _check_algorithm_fits(cfg, policy_dir, meta)
+    _check_algorithm_fits(cfg, policy_dir, meta, n_action_steps)
     ppo = cfg.learner.algo.name == "ppo"
     if ppo and cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
             and not (Path(state["started_from"]) / "policy.json").is_file():
@@ -231,6 +231,7 @@ def write_policy_files(folder: Path, learner_state: dict, meta: dict) -> None:
         save_safetensors(learner_state.pop("replay"), folder / "replay.safetensors")
     if "residual" in learner_state:  # its weights are in the files above; resume reads them from there
         meta["residual"] = learner_state["residual"]
+        meta["n_action_steps"] = learner_state["residual"]["steps"]  # eval and serve replan as it was trained
     else:  # PPO keeps the weights in learner.pt too (resume reads them from there)
         learner_state["model"] = weights
     torch.save(learner_state, folder / "learner.pt")
@@ -291,23 +292,41 @@ def _check_sac(cfg: RLConfig) -> None:
     if cfg.compute.calibrated:
         raise KilovlaError("compute.model calibrated times PPO's learner (a throughput benchmark); use it with "
                            "--learner.algo.name=ppo")
+    # a buffer that could overwrite a step before its successor arrives (one round of every env) or never reach
+    # the warm-up would link wrong transitions or never update
+    least = max(sac.batch_size, sac.warmup_transitions, 4 * cfg.env.workers * cfg.env.envs_per_worker * cfg.rollout.segment_steps)
     for name, value, ok in (("res_scale", sac.res_scale, sac.res_scale > 0), ("init_std", sac.init_std, sac.init_std > 0),
                             ("utd", sac.utd, sac.utd >= 0), ("batch_size", sac.batch_size, sac.batch_size >= 1),
-                            ("replay_size", sac.replay_size, sac.replay_size >= sac.batch_size),
+                            ("replay_size", sac.replay_size, sac.replay_size >= least),
+                            ("actor_lr", sac.actor_lr, sac.actor_lr >= 0), ("critic_lr", sac.critic_lr, sac.critic_lr >= 0),
+                            ("alpha_lr", sac.alpha_lr, sac.alpha_lr >= 0), ("hidden", sac.hidden, sac.hidden >= 1),
+                            ("depth", sac.depth, sac.depth >= 1), ("gamma", cfg.learner.algo.gamma, 0 < cfg.learner.algo.gamma <= 1),
+                            ("target_entropy", sac.target_entropy if sac.target_entropy is not None else 0.0, True),
                             ("tau", sac.tau, 0 < sac.tau <= 1), ("penalty", sac.penalty, sac.penalty >= 0),
                             ("init_alpha", sac.init_alpha, sac.init_alpha > 0),
                             ("actor_every", sac.actor_every, sac.actor_every >= 1),
                             ("critic_warmup_updates", sac.critic_warmup_updates, sac.critic_warmup_updates >= 0)):
         if not ok or not math.isfinite(value):
-            raise KilovlaError(f"learner.algo.sac.{name} = {value} is out of range")
+            where = "learner.algo.gamma" if name == "gamma" else f"learner.algo.sac.{name}"
+            hint = f" (at least {least}: batch, warm-up and 4 rounds of every env)" if name == "replay_size" else ""
+            raise KilovlaError(f"{where} = {value} is out of range{hint}")
 
 
-def _check_algorithm_fits(cfg: RLConfig, policy_dir: str, meta: dict) -> None:
-    """A residual folder trains on with residual SAC; PPO trains a plain VLA (it would drop the residual)."""
-    if meta.get("residual") and cfg.learner.algo.name != "residual_sac":
+def _check_algorithm_fits(cfg: RLConfig, policy_dir: str, meta: dict, n_action_steps: int) -> None:
+    """A residual folder trains on with residual SAC; PPO trains a plain VLA (it would drop the residual). A
+    residual folder's actor is loaded here, before Ray, so a missing or mismatched file is one line."""
+    if not meta.get("residual"):
+        return
+    if cfg.learner.algo.name != "residual_sac":
         raise KilovlaError(f"{policy_dir}: holds a residual actor (residual SAC); learner.algo.name={cfg.learner.algo.name} "
                            f"trains the VLA itself and would drop it: continue with residual_sac, or start from the "
                            f"supervised folder it began with")
+    from kilovla.models.policy import load_checkpoint_policy
+
+    spec = load_checkpoint_policy(policy_dir).model.actor.spec
+    if spec.steps != n_action_steps:
+        raise KilovlaError(f"{policy_dir}: its residual corrects {spec.steps} actions per chunk; rollout.n_action_steps "
+                           f"asks for {n_action_steps}")
 
 
 def _privileged(cfg: RLConfig) -> tuple:

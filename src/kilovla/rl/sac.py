@@ -159,6 +159,8 @@ def load_residual_agent(policy_dir: str, n_action_steps: int, cfg: SACConfig, pr
     spec = actor.spec if actor is not None else residual_spec(model, policy.meta, n_action_steps, cfg)
     agent = ResidualAgent(model, policy.meta, spec, privileged if cfg.privileged else (), cfg.hidden, cfg.depth, actor)
     critics = Path(policy_dir) / "critic.safetensors"
+    if actor is not None and not critics.is_file():
+        log.warning("%s: missing; the residual trains on with fresh critics", critics)
     if actor is not None and critics.is_file():
         weights = read_safetensors(critics)
         try:
@@ -393,8 +395,14 @@ class SACLearner:
     def load_state_dict(self, state: dict) -> None:
         if "model" in state:  # a checkpoint's weights came in with the folder (residual / critic.safetensors)
             self.agent.load_state_dict(state["model"])
-        self.actor_opt.load_state_dict(state["optimizer"]["actor"])
-        self.critic_opt.load_state_dict(state["optimizer"]["critic"])
+        for opt, saved in ((self.actor_opt, state["optimizer"]["actor"]), (self.critic_opt, state["optimizer"]["critic"])):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            moments = [saved["state"].get(i, {}).get("exp_avg") for i in range(len(params))]
+            if len(saved["param_groups"][0]["params"]) != len(params) or any(
+                    m is not None and m.shape != p.shape for m, p in zip(moments, params)):
+                raise KilovlaError("the checkpoint's actor or critics have other shapes than learner.algo.sac makes now "
+                                   "(hidden, depth, privileged): resume with the run's own settings")
+            opt.load_state_dict(saved)
         self.alpha_opt.load_state_dict(state["optimizer"]["alpha"])
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])

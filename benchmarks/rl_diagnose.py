@@ -10,6 +10,9 @@ On the policy folder DIR (reach-v3 + push-v3, at its training resolution):
 - D7: does the frozen pooled prefix (what the critic reads) encode the goal? Ridge probe from the
   features to the goal xyz (Meta-World's last 3 state entries), R^2 on held-out resets; the same from
   the normalised state (which, for policies reading `observation.environment_state`, holds the goal);
+- D8: what the failures are: per reach-v3 episode of the deterministic policy on fresh seeds, success,
+  steps, and the hand's offset from the goal at the end (Meta-World's state: hand xyz first, goal xyz
+  last): near misses with a common bias, or wild motion;
 - a PPO run of `--ppo-minutes` (async, the old `FINETUNE` recipe with kl_coef 1.0): the critic's
   explained variance, the fraction of samples `behav_cap` masked, and the spread of log-ratios per
   version, from its metrics.jsonl.
@@ -121,6 +124,36 @@ def _ridge_r2(x: np.ndarray, y: np.ndarray, lam: float = 1e-3) -> float:
     return float(1 - ((pred - y[test]) ** 2).sum() / ((y[test] - y[test].mean(0)) ** 2).sum())
 
 
+def near_misses(policy_dir: str, resolution: int, episodes: int, task: str = "reach-v3") -> dict:
+    """D8: the hand-minus-goal offset (m) at each episode's end, for the successes and for the failures."""
+    from kilovla.envs.rollout import run_episodes
+    from kilovla.envs.vector import EnvConfig, EnvPool
+    from kilovla.eval.closed_loop import episode_seeds, load_policy
+
+    torch.manual_seed(1)
+    policy, first, last, ends = load_policy(policy_dir), {}, {}, []
+
+    def on_step(ep, obs, action, reward, info):
+        state = np.asarray(obs["observation.environment_state"], np.float64)
+        first.setdefault(ep.index, state[-3:])
+        last[ep.index] = state[:3]
+
+    def on_end(ep, last_obs):
+        ends.append((ep.success, ep.steps, (last[ep.index] - first[ep.index]).tolist()))
+
+    configs = [EnvConfig("metaworld", {"task": task, "cameras": ("scene", "wrist"), "resolution": resolution})] * 10
+    with EnvPool(configs, num_workers=2) as pool:
+        run_episodes(pool, policy, episode_seeds(5, 0, episodes), n_action_steps=policy.n_action_steps,
+                     on_step=on_step, on_end=on_end)
+    out = {}
+    for name, won in (("successes", True), ("failures", False)):
+        offsets = np.array([o for s, _, o in ends if s == won]).reshape(-1, 3)
+        out[name] = {"episodes": len(offsets), "mean_steps": float(np.mean([n for s, n, _ in ends if s == won] or [0])),
+                     "distance_m": np.round(np.linalg.norm(offsets, axis=1), 3).tolist(),
+                     "mean_offset_m": np.round(offsets.mean(0), 3).tolist() if len(offsets) else None}
+    return {"near_misses": {"task": task, **out}}
+
+
 def ppo_health(policy_dir: str, out: Path, minutes: float) -> dict:
     from kilovla.rl import runner
 
@@ -163,7 +196,8 @@ def main() -> None:
               "success_stochastic_rollout": stochastic["overall_success_rate"],
               "per_task": {t: {"deterministic": deterministic["per_task"][t]["success_rate"],
                                "stochastic": stochastic["per_task"][t]["success_rate"]} for t in TASKS},
-              **steerability(args.policy, obs), **goal_probe(args.policy, obs)}
+              **steerability(args.policy, obs), **goal_probe(args.policy, obs),
+              **near_misses(args.policy, resolution, episodes=20)}
     if args.ppo_minutes > 0:
         result["ppo"] = ppo_health(args.policy, out, args.ppo_minutes)
     result["minutes"] = (time.monotonic() - t0) / 60

@@ -232,6 +232,47 @@ def test_residual_sac_resumes_after_kill_9_with_its_buffer(policy_dir, tmp_path)
     assert torch.equal(final["features"][:24], saved["features"])
 
 
+BC = ("--learner.algo.name=filtered_bc", "--learner.algo.filtered_bc.warmup=1", "--learner.algo.filtered_bc.batch_size=4",
+      "--learner.algo.freeze_vlm=false")
+
+
+def test_filtered_bc_in_sync_mode_survives_a_crashed_worker_writes_a_policy_folder_and_resumes_after_kill_9(
+        policy_dir, local_ray, tmp_path):
+    """The tiny policy seldom succeeds in 30 steps: this checks the plumbing (the outcome of every episode
+    counted, the folder, the replay carried through kill -9); tests/test_rl_filtered_bc.py checks the learning."""
+    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.rl import runner
+
+    summary = runner.run(_config(policy_dir, tmp_path / "run", "--mode=sync", "--steps=3", *BC),
+                         faults={"env_workers": {0: {"crash_after": 10}}})
+    records = _records(tmp_path / "run")
+    assert summary["replaced_workers"] == 1 and [r["step"] for r in records] == [1, 2, 3]
+    last = records[-1]
+    # every episode the learner saw end is judged once (30-step episodes; 3 versions x 4 segments x 3 chunks of 4
+    # steps); those of the crashed worker's dropped round never reach it
+    judged = last["learner/episodes_succeeded"] + last["learner/episodes_failed"]
+    assert 0 < judged <= sum(r["episodes"] for r in records)
+    assert last["learner/replay"] >= 0 and last["learner/updates"] >= 0
+    final = Path(summary["checkpoint"])
+    assert (final / "model.safetensors").is_file() and (final / "learner.pt").is_file()
+    assert load_checkpoint_policy(final).action_dim == 4 and not json.loads((final / "policy.json").read_text()).get("residual")
+    assert 0.0 <= summary["eval"]["success_rate"] <= 1.0
+
+    run = tmp_path / "killed"
+    args, env = _kill_driver_at(run, 6, [policy_dir, *BC], "step_000004")
+    saved = _records(run)[3]
+    resumed = subprocess.run([*args, "--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    records = _records(run)
+    steps = [r["step"] for r in records]
+    assert steps[-2:] == [5, 6] and steps.count(5) == 1
+    # the counters and the replay went on from the checkpoint's (none restarted at zero)
+    assert records[-1]["learner/replay"] >= saved["learner/replay"]
+    judged = lambda r: r["learner/episodes_succeeded"] + r["learner/episodes_failed"]  # noqa: E731
+    assert judged(records[-1]) > judged(saved) > 0
+    assert (run / "checkpoints" / "step_000006" / "replay.safetensors").is_file()
+
+
 def test_a_critic_of_another_width_is_relearned_from_a_policy_and_refused_on_resume(policy_dir, tmp_path, caplog,
                                                                                     monkeypatch):
     """Folders written before the critic read the state: as --policy the critic starts afresh (and the

@@ -67,3 +67,48 @@ def test_observe_waits_for_a_chunk_still_running_in_the_env():
     finally:
         release.set()
         torch.set_num_threads(threads)
+
+
+class _RewardEnv:
+    """Rewards 1, 3, 6, ... (the t-th step pays t(t+1)/2); terminates with success at step `end`."""
+
+    def __init__(self, end):
+        self.end, self.unwrapped = end, self
+
+    def reset(self, seed=None):
+        self.t = 0
+        return {"t": 0}, {}
+
+    def step(self, action):
+        self.t += 1
+        done = self.t == self.end
+        return {"t": self.t}, self.t * (self.t + 1) / 2, done, False, {"is_success": done}
+
+
+class _RewardConfig:
+    kwargs: dict = {}
+
+    def build(self):
+        return _RewardEnv(end=5)
+
+
+def test_progress_shaping_pays_the_change_of_the_env_reward_and_the_bonus_once():
+    import torch
+
+    from kilovla.rl.workers import EnvWorker
+
+    threads = torch.get_num_threads()
+    try:
+        rewards = {}
+        for shaping in ("reward", "progress"):
+            worker = EnvWorker.__ray_actor_class__(0, 0, [(_RewardConfig(), 0)], segment_steps=1, reward_scale=0.5,
+                                                   success_bonus=10.0, shaping=shaping)
+            first = worker._execute(0, np.zeros((3, 4)))  # steps 1-3 of the episode
+            second = worker._execute(0, np.zeros((3, 4)))  # steps 4-5: success ends it (and resets)
+            third = worker._execute(0, np.zeros((1, 4)))  # step 1 of the next episode
+            rewards[shaping] = (first[0], second[0], second[1], third[0])
+        assert rewards["reward"] == (0.5 * (1 + 3 + 6), 0.5 * (10 + 15) + 10.0, True, 0.5)
+        # the change since the episode's previous action: 0 for its first, (15 - 1) in all, none carried over
+        assert rewards["progress"] == (0.5 * (6 - 1), 0.5 * (15 - 6) + 10.0, True, 0.0)
+    finally:
+        torch.set_num_threads(threads)

@@ -63,15 +63,15 @@ WEAK_TASKS = ("reach-v3", "push-v3")
 # tasks, few demonstrations and few steps, no EMA (the folder's weights are what is evaluated and fine-
 # tuned). Measured on 2 cores: see docs/rl_finetune.md (closed loop between 25 % and 65 %).
 START_RECIPE = {"tasks": WEAK_TASKS, "episodes_per_task": 10, "train_steps": 500, "warmup_steps": 50, "ema_decay": None}
-# The gain rows' RL recipe (residual SAC): 12 envs in 2 workers at the policy's
-# resolution, Meta-World's 200-step evaluation horizon, 8-chunk segments, a policy version (an actor
-# sync) every 12 segments; off-policy, so rollouts may run ahead of the learner by several versions.
-# Reward: Meta-World's shaping at 1e-3 per step (at most 0.05 a chunk) and 2.5 on success, which still
-# outweighs a whole episode of shaping (200 x 10 x 1e-3 = 2.0) but gives the critics a signal between
-# successes (docs/rl_finetune.md, trial g3 on).
+# The gain rows' RL recipe (residual SAC): 12 envs in 2 workers at the policy's resolution, Meta-World's
+# 200-step evaluation horizon, 8-chunk segments, a policy version (an actor sync) every 12 segments;
+# off-policy, so rollouts may run ahead of the learner by several versions. Reward: progress shaping
+# (the change of Meta-World's shaped reward, x 0.1: an episode's shaping sums to at most 1.0, and
+# hovering near the goal earns nothing) plus 1.0 on success; the penalty anchoring the correction at
+# 0.2 (docs/rl_finetune.md, trial g6: the first to rise).
 GAIN = ("--learner.algo.name=residual_sac", "--env.workers=2", "--env.envs_per_worker=6", "--env.max_steps=200", "--rollout.segment_steps=8",
         "--learner.batch_segments=12", "--learner.max_staleness=4", "--checkpoint.every=50",
-        "--env.reward_scale=1e-3", "--env.success_bonus=2.5")
+        "--env.shaping=progress", "--env.reward_scale=0.1", "--env.success_bonus=1.0", "--learner.algo.sac.penalty=0.2")
 GAIN_ENV_STEPS = 250_000
 GAIN_EPISODES = 100  # per task, before and after
 EVAL_SEED = 1  # closed_loop.episode_seeds: disjoint from the demonstrations' (collect seed 0) and RL's (>= 10^7)
@@ -208,7 +208,7 @@ def closed_loop(policy: str, episodes: int, tasks=WEAK_TASKS) -> dict:
 
     torch.manual_seed(EVAL_SEED)  # the base's initial noise: the same draws before and after
     report = evaluate(load_policy(policy), tasks=list(tasks), episodes=episodes, batch_size=10, seed=EVAL_SEED,
-                      resolution=_resolution(policy))
+                      resolution=_resolution(policy), num_workers=2)
     per_task = {}
     for t, r in report["per_task"].items():
         won = round(r["success_rate"] * episodes)

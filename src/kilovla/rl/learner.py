@@ -47,6 +47,7 @@ from kilovla.rl.core import trajectory
 from kilovla.rl.core.losses import awr_loss, decoupled_ppo_loss, gae, value_loss
 from kilovla.rl.core.streaming import StreamingStep
 from kilovla.rl.policy import ActorCritic
+from kilovla.rl.filtered_bc import FilteredBCConfig
 from kilovla.rl.sac import SACConfig
 from kilovla.train import distributed
 from kilovla.train.optim import OptimConfig, build_optimizer
@@ -56,10 +57,12 @@ from kilovla.train.build import apply_freeze
 @dataclass
 class AlgoConfig:
     # "ppo": the on-policy family below (decoupled PPO, or AWR with policy_loss awr), which trains the VLA
-    # itself; "residual_sac": off-policy SAC of a bounded residual over the frozen VLA (rl/sac.py). Neither
-    # has yet gained on reach + push here (docs/rl_finetune.md), so the default stays what it was.
+    # itself; "residual_sac": off-policy SAC of a bounded residual over the frozen VLA (rl/sac.py);
+    # "filtered_bc": the VLA's flow-matching loss on a replay of its own successful episodes
+    # (rl/filtered_bc.py; it trains with `optim` and the freeze flags below).
     name: str = "ppo"
     sac: SACConfig = field(default_factory=SACConfig)
+    filtered_bc: FilteredBCConfig = field(default_factory=FilteredBCConfig)
     gamma: float = 0.99
     lam: float = 0.95
     clip: float = 0.2

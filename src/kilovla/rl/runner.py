@@ -61,6 +61,7 @@ MAX_BUILD_FAILURES = 3  # a worker that dies this many times in a row before ans
 METAWORLD_MAX_REWARD = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]
 STARTUP_S = 120.0  # a new env worker's grace period to start before it counts as hung
 # A checkpoint's weight files: (file, key prefixes of the learner's model, the prefix its keys lose)
+ALGORITHMS = ("ppo", "residual_sac", "filtered_bc")
 CHECKPOINT_FILES = (("model.safetensors", ("vla.",), "vla."), ("value_head.safetensors", ("value_head.",), "value_head."),
                     ("residual.safetensors", ("actor.",), "actor."), ("critic.safetensors", ("critics.", "targets."), ""))
 
@@ -81,6 +82,10 @@ class EnvSection:
     # 150 x 10 x 2e-4 = 0.3 < 1.0. `kilovla rl` warns when the rule is broken.
     reward_scale: float = 2e-4
     success_bonus: float = 1.0
+    # "reward": the simulator's shaped reward as above; "progress": its change since the previous action
+    # (potential-based shaping, Ng et al. 1999: an episode's shaped rewards sum to reward_scale x (last
+    # reward - first), so getting closer pays and hovering near the goal pays nothing more, whatever the scale)
+    shaping: str = "reward"
     timeout_s: float = 60.0  # an env step (or a worker) that takes longer is a hang: the worker is replaced
 
 
@@ -257,10 +262,12 @@ def _check_config(cfg: RLConfig) -> None:
         if value < least:
             raise KilovlaError(f"{name} must be >= {least}, got {value}")
     algo = cfg.learner.algo
-    if algo.name not in ("residual_sac", "ppo"):
-        raise KilovlaError(f"learner.algo.name must be residual_sac or ppo, not {algo.name!r}")
+    if algo.name not in ALGORITHMS:
+        raise KilovlaError(f"learner.algo.name must be one of {', '.join(ALGORITHMS)}, not {algo.name!r}")
     if algo.name == "residual_sac":
         _check_sac(cfg)
+    if algo.name == "filtered_bc":
+        _check_filtered_bc(cfg)
     if algo.policy_loss not in ("ppo", "awr"):
         raise KilovlaError(f"learner.algo.policy_loss must be ppo or awr, not {algo.policy_loss!r}")
     if not (math.isfinite(algo.kl_coef) and math.isfinite(algo.awr_temperature) and math.isfinite(algo.awr_max_weight)):
@@ -278,20 +285,41 @@ def _check_config(cfg: RLConfig) -> None:
     if cfg.learner.batch_segments % cfg.learner.ranks:
         raise KilovlaError(f"learner.batch_segments ({cfg.learner.batch_segments}) must split evenly over "
                            f"{cfg.learner.ranks} learner ranks")
-    if cfg.env.env == "metaworld" and cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale >= cfg.env.success_bonus:
+    if cfg.env.shaping not in ("reward", "progress"):
+        raise KilovlaError(f"env.shaping must be reward or progress, not {cfg.env.shaping!r}")
+    if cfg.env.env == "metaworld" and cfg.env.shaping == "reward" and cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale >= cfg.env.success_bonus:
         log.warning("env.reward_scale %g: a full episode's shaped reward (up to %g) can exceed the success bonus %g, "
                     "so a near miss may pay more than a success", cfg.env.reward_scale,
                     cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale, cfg.env.success_bonus)
 
 
-def _check_sac(cfg: RLConfig) -> None:
-    sac = cfg.learner.algo.sac
+def _check_one_learner(cfg: RLConfig) -> None:
+    """The off-policy learners sample one replay buffer on one rank, with the real model."""
+    name = cfg.learner.algo.name
     if cfg.learner.ranks != 1:
-        raise KilovlaError(f"learner.algo.name residual_sac trains small networks on one learner: learner.ranks must be 1, "
+        raise KilovlaError(f"learner.algo.name {name} samples one replay buffer on one learner: learner.ranks must be 1, "
                            f"got {cfg.learner.ranks}")
     if cfg.compute.calibrated:
         raise KilovlaError("compute.model calibrated times PPO's learner (a throughput benchmark); use it with "
                            "--learner.algo.name=ppo")
+
+
+def _check_filtered_bc(cfg: RLConfig) -> None:
+    _check_one_learner(cfg)
+    bc = cfg.learner.algo.filtered_bc
+    for name, value, ok in (("batch_size", bc.batch_size, bc.batch_size >= 1), ("utd", bc.utd, bc.utd >= 0),
+                            ("warmup", bc.warmup, bc.warmup >= 0),
+                            ("replay_size", bc.replay_size, bc.replay_size >= max(bc.batch_size, bc.warmup, 1))):
+        if not ok or not math.isfinite(value):
+            hint = " (at least batch_size and warmup)" if name == "replay_size" else ""
+            raise KilovlaError(f"learner.algo.filtered_bc.{name} = {value} is out of range{hint}")
+    if cfg.learner.algo.optim.lr < 0:
+        raise KilovlaError(f"learner.algo.optim.lr = {cfg.learner.algo.optim.lr} is out of range")
+
+
+def _check_sac(cfg: RLConfig) -> None:
+    sac = cfg.learner.algo.sac
+    _check_one_learner(cfg)
     # a buffer that could overwrite a step before its successor arrives (one round of every env) or never reach
     # the warm-up would link wrong transitions or never update
     least = max(sac.batch_size, sac.warmup_transitions, 4 * cfg.env.workers * cfg.env.envs_per_worker * cfg.rollout.segment_steps)
@@ -503,7 +531,8 @@ class _Roles:
         self._placed[w] = _spread(w, self._unplaceable)
         strategy = NodeAffinitySchedulingStrategy(self._placed[w], soft=False)
         return workers.EnvWorker.options(scheduling_strategy=strategy).remote(
-            w, self.incarnation[w], configs, self.cfg.rollout.segment_steps, env.reward_scale, env.success_bonus, fault)
+            w, self.incarnation[w], configs, self.cfg.rollout.segment_steps, env.reward_scale, env.success_bonus, fault,
+            env.shaping)
 
     def check_envs(self, force: bool = False) -> list[int]:
         """Replace env workers that died or hang; returns the replaced worker ids. A worker hangs when one of

@@ -206,7 +206,7 @@ class Replay:
         """Store a segment's steps, linking each to its successor; returns the transitions stored."""
         slot = tuple(segment.segment_id[:3])
         extras = segment.extras
-        key0 = _state_key(trajectory.index(segment.obs, [0]))
+        key0 = state_key(trajectory.index(segment.obs, [0]))
         pending = self.pending.pop(slot, None)
         if pending is not None and not np.array_equal(pending[1], key0):
             pending = None  # not the state that followed: the chain is broken (a dropped sync round)
@@ -224,7 +224,7 @@ class Replay:
             if segment.done[t]:
                 self._finish_episode(slot)
         if previous is not None:
-            self.pending[slot] = [previous, _state_key(segment.next_obs, single=True)]
+            self.pending[slot] = [previous, state_key(segment.next_obs, single=True)]
         return len(segment)
 
     def _finish_episode(self, slot: tuple) -> None:
@@ -272,7 +272,7 @@ class Replay:
         self.episode = {tuple(k): list(v) for k, v in rest["episode"]}
 
 
-def _state_key(obs: dict, single: bool = False) -> np.ndarray:
+def state_key(obs: dict, single: bool = False) -> np.ndarray:
     """The state vectors of one observation, concatenated: what identifies the step a segment starts at."""
     keys = [k for k in sorted(obs) if k.startswith("observation.") and "images" not in k]
     return np.concatenate([np.asarray(obs[k] if single else obs[k][0], np.float32).ravel() for k in keys])

@@ -56,7 +56,7 @@ class _Busy:
 @ray.remote(num_cpus=0, max_concurrency=64)
 class EnvWorker:
     """`envs` (EnvConfig, first seed) pairs; rewards: `step_reward` (reward_scale * env reward + success_bonus
-    on success). Env i's k-th episode since the run began uses seed first_seed[i] + k (`next_seed` goes back
+    on success; with `shaping` "progress" the env reward's change since the episode's previous action). Env i's k-th episode since the run began uses seed first_seed[i] + k (`next_seed` goes back
     to the runner with every heartbeat, so a checkpoint resumes with the seeds not yet played).
 
     Each env lives in its own thread from construction on: a renderer's GL context belongs to the
@@ -64,19 +64,19 @@ class EnvWorker:
     """
 
     def __init__(self, worker_id: int, incarnation: int, envs: list, segment_steps: int, reward_scale: float,
-                 success_bonus: float, fault: dict | None = None):
+                 success_bonus: float, fault: dict | None = None, shaping: str = "reward"):
         torch.set_num_threads(1)
         # Software GL (llvmpipe) would start a render thread per core in every env's context: with
         # several envs per process, one each is faster and leaves the cores to the rest of the run.
         os.environ.setdefault("LP_NUM_THREADS", "1")
         self.id, self.incarnation, self.segment_steps = worker_id, incarnation, segment_steps
-        self.reward_scale, self.success_bonus = reward_scale, success_bonus
+        self.reward_scale, self.success_bonus, self.progress = reward_scale, success_bonus, shaping == "progress"
         self.configs = [c for c, _ in envs]
         self.next_seed = [s for _, s in envs]
         n = len(self.configs)
         self.envs: list = [None] * n
         self.obs: list[dict | None] = [None] * n
-        self.episode = [{"steps": 0, "return": 0.0, "seed": 0} for _ in range(n)]
+        self.episode = [{"steps": 0, "return": 0.0, "seed": 0, "last": None} for _ in range(n)]
         self.fault = fault or {}
         self.busy = _Busy()
         self.env_steps = 0
@@ -94,7 +94,7 @@ class EnvWorker:
         seed = self.next_seed[i]
         self.next_seed[i] += 1
         self.obs[i] = self.envs[i].reset(seed=seed)[0]
-        self.episode[i] = {"steps": 0, "return": 0.0, "seed": seed}
+        self.episode[i] = {"steps": 0, "return": 0.0, "seed": seed, "last": None}
 
     def _execute(self, i: int, actions: np.ndarray) -> tuple[float, bool, bool, list[Episode], int]:
         """Run a chunk's actions in env i (stop at the episode's end); -> reward, whether an episode ended,
@@ -109,8 +109,10 @@ class EnvWorker:
                 rendering(k == len(actions) - 1)
             obs, r, terminated, truncated, info = self.envs[i].step(action)
             success = bool(info.get("is_success", False))
-            reward += step_reward(r, success, self.reward_scale, self.success_bonus)
             ep = self.episode[i]
+            shaped = r - (r if ep["last"] is None else ep["last"]) if self.progress else r
+            ep["last"] = r
+            reward += step_reward(shaped, success, self.reward_scale, self.success_bonus)
             ep["steps"] += 1
             ep["return"] += r
             self.obs[i] = obs
@@ -473,6 +475,13 @@ class LearnerWorker:
             from kilovla.rl.sac import SACLearner
 
             self.learner = SACLearner(self.model, self.algo.gamma, self.algo.sac, self.args[1], self.seed)
+            return
+        if self.algo.name == "filtered_bc":
+            from kilovla.rl.filtered_bc import FilteredBCLearner
+
+            a = self.algo
+            self.learner = FilteredBCLearner(self.model, a.filtered_bc, a.optim, self.args[1], self.args[3],
+                                             a.freeze_vision, a.freeze_vlm, self.seed)
             return
         self.learner = Learner(self.model, *self.args, distributed.World(rank=rank, size=world_size), self.compute,
                                self.reference)

@@ -172,6 +172,28 @@ def test_bench_all_combines_suites_into_results(tmp_path):
     assert "| envs | env_steps_per_s_64 | steps/s | 50 | 100 | 2 |" in md_path.read_text()
 
 
+def test_a_partial_suite_run_keeps_the_rows_it_did_not_measure(tmp_path):
+    """`bench rl --only gain` then `--only throughput` into one --out: both rows stay; a re-measured row is replaced."""
+    from kilovla.bench.common import Row, write_suite
+
+    gain = Row("rl_success_gain_points", "points", 50.0, 20.0, None, None, note="first")
+    write_suite("rl", [gain], quick=False, out_dir=tmp_path, extra={"success_gain": {"async": 1}}, merge=True)
+    speed = Row.compare("env_steps_per_s_sigma_0", "env-steps/s", 100.0, 110.0, higher_is_better=True)
+    write_suite("rl", [speed], quick=False, out_dir=tmp_path, extra={"throughput": {}}, merge=True)
+    data = json.loads((tmp_path / "rl.json").read_text())
+    assert [r["name"] for r in data["rows"]] == ["rl_success_gain_points", "env_steps_per_s_sigma_0"]
+    assert data["success_gain"] == {"async": 1} and data["throughput"] == {}
+    assert data["kept_rows"]["names"] == ["rl_success_gain_points"] and data["kept_rows"]["machine"]
+    again = Row("rl_success_gain_points", "points", 50.0, 25.0, None, None, note="second")
+    write_suite("rl", [again], quick=False, out_dir=tmp_path, merge=True)
+    rows = {r["name"]: r for r in json.loads((tmp_path / "rl.json").read_text())["rows"]}
+    assert rows["rl_success_gain_points"]["note"] == "second" and len(rows) == 2
+    write_suite("rl", [speed], quick=True, out_dir=tmp_path, merge=True)  # a --quick run replaces a full one
+    assert [r["name"] for r in json.loads((tmp_path / "rl.json").read_text())["rows"]] == ["env_steps_per_s_sigma_0"]
+    write_suite("rl", [again], quick=False, out_dir=tmp_path)  # a whole-suite run writes its rows only
+    assert [r["name"] for r in json.loads((tmp_path / "rl.json").read_text())["rows"]] == ["rl_success_gain_points"]
+
+
 def test_data_bench_runs_on_a_dataset_smaller_than_the_bench_batch(tiny_root, tmp_path):
     # tiny_root has ~80 frames, fewer than the suite's global batches (and 16 samples x 2 ranks fit)
     assert main(["data", "bench", str(tiny_root), "--quick", "--world-size", "2", "--out", str(tmp_path)]) == 0

@@ -327,11 +327,13 @@ def test_flow_sde_config_is_checked():
 
 
 # -- rewards -------------------------------------------------------------------------------------------
-def test_at_the_default_reward_scale_any_successful_episode_outscores_any_near_miss():
+def test_at_the_plain_shapings_documented_scale_any_successful_episode_outscores_any_near_miss():
+    """env.shaping=reward at the scale its comment gives (the default, progress shaping, pays no hovering at
+    all: tests/test_rl_workers.py)."""
     from kilovla.rl.core.trajectory import step_reward
     from kilovla.rl.runner import EnvSection, METAWORLD_MAX_REWARD
 
-    env = EnvSection()
+    env = EnvSection(shaping="reward", reward_scale=2e-4)
     reward = lambda r, s: step_reward(r, s, env.reward_scale, env.success_bonus)  # noqa: E731
     # the best failure: the largest shaped reward on every step of a full-length episode, never a success
     best_miss = sum(reward(METAWORLD_MAX_REWARD, False) for _ in range(env.max_steps))

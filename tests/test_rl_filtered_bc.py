@@ -141,3 +141,56 @@ def test_a_resumed_learner_continues_exactly(policy_dir):
     for k, v in again.model.vla.state_dict().items():
         torch.testing.assert_close(v, expected[k], rtol=0, atol=0, msg=k)
     assert again.replay.added == learner.replay.added and again.updates == learner.updates
+
+
+def test_filtered_bc_and_shaping_settings_out_of_range_are_one_line_each():
+    from kilovla.errors import KilovlaError
+    from kilovla.rl import runner
+
+    for flags, match in ((["--learner.algo.filtered_bc.utd=0"], "filtered_bc.utd = 0.0 is out of range"),
+                         (["--learner.algo.filtered_bc.replay_size=10"], "replay_size = 10 is out of range .at least"),
+                         (["--learner.algo.filtered_bc.batch_size=0"], "batch_size = 0 is out of range"),
+                         (["--learner.algo.optim.lr=nan"], "optim.lr = nan is out of range"),
+                         (["--learner.algo.optim.betas=[0.9, 1.5]"], r"optim.betas\[1\] = 1.5 is out of range"),
+                         (["--learner.algo.optim.min_lr_ratio=-1"], "min_lr_ratio = -1.0 is out of range"),
+                         (["--learner.ranks=2"], "filtered_bc samples one replay buffer on one learner"),
+                         (["--env.shaping=potential"], "env.shaping must be reward or progress")):
+        cfg = runner.load(None, ["--learner.algo.name=filtered_bc", "--learner.batch_segments=32", *flags])
+        with pytest.raises(KilovlaError, match=match):
+            runner._check_config(cfg)
+    with pytest.raises(KilovlaError, match="learner.algo.name must be one of ppo, residual_sac, filtered_bc"):
+        runner._check_config(runner.load(None, ["--learner.algo.name=dsrl"]))
+
+
+def test_waiting_episodes_and_the_replay_survive_the_checkpoint_files_and_resume_is_checked_before_ray(tmp_path):
+    """A checkpoint taken mid-episode: the waiting rows go through learner.pt (weights-only) and finish after
+    resume; resuming with another algorithm or replay size is refused in one line, before Ray."""
+    from kilovla.errors import KilovlaError
+    from kilovla.rl import runner
+    from kilovla.rl.filtered_bc import SuccessReplay
+
+    chunks = np.ones((3, 4, 32), np.float32)
+    replay = SuccessReplay(50)
+    replay.add_segment(_segment([0, 1, 2], 3, ends={1: True}), chunks)  # one success, then a new episode begins
+    replay.add_segment(_segment([7, 8, 9], 10, slot=(1, 0, 0)), chunks)  # another env's, still running
+    arrays, rest = replay.state_dict()
+    state = {"model": {"vla.w": torch.zeros(2)}, "replay": arrays, "replay_rest": rest, "algorithm": "filtered_bc"}
+    runner.write_policy_files(tmp_path, state, {"preset": "pi05-tiny"})
+    loaded = runner._learner_state(tmp_path)
+    again = SuccessReplay(50)
+    again.load_state_dict(loaded["replay"], loaded["replay_rest"])
+    assert len(again) == 2 and set(again.pending) == {(0, 0, 0), (1, 0, 0)}
+    assert again.add_segment(_segment([10, 11], 12, slot=(1, 0, 0), seq=1, ends={1: True}), chunks[:2]) == 5
+    np.testing.assert_array_equal(again.arrays["observation.state"][2:7, 0], [7, 8, 9, 10, 11])
+    # a replaced worker (incarnation 1) never continues incarnation 0's episode
+    assert again.add_segment(_segment([2, 3], 4, slot=(0, 1, 0), ends={1: True}), chunks[:2]) == 2
+    assert (0, 0, 0) not in again.pending
+
+    def check(*flags):
+        runner._check_resume_fits(runner.load(None, list(flags)), tmp_path, loaded)
+
+    check("--learner.algo.name=filtered_bc", "--learner.algo.filtered_bc.replay_size=50")
+    with pytest.raises(KilovlaError, match="written by learner.algo.name=filtered_bc; resume it with that"):
+        check("--learner.algo.name=ppo")
+    with pytest.raises(KilovlaError, match="holds up to 50 entries; resume with --learner.algo.filtered_bc.replay_size=50"):
+        check("--learner.algo.name=filtered_bc", "--learner.algo.filtered_bc.replay_size=60")

@@ -75,14 +75,27 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def write_suite(suite: str, rows: list[Row], *, quick: bool, out_dir: str | Path = DEFAULT_OUT,
-                extra: dict | None = None, console=None) -> Path:
-    """Print the table and write `out_dir/<suite>.json` atomically; returns the JSON path."""
+                extra: dict | None = None, console=None, merge: bool = False) -> Path:
+    """Print the table and write `out_dir/<suite>.json` atomically; returns the JSON path. `merge` (a run of
+    part of the suite): rows and extra keys of an earlier same-`quick` file that this run did not measure stay."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{suite}.json"
     result = {"suite": suite, "quick": quick, "machine": machine_info(), "rows": [asdict(r) for r in rows]}
+    if merge and path.is_file():
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, ValueError):
+            earlier = {}
+        if earlier.get("suite") == suite and earlier.get("quick") == quick:
+            names = {r.name for r in rows}
+            kept = [r for r in earlier.get("rows", []) if r.get("name") not in names]
+            result = {**{k: v for k, v in earlier.items() if k not in ("machine", "rows", "kept_rows")}, **result,
+                      "rows": kept + result["rows"]}
+            if kept:  # measured by an earlier invocation, perhaps on another machine
+                result["kept_rows"] = {"names": [r["name"] for r in kept], "machine": earlier.get("machine")}
     if extra:
         result.update(extra)
-    path = out_dir / f"{suite}.json"
     tmp = out_dir / f".{suite}.json.{uuid.uuid4().hex[:8]}"
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, path)

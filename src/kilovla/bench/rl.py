@@ -357,7 +357,7 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
         extra.update(success_gain={g["mode"]: g for g in gains}, learning_curve=str(plot_curves(out, gains)))
     if grid:
         _print_grid(grid, console)
-    return write_suite("rl", rows, quick=quick, out_dir=out, extra=extra, console=console)
+    return write_suite("rl", rows, quick=quick, out_dir=out, extra=extra, console=console, merge=only is not None)
 
 
 def _throughput(policy: str, quick: bool, rows: list, extra: dict) -> list[dict]:

@@ -35,14 +35,16 @@ from kilovla.errors import KilovlaError
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.flow import flow_draws, flow_matching_error
 from kilovla.rl.policy import ActorCritic
-from kilovla.rl.sac import state_key
+from kilovla.rl.sac import forget_replaced, state_key
 from kilovla.train.build import apply_freeze
 from kilovla.train.optim import OptimConfig, build_optimizer
 
 
 @dataclass
 class FilteredBCConfig:
-    replay_size: int = 20_000  # successful chunk steps kept (oldest out first)
+    # successful chunk steps kept (oldest out first): raw frames, ~6.3 KB a step at 32 px with two cameras
+    # (~130 MB, in memory and in every kept checkpoint), 49x that at 224 px
+    replay_size: int = 20_000
     batch_size: int = 32  # rows per gradient step
     utd: float = 2.0  # training rows per chunk step delivered by the envs (update-to-data ratio)
     warmup: int = 256  # successful chunk steps stored before the first update
@@ -67,6 +69,7 @@ class SuccessReplay:
         """Hold a segment's steps with its env's running episode; returns the chunk steps that went into the
         ring (the episodes that succeeded in it). `chunks` (T, H, A): the normalised chunk of each step."""
         slot = tuple(segment.segment_id[:3])
+        forget_replaced(self.pending, slot)
         waiting = self.pending.pop(slot, None)
         first = state_key(trajectory.index(segment.obs, [0]))
         rows = waiting["rows"] if waiting is not None and np.array_equal(waiting["expects"], first) else []
@@ -110,7 +113,7 @@ class SuccessReplay:
         """(stacked observations as the envs send them, normalised chunks (B, H, A))."""
         obs = {k: v[idx] for k, v in self.arrays.items() if k not in ("task", "chunk")}
         obs["task"] = [self.tasks[j] for j in self.arrays["task"][idx]]
-        return obs, torch.from_numpy(self.arrays["chunk"][idx])
+        return obs, torch.from_numpy(self.arrays["chunk"][idx])  # fancy indexing: copies
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """(arrays for replay.safetensors, the small rest for learner.pt)."""
@@ -119,7 +122,7 @@ class SuccessReplay:
         pending = [[list(slot), [[{k: v if isinstance(v, list) else torch.from_numpy(np.array(v)) for k, v in obs.items()},
                                   torch.from_numpy(chunk.copy())] for obs, chunk in p["rows"]], torch.from_numpy(p["expects"].copy())]
                    for slot, p in self.pending.items()]
-        return arrays, {"added": self.added, "tasks": list(self.tasks), "episodes": dict(self.episodes), "pending": pending}
+        return arrays, {"added": self.added, "capacity": self.capacity, "tasks": list(self.tasks), "episodes": dict(self.episodes), "pending": pending}
 
     def load_state_dict(self, arrays: dict[str, torch.Tensor], rest: dict) -> None:
         n = len(arrays["chunk"]) if arrays else 0
@@ -166,6 +169,8 @@ class FilteredBCLearner:
             return None
         self.in_step -= self.segments_per_step
         self.version += 1
+        if self.updates:  # the learning-rate schedule counts policy versions that trained, as PPO's steps
+            self.scheduler.step()
         return {"version": self.version, **self._summary()}
 
     def _update(self) -> dict:
@@ -173,7 +178,7 @@ class FilteredBCLearner:
         obs, chunks = self.replay.batch(idx)
         model = self.model
         field, _ = model.vla.velocity_field(model.batch(obs))
-        actions = chunks * (model.executed[0] > 0)  # the dims past the env's are zero, as in supervised batches
+        actions = chunks.to(model.executed.device) * (model.executed[0] > 0)  # the dims past the env's are zero, as in supervised batches
         seeds = torch.from_numpy(self.rng.integers(0, 2 ** 31, len(idx)))
         t, noise = flow_draws(seeds, actions.shape[1:], actions.device, actions.dtype)
         loss = flow_matching_error(field, actions, model.executed, t, noise).mean()
@@ -181,7 +186,6 @@ class FilteredBCLearner:
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.clip if self.clip > 0 else float("inf")))
         self.optimizer.step()
-        self.scheduler.step()
         self.updates += 1
         self.trained_rows += len(idx)
         return {"flow_loss": loss.item(), "grad_norm": grad_norm}
@@ -206,7 +210,7 @@ class FilteredBCLearner:
         return {"model": self.weights(), "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "version": self.version, "updates": self.updates, "in_step": self.in_step, "owed": self.owed,
                 "trained_rows": self.trained_rows, "replay": arrays, "replay_rest": rest,
-                "rng": self.rng.bit_generator.state}
+                "rng": self.rng.bit_generator.state, "algorithm": "filtered_bc"}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])

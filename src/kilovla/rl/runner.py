@@ -76,16 +76,16 @@ class EnvSection:
     cameras: list[str] = field(default_factory=lambda: ["scene", "wrist"])
     max_steps: int = 150
     latency: dict = field(default_factory=dict)  # LatencyModel fields, e.g. {distribution: lognormal, mean_s: 0.02}
-    # RL reward per action: reward_scale x the simulator's shaped reward (summed over a chunk's actions),
-    # plus success_bonus on success. Keep max_steps x 10 (Meta-World's largest reward) x reward_scale below
-    # success_bonus, so any success outscores any near miss that hovers by the goal until the time limit:
-    # 150 x 10 x 2e-4 = 0.3 < 1.0. `kilovla rl` warns when the rule is broken.
-    reward_scale: float = 2e-4
+    # RL reward per action: reward_scale x the shaped part (summed over a chunk's actions) plus success_bonus
+    # on success. `shaping` "progress" (the default; the gain recipe's): the change of the simulator's shaped
+    # reward since the previous action (a difference, undiscounted: an episode's shaping sums to reward_scale
+    # x (last reward - first), at most 1.0 here, so getting closer pays and hovering near the goal pays
+    # nothing more). "reward": the simulator's shaped reward itself; then keep max_steps x 10 (Meta-World's
+    # largest reward) x reward_scale below success_bonus (e.g. 150 x 10 x 2e-4 = 0.3 < 1.0), or a near miss
+    # that hovers by the goal until the time limit outscores a success (`kilovla rl` warns).
+    shaping: str = "progress"
+    reward_scale: float = 0.1
     success_bonus: float = 1.0
-    # "reward": the simulator's shaped reward as above; "progress": its change since the previous action
-    # (potential-based shaping, Ng et al. 1999: an episode's shaped rewards sum to reward_scale x (last
-    # reward - first), so getting closer pays and hovering near the goal pays nothing more, whatever the scale)
-    shaping: str = "reward"
     timeout_s: float = 60.0  # an env step (or a worker) that takes longer is a hang: the worker is replaced
 
 
@@ -183,6 +183,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
 
     # read before Ray starts: a learner.pt that would unpickle anything but plain data is refused in one line
     learner_state = _learner_state(folder) if folder is not None else None
+    if learner_state is not None:
+        _check_resume_fits(cfg, folder, learner_state)
     connect_ray(ray_address, num_cpus=max(2, os.cpu_count() or 2), what="kilovla rl")
     if use == "replace":
         clear(run_dir, RUN)
@@ -210,7 +212,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
 
 
 def _learner_state(folder: Path) -> dict:
-    """learner.pt (weights-only), with the replay buffer of residual SAC from replay.safetensors."""
+    """learner.pt (weights-only), with the replay buffer of residual SAC or filtered BC from replay.safetensors."""
     from kilovla.models.checkpoints import read_safetensors
     from kilovla.safe_load import load_torch
 
@@ -220,9 +222,29 @@ def _learner_state(folder: Path) -> dict:
     return state
 
 
+def _check_resume_fits(cfg: RLConfig, folder: Path, state: dict) -> None:
+    """A checkpoint resumes with the algorithm and the replay capacity it was written with (one line, before
+    Ray): another learner would find other state, and a ring of another size would misplace its rows."""
+    algo = cfg.learner.algo
+    written = state.get("algorithm") or ("residual_sac" if "log_alpha" in state else "ppo")
+    if written != algo.name:
+        raise KilovlaError(f"{folder}/learner.pt: written by learner.algo.name={written}; resume it with that, or "
+                           f"start a new run_dir from the folder with --policy")
+    rest = state.get("replay_rest")
+    if written in ("residual_sac", "filtered_bc") and (rest is None or "replay" not in state):
+        raise KilovlaError(f"{folder}: no replay buffer (replay.safetensors and learner.pt's replay_rest) to resume "
+                           f"{written} with")
+    if rest is not None and rest.get("capacity") is not None:  # written since the capacity was recorded
+        section = "sac" if written == "residual_sac" else "filtered_bc"
+        capacity = getattr(algo, section).replay_size
+        if rest["capacity"] != capacity:
+            raise KilovlaError(f"{folder}: its replay buffer holds up to {rest['capacity']} entries; resume with "
+                               f"--learner.algo.{section}.replay_size={rest['capacity']} (got {capacity})")
+
+
 def write_policy_files(folder: Path, learner_state: dict, meta: dict) -> None:
     """A learner's state (`LearnerWorker.state`) as a policy folder: the weight files of CHECKPOINT_FILES,
-    residual SAC's replay buffer (replay.safetensors), policy.json (with the residual's description) and
+    the replay buffer of residual SAC or filtered BC (replay.safetensors), policy.json (with the residual's description) and
     learner.pt, the rest (weights-only: tensors, numbers, dicts)."""
     from kilovla.models.checkpoints import save_safetensors
 
@@ -232,7 +254,7 @@ def write_policy_files(folder: Path, learner_state: dict, meta: dict) -> None:
         part = {k.removeprefix(strip): v for k, v in weights.items() if k.startswith(prefixes)}
         if part:
             save_safetensors(part, folder / name)
-    if "replay" in learner_state:  # residual SAC's buffer: tensors, never pickled
+    if "replay" in learner_state:  # an off-policy learner's buffer: tensors, never pickled
         save_safetensors(learner_state.pop("replay"), folder / "replay.safetensors")
     if "residual" in learner_state:  # its weights are in the files above; resume reads them from there
         meta["residual"] = learner_state["residual"]
@@ -306,15 +328,22 @@ def _check_one_learner(cfg: RLConfig) -> None:
 
 def _check_filtered_bc(cfg: RLConfig) -> None:
     _check_one_learner(cfg)
-    bc = cfg.learner.algo.filtered_bc
-    for name, value, ok in (("batch_size", bc.batch_size, bc.batch_size >= 1), ("utd", bc.utd, bc.utd >= 0),
+    algo, bc = cfg.learner.algo, cfg.learner.algo.filtered_bc
+    o = algo.optim
+    for name, value, ok in (("lr", o.lr, o.lr >= 0), ("weight_decay", o.weight_decay, o.weight_decay >= 0),
+                            ("clip_grad_norm", o.clip_grad_norm, True), ("warmup_steps", o.warmup_steps, o.warmup_steps >= 0),
+                            ("min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1),
+                            *((f"betas[{i}]", b, 0 <= b < 1) for i, b in enumerate(o.betas))):
+        if not ok or not math.isfinite(value):
+            raise KilovlaError(f"learner.algo.optim.{name} = {value} is out of range")
+    if algo.kl_coef > 0 or algo.policy_loss != "ppo":
+        log.warning("learner.algo.kl_coef and policy_loss belong to ppo: filtered_bc ignores them")
+    for name, value, ok in (("batch_size", bc.batch_size, bc.batch_size >= 1), ("utd", bc.utd, bc.utd > 0),
                             ("warmup", bc.warmup, bc.warmup >= 0),
                             ("replay_size", bc.replay_size, bc.replay_size >= max(bc.batch_size, bc.warmup, 1))):
         if not ok or not math.isfinite(value):
             hint = " (at least batch_size and warmup)" if name == "replay_size" else ""
             raise KilovlaError(f"learner.algo.filtered_bc.{name} = {value} is out of range{hint}")
-    if cfg.learner.algo.optim.lr < 0:
-        raise KilovlaError(f"learner.algo.optim.lr = {cfg.learner.algo.optim.lr} is out of range")
 
 
 def _check_sac(cfg: RLConfig) -> None:

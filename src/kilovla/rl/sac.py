@@ -56,7 +56,7 @@ class SACConfig:
     # actor loss + penalty x mean squared correction (in units of res_scale): a bias of a few hundredths
     # integrates over a 200-step episode, and early critics' action gradients are mostly noise; the
     # penalty keeps the base's behaviour unless Q's gain is consistent (TD3+BC-style anchor, to 0)
-    penalty: float = 1.0
+    penalty: float = 0.2  # 1.0 held the correction at zero, 0.05 let it drift (docs/rl_finetune.md, g4-g6)
     hidden: int = 128  # actor and critic MLPs (DSRL's and RLinf's small configs: 128 wide)
     depth: int = 2
     utd: float = 1.0  # gradient steps per new transition (update-to-data ratio); a transition is a chunk
@@ -205,6 +205,7 @@ class Replay:
     def add_segment(self, segment: trajectory.Segment) -> int:
         """Store a segment's steps, linking each to its successor; returns the transitions stored."""
         slot = tuple(segment.segment_id[:3])
+        forget_replaced(self.pending, slot, self.episode)
         extras = segment.extras
         key0 = state_key(trajectory.index(segment.obs, [0]))
         pending = self.pending.pop(slot, None)
@@ -254,7 +255,7 @@ class Replay:
         arrays.update(reward=torch.from_numpy(self.reward[:n].copy()), terminal=torch.from_numpy(self.terminal[:n].copy()),
                       nxt=torch.from_numpy(self.nxt[:n].copy()), valid=torch.from_numpy(self.valid[:n].copy()),
                       mc=torch.from_numpy(self.mc[:n].copy()))
-        rest = {"added": self.added, "pending": [[list(k), v[0], torch.from_numpy(np.asarray(v[1]))] for k, v in self.pending.items()],
+        rest = {"added": self.added, "capacity": self.capacity, "pending": [[list(k), v[0], torch.from_numpy(np.asarray(v[1]))] for k, v in self.pending.items()],
                 "episode": [[list(k), v] for k, v in self.episode.items()]}
         return arrays, rest
 
@@ -270,6 +271,15 @@ class Replay:
         self.added = int(rest["added"])
         self.pending = {tuple(k): [int(i), v.numpy()] for k, i, v in rest["pending"]}
         self.episode = {tuple(k): list(v) for k, v in rest["episode"]}
+
+
+def forget_replaced(pending: dict, slot: tuple, *others: dict) -> None:
+    """Drop what waits for env slot (worker, incarnation, env) under an earlier incarnation of that worker: a
+    replaced worker's episodes never continue."""
+    worker, incarnation, env = slot
+    for key in [k for k in pending if k[0] == worker and k[2] == env and k[1] < incarnation]:
+        for d in (pending, *others):
+            d.pop(key, None)
 
 
 def state_key(obs: dict, single: bool = False) -> np.ndarray:
@@ -390,7 +400,7 @@ class SACLearner:
                 "log_alpha": self.log_alpha.detach().clone(), "version": self.version, "updates": self.updates,
                 "in_step": self.in_step, "owed": self.owed, "replay": arrays, "replay_rest": rest,
                 "rng": self.rng.bit_generator.state, "generator": self.generator.get_state(),
-                "residual": self.agent.spec.to_json()}
+                "residual": self.agent.spec.to_json(), "algorithm": "residual_sac"}
 
     def load_state_dict(self, state: dict) -> None:
         if "model" in state:  # a checkpoint's weights came in with the folder (residual / critic.safetensors)

@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None, help="rl, fp8, serve: the policy folder to fine-tune / quantize / serve (default: the "
                    "demo's checkpoint; fp8 trains one with the demo's recipe when there is none)")
     p.add_argument("--minutes", type=float, default=60.0, help="rl: wall-time cap of each RL run of the gain rows")
-    p.add_argument("--env-steps", type=int, default=250_000, help="rl: env-step budget of each RL run of the gain rows")
+    p.add_argument("--env-steps", type=int, default=120_000, help="rl: env-step budget of each RL run of the gain rows (bench.rl.GAIN_ENV_STEPS)")
     p.add_argument("--only", choices=["gain", "throughput"], default=None,
                    help="rl: just the closed-loop gain rows, or just the throughput rows")
     p.add_argument("--dataset", default=None, help="fp8: held-out LeRobot data (default: fresh scripted episodes)")

@@ -35,7 +35,7 @@ from kilovla.errors import KilovlaError
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.flow import flow_draws, flow_matching_error
 from kilovla.rl.policy import ActorCritic
-from kilovla.rl.sac import forget_replaced, state_key
+from kilovla.rl.sac import OffPolicySchedule, forget_replaced, state_key
 from kilovla.train.build import apply_freeze
 from kilovla.train.optim import OptimConfig, build_optimizer
 
@@ -139,7 +139,7 @@ class SuccessReplay:
                         for slot, rows, expects in rest["pending"]}
 
 
-class FilteredBCLearner:
+class FilteredBCLearner(OffPolicySchedule):
     """Segments in, flow-matching steps on the success replay, a policy version every `segments_per_step` segments."""
 
     def __init__(self, model: ActorCritic, cfg: FilteredBCConfig, optim: OptimConfig, segments_per_step: int,
@@ -159,16 +159,10 @@ class FilteredBCLearner:
     def consume(self, segments: list[trajectory.Segment]) -> dict | None:
         for s in segments:
             self._stored += self.replay.add_segment(s, s.chain[:, -1])
-        if len(self.replay) >= max(self.cfg.warmup, 1):
-            self.owed += self.cfg.utd * sum(len(s) for s in segments) / self.cfg.batch_size
-            while self.owed >= 1.0:
-                self.owed -= 1.0
-                self._stats.append(self._update())
-        self.in_step += len(segments)
-        if self.in_step < self.segments_per_step:
+        self._pay(self.cfg.utd * sum(len(s) for s in segments) / self.cfg.batch_size,
+                  len(self.replay) >= max(self.cfg.warmup, 1), self._update)
+        if not self._version_due(len(segments)):
             return None
-        self.in_step -= self.segments_per_step
-        self.version += 1
         if self.updates:  # the learning-rate schedule counts policy versions that trained, as PPO's steps
             self.scheduler.step()
         return {"version": self.version, **self._summary()}

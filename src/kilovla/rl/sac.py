@@ -289,7 +289,28 @@ def state_key(obs: dict, single: bool = False) -> np.ndarray:
 
 
 # -- the learner ---------------------------------------------------------------------------------------
-class SACLearner:
+class OffPolicySchedule:
+    """What the off-policy learners share: gradient steps owed for delivered data, paid as soon as the
+    buffer is ready (async: while the envs keep playing), and a policy version every `segments_per_step`
+    segments. Subclasses keep `owed`, `in_step`, `version`, `segments_per_step` and `_stats`."""
+
+    def _pay(self, owed: float, ready: bool, update) -> None:
+        if ready:
+            self.owed += owed
+            while self.owed >= 1.0:
+                self.owed -= 1.0
+                self._stats.append(update())
+
+    def _version_due(self, segments: int) -> bool:
+        self.in_step += segments
+        if self.in_step < self.segments_per_step:
+            return False
+        self.in_step -= self.segments_per_step
+        self.version += 1
+        return True
+
+
+class SACLearner(OffPolicySchedule):
     """Segments in, gradient steps on the replay buffer, a policy version every `segments_per_step` segments."""
 
     def __init__(self, agent: ResidualAgent, gamma: float, cfg: SACConfig, segments_per_step: int, seed: int = 0):
@@ -313,16 +334,9 @@ class SACLearner:
 
     def consume(self, segments: list[trajectory.Segment]) -> dict | None:
         new = sum(self.replay.add_segment(s) for s in segments)
-        if self.replay.usable() >= max(self.cfg.warmup_transitions, 1):
-            self.owed += self.cfg.utd * new
-            while self.owed >= 1.0:
-                self.owed -= 1.0
-                self._stats.append(self._update())
-        self.in_step += len(segments)
-        if self.in_step < self.segments_per_step:
+        self._pay(self.cfg.utd * new, self.replay.usable() >= max(self.cfg.warmup_transitions, 1), self._update)
+        if not self._version_due(len(segments)):
             return None
-        self.in_step -= self.segments_per_step
-        self.version += 1
         return {"version": self.version, **self._summary()}
 
     def _update(self) -> dict:

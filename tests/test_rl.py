@@ -412,9 +412,9 @@ def _canary_success(folder, episodes=30):
                            "(0/30 -> 0/30 after 20 k env steps); after this module's other Ray tests in one pytest "
                            "process, the process ended without a summary at this test (not understood yet)")
 @pytest.mark.xfail(strict=True, reason="this case (a 3-step policy that never reaches, a residual of bound 1.0 "
-                   "taking over the action, plain shaping) was not lifted: 0/30 -> 0/30 after 20 k env steps; the gain "
-                   "recipe (progress shaping) lifted the weak start by 23 points but was not tried here yet; an XPASS "
-                   "means the canary holds: drop this mark")
+                   "taking over the action, 20 k sync env steps) is not lifted: 0/30 -> 0/30 with plain shaping, and "
+                   "it still failed with the default progress shaping (2026-12-02, 7 min), which lifted the bench's weak "
+                   "start by 23 points; an XPASS means the canary holds: drop this mark")
 def test_canary_residual_sac_lifts_a_weak_reach_policy_and_not_at_lr_0(policy_dir, local_ray, tmp_path):
     """The pipeline must improve a case that can improve: the 3-step policy (it does not reach) with a
     residual that may take over the action (bound 1.0), shaped reach reward, sync mode, fixed seeds. With

@@ -60,8 +60,8 @@ REPLACEMENT_SEED_SKIP = 1000
 MAX_BUILD_FAILURES = 3  # a worker that dies this many times in a row before answering ends the run
 METAWORLD_MAX_REWARD = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]
 STARTUP_S = 120.0  # a new env worker's grace period to start before it counts as hung
+ALGORITHMS = ("ppo", "residual_sac", "filtered_bc")  # learner.algo.name
 # A checkpoint's weight files: (file, key prefixes of the learner's model, the prefix its keys lose)
-ALGORITHMS = ("ppo", "residual_sac", "filtered_bc")
 CHECKPOINT_FILES = (("model.safetensors", ("vla.",), "vla."), ("value_head.safetensors", ("value_head.",), "value_head."),
                     ("residual.safetensors", ("actor.",), "actor."), ("critic.safetensors", ("critics.", "targets."), ""))
 

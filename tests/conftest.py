@@ -18,6 +18,15 @@ from kilovla.data.video import VideoEncoder
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory):
+    """Column and frame caches of the tests' datasets go to a folder of this session, not ~/.cache
+    (subprocesses, e.g. torchrun's ranks, inherit it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILOVLA_CACHE_DIR", str(tmp_path_factory.mktemp("kilovla-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def lerobot_fixture() -> Path:
     return FIXTURES / "lerobot_v3_tiny"

@@ -131,7 +131,7 @@ def test_mixture_weights_scale_each_dataset_per_epoch():
     lengths = _lengths(300)
     source = np.repeat([0, 1], [100, 200])
     plan = GlobalBatchPlan(lengths, PlanConfig(seed=0, global_batch_size=10, drop_last=False),
-                           dataset_of_sample=source, weights=np.array([2.0, 0.5]))
+                           offsets=np.array([0, 100, 300]), weights=np.array([2.0, 0.5]))
     order = plan.epoch_order(0)
     assert (source[order] == 0).sum() == 200 and (source[order] == 1).sum() == 100
     assert np.all(np.bincount(order[source[order] == 0], minlength=100)[:100] == 2)

@@ -23,7 +23,7 @@ def _console():
 def cmd_data_info(args) -> int:
     from rich.table import Table
 
-    from kilovla.data.lerobot import DatasetMeta
+    from kilovla.data.meta import DatasetMeta
 
     info = DatasetMeta(args.path).summary()
     if args.json:

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kilovla.config import load_config
-from kilovla.data.lerobot import DatasetMeta
+from kilovla.data.meta import DatasetMeta
 from kilovla.envs.collect import collect
 from kilovla.envs.metaworld import DEFAULT_TASKS
 from kilovla.errors import KilovlaError

@@ -43,7 +43,8 @@ from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 from kilovla.data import windows
 from kilovla.data.frame_cache import build_frame_cache, open_frame_cache
 from kilovla.data.lake import DataLake, LakeSource, TokenLayout
-from kilovla.data.lerobot import DatasetMeta, LeRobotDataset
+from kilovla.data.lerobot import LeRobotDataset
+from kilovla.data.meta import DatasetMeta
 from kilovla.data.loader import InProcessLoader, TorchLoader
 from kilovla.data.packing import imbalance
 from kilovla.data.plan import GlobalBatchPlan, PlanConfig, padding_fraction
@@ -81,7 +82,7 @@ def _sample_windows(ds: LeRobotDataset, position: int) -> tuple[dict, dict, np.n
     times of its window (from_timestamp + the timestamps of the clamped rows)."""
     row = int(ds.positions_to_rows([position])[0])
     eps = ds.meta.episodes
-    ep = int(ds._row_episode[row])
+    ep = int(ds.episode_of_rows([row])[0])
     bounds = eps.row_from[[ep]], eps.row_to[[ep]]
     item, times = {}, {}
     deltas = ds.delta_indices or {}

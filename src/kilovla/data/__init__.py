@@ -6,7 +6,8 @@ Import the public names from here::
 """
 
 from kilovla.data.lake import DataLake, LakeSource, TokenLayout
-from kilovla.data.lerobot import DatasetMeta, LeRobotDataset
+from kilovla.data.lerobot import LeRobotDataset
+from kilovla.data.meta import DatasetMeta
 from kilovla.data.loader import InProcessLoader, RayLoader, TorchLoader, build_loader
 from kilovla.data.plan import GlobalBatchPlan, PlanConfig
 from kilovla.data.writer import DatasetWriter, convert_v21_to_v30

@@ -66,6 +66,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kilovla.data.columns import dataset_cache_dir
+from kilovla.data.meta import DatasetMeta
 from kilovla.errors import DatasetError, KilovlaError
 
 log = logging.getLogger(__name__)
@@ -88,12 +90,7 @@ def default_cache_dir(root: str | Path) -> Path:
 
     $KILOVLA_CACHE_DIR (else $XDG_CACHE_HOME/kilovla, else ~/.cache/kilovla) / frames / <name>-<hash>.
     """
-    root = Path(root).resolve()
-    base = os.environ.get("KILOVLA_CACHE_DIR")
-    if not base:
-        base = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kilovla")
-    digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
-    return Path(base) / "frames" / f"{root.name}-{digest}"
+    return dataset_cache_dir("frames", root)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -172,7 +169,6 @@ def decode_episode_parts(root: str, out: str, episode: int, cameras: list[str], 
     Runs where Ray puts it: opens the dataset itself (paths travel, decoders do not), writes each
     part to a temporary name and renames it, so a killed task leaves no half-written part behind.
     """
-    from kilovla.data.lerobot import DatasetMeta
     from kilovla.data.video import VideoDecoderPool
 
     meta = DatasetMeta(root)
@@ -230,7 +226,6 @@ def build_frame_cache(root: str | Path, out: str | Path | None = None, *, camera
     warning). Parts that are still valid are kept; stale ones are decoded again.
     `progress(done, total)` is called as episodes finish.
     """
-    from kilovla.data.lerobot import DatasetMeta
     from kilovla.data.video import resolve_backend
 
     meta = DatasetMeta(root)

@@ -1,8 +1,9 @@
 """One catalog over many LeRobot datasets: mixture weights, a global sample index, token lengths.
 
 Global sample id g belongs to source d when offsets[d] <= g < offsets[d + 1]; its position in that
-dataset is g - offsets[d]. Every sample's token length comes from metadata alone (no decoding), from
-the model's token layout::
+dataset is g - offsets[d]. Every sample's token length comes from metadata alone (no decoding, no
+pass over the frames: each dataset's task runs, see `columns`), from the model's token layout, and is
+kept run-length encoded (`lengths.RunLengths`, one run per episode or task change)::
 
     tokens = tokens_per_camera * enabled cameras + language tokens + state tokens + action horizon
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kilovla.data.lengths import RunLengths
 from kilovla.data.lerobot import LeRobotDataset
 from kilovla.errors import KilovlaError
 
@@ -68,7 +70,7 @@ class DataLake:
     """Datasets behind one global index.
 
     >>> lake = DataLake([LakeSource(root="ds_a"), LakeSource(root="ds_b", weight=0.5)])  # doctest: +SKIP
-    >>> lake.lengths[:3], len(lake)  # doctest: +SKIP
+    >>> lake.lengths[np.arange(3)], len(lake)  # doctest: +SKIP
     (array([541, 541, 559]), 1200)
     """
 
@@ -87,13 +89,13 @@ class DataLake:
         sizes = np.array([len(d) for d in self.datasets], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.weights = np.array([s.weight for s in self.sources], dtype=np.float64)
-        self.lengths = np.concatenate([self._lengths(d, s, count_tokens) for d, s in zip(self.datasets, self.sources)])
+        self.lengths = RunLengths.concat([self._lengths(d, s, count_tokens) for d, s in zip(self.datasets, self.sources)])
 
-    def _lengths(self, ds: LeRobotDataset, source: LakeSource, count_tokens) -> np.ndarray:
+    def _lengths(self, ds: LeRobotDataset, source: LakeSource, count_tokens) -> RunLengths:
         cams = ds.camera_keys if self.layout.cameras is None else [c for c in ds.camera_keys if c in self.layout.cameras]
         per_task = np.array([count_tokens(t) for t in ds.meta.tasks], dtype=np.int64)
-        task_index = ds.task_of(np.arange(len(ds)))
-        return self.layout.sample_tokens(len(cams), per_task[task_index], source.action_horizon)
+        starts, task_index = ds.task_runs()
+        return RunLengths(starts, self.layout.sample_tokens(len(cams), per_task[task_index], source.action_horizon), len(ds))
 
     def __len__(self) -> int:
         return int(self.offsets[-1])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kilovla.data.lerobot import DEFAULT_VIDEO_PATH, DatasetMeta
+from kilovla.data.meta import DEFAULT_VIDEO_PATH, DatasetMeta
 from kilovla.data.stats import STAT_NAMES
 from kilovla.data.video import VideoDecoderPool, probe_video
 from kilovla.errors import DatasetError, KilovlaError

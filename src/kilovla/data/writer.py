@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kilovla.data import stats as stats_mod
-from kilovla.data.lerobot import (DEFAULT_DATA_PATH, DEFAULT_VIDEO_PATH, EPISODES_PATH, DatasetMeta,
-                                  LeRobotDataset, column_to_numpy)
+from kilovla.data.lerobot import LeRobotDataset
+from kilovla.data.meta import DEFAULT_DATA_PATH, DEFAULT_VIDEO_PATH, EPISODES_PATH, DatasetMeta, column_to_numpy
 from kilovla.data.video import CODEC_NAMES, VideoEncoder, concat_videos, probe_video
 from kilovla.errors import DatasetError, KilovlaError
 from kilovla.folders import DATASET, check_replaceable

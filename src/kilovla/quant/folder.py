@@ -106,7 +106,7 @@ def resolve_device(device: str) -> torch.device:
 
 def check_dataset(dataset: str | Path, meta) -> None:
     """--dataset exists, is LeRobot data and has the cameras, state inputs and actions the policy reads."""
-    from kilovla.data.lerobot import DatasetMeta
+    from kilovla.data.meta import DatasetMeta
 
     path = Path(dataset)
     if not path.is_dir():

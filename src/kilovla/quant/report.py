@@ -44,7 +44,8 @@ def chunk_length(config) -> int:
 def heldout_rows(dataset: str | Path, policy, samples: int, batch_size: int = 16) -> list[dict]:
     """`samples` frames spread evenly over a dataset, as the data layer's batched rows (with the
     policy's action window), in batches of `batch_size`."""
-    from kilovla.data.lerobot import DatasetMeta, LeRobotDataset
+    from kilovla.data.lerobot import LeRobotDataset
+    from kilovla.data.meta import DatasetMeta
 
     chunk = chunk_length(policy.model.config)
     fps = DatasetMeta(dataset).fps

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kilovla.data import DataLake, GlobalBatchPlan, LakeSource, PlanConfig, TokenLayout
-from kilovla.data.lerobot import DatasetMeta
+from kilovla.data.meta import DatasetMeta
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import resolve_backend
 from kilovla.models.checkpoints import (is_sharded_policy_folder, load_sharded, load_weights, open_init_checkpoint,

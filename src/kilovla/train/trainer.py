@@ -42,7 +42,7 @@ import torch
 
 from kilovla import config as config_mod
 from kilovla.data import TokenLayout, build_loader
-from kilovla.data.lerobot import DatasetMeta
+from kilovla.data.meta import DatasetMeta
 from kilovla.data.validate import check_dataset
 from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear

@@ -1,0 +1,231 @@
+"""A dataset's numeric columns as memory maps, shared by every process on a node.
+
+The first open of a dataset writes each numeric column of its parquet files, once, as one .npy file
+into a column cache (beside the frame cache: $KILOVLA_CACHE_DIR/columns/<name>-<hash>), checked as
+`DatasetMeta.load_columns` checks them; every later open, in any rank or loader worker, maps those
+files read-only. The pages then live in the page cache, once per node, instead of in each process's
+private memory (~300 bytes a frame for a state-8 + action-7 dataset), and an open reads nothing but
+the manifest. The cache is keyed by the data files' sizes and modification times: a rewritten file
+rebuilds it. Where no cache can be written (a read-only home, an fsspec URL) the columns are read into
+memory as before, with one warning.
+
+With the columns comes the dataset's task runs (row where a run of equal task_index starts, that
+task_index; a run never crosses an episode), from which the lake's token lengths are made without a
+pass over the frames.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from kilovla.data.meta import DatasetMeta, Feature, column_to_numpy
+from kilovla.errors import DatasetError
+
+log = logging.getLogger(__name__)
+
+COLUMNS_VERSION = 1
+MANIFEST = "manifest.json"
+READ_ROWS = 1 << 18  # rows per parquet batch while building: memory stays flat however large the file
+
+
+def cache_base() -> Path:
+    """$KILOVLA_CACHE_DIR, else $XDG_CACHE_HOME/kilovla, else ~/.cache/kilovla."""
+    base = os.environ.get("KILOVLA_CACHE_DIR")
+    if not base:
+        base = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kilovla")
+    return Path(base)
+
+
+def dataset_cache_dir(kind: str, root: str | Path) -> Path:
+    """cache_base() / kind / <dataset folder name>-<hash of its absolute path>."""
+    root = Path(root).resolve()
+    return cache_base() / kind / f"{root.name}-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}"
+
+
+def task_runs(task_index: np.ndarray, row_from: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start rows, task_index) of the runs of equal task_index, cut at every episode start too."""
+    task_index = np.asarray(task_index)
+    change = np.zeros(len(task_index), dtype=bool)
+    if len(task_index):
+        change[0] = True
+        change[1:] = task_index[1:] != task_index[:-1]
+        change[np.asarray(row_from, dtype=np.int64)] = True
+    starts = np.flatnonzero(change)
+    return starts, np.asarray(task_index[starts], dtype=np.int64)
+
+
+class ColumnStore(Mapping):
+    """Column name -> (frames, *shape) array: read-only memory maps (`path` set) or in-memory arrays.
+    Pickles by path, so a loader worker or a Ray actor maps the files again instead of receiving a copy."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], runs: tuple[np.ndarray, np.ndarray], path: Path | None = None):
+        self._arrays, self.runs, self.path = arrays, runs, path
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._arrays[key]
+
+    def __iter__(self):
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def __reduce__(self):
+        if self.path is None:
+            return ColumnStore, (self._arrays, self.runs, None)
+        return _map_store, (str(self.path), json.loads((self.path / MANIFEST).read_text()))
+
+    def private_bytes(self) -> int:
+        """Bytes this store holds in process memory (0 for memory maps, whose pages are shared)."""
+        held = [] if self.path is not None else list(self._arrays.values())
+        return sum(a.nbytes for a in held) + sum(r.nbytes for r in self.runs)
+
+
+def _stamps(meta: DatasetMeta) -> dict[str, list[int]]:
+    out = {}
+    for rel in dict.fromkeys(meta.episodes.data_file):
+        path = meta.files.path(rel)
+        try:
+            st = os.stat(path)
+        except OSError:
+            raise DatasetError(path, "data file is missing") from None
+        out[rel] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _numeric(meta: DatasetMeta) -> list[Feature]:
+    return [f for f in meta.table_features() if f.dtype != "string"]
+
+
+def _expected(meta: DatasetMeta) -> dict:
+    return {"version": COLUMNS_VERSION, "frames": meta.total_frames, "stamps": _stamps(meta),
+            "columns": {f.name: {"dtype": f.dtype, "shape": list(f.shape)} for f in _numeric(meta)}}
+
+
+def _map_store(path: str, manifest: dict) -> ColumnStore:
+    path = Path(path)
+    arrays = {k: np.load(path / f"{k}.npy", mmap_mode="r") for k in manifest["columns"]}
+    runs = np.load(path / "task_runs.npy")
+    return ColumnStore(arrays, (runs[0], runs[1]), path)
+
+
+def _read_manifest(path: Path) -> dict | None:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def open_columns(meta: DatasetMeta, setting: str | Path | None = "auto") -> ColumnStore:
+    """The dataset's numeric columns (see the module docstring); setting "auto" (the default cache
+    folder), a folder, or None (read into memory, no cache). String columns are read into memory."""
+    strings = [f.name for f in meta.table_features() if f.dtype == "string"]
+    if setting is None or meta.files.is_url:
+        columns = meta.load_columns()
+        return ColumnStore(columns, task_runs(columns["task_index"], meta.episodes.row_from))
+    path = dataset_cache_dir("columns", meta.root) if setting == "auto" else Path(setting)
+    want = _expected(meta)
+    try:
+        store = _open_or_build(meta, path, want)
+    except OSError as e:
+        log.warning("%s: no column cache at %s (%s); reading the columns into memory", meta.root, path, e)
+        columns = meta.load_columns()
+        return ColumnStore(columns, task_runs(columns["task_index"], meta.episodes.row_from))
+    if strings:
+        store._arrays.update(meta.load_columns(strings))
+    return store
+
+
+def _open_or_build(meta: DatasetMeta, path: Path, want: dict) -> ColumnStore:
+    found = _read_manifest(path)
+    if found == want:
+        return _map_store(str(path), found)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process on the node builds; the others wait, then map
+        found = _read_manifest(path)
+        if found != want:
+            _build(meta, path, want)
+    return _map_store(str(path), want)
+
+
+def _build(meta: DatasetMeta, path: Path, want: dict) -> None:
+    """Write every numeric column into `path` (a fresh temporary folder, renamed into place last)."""
+    feats, n = _numeric(meta), meta.total_frames
+    missing = [name for name in ("task_index", "index", "episode_index") if name not in {f.name for f in feats}]
+    if "task_index" in missing:
+        raise DatasetError(meta.files.path("meta/info.json"), "feature 'task_index' is missing from 'features'")
+    log.info("%s: writing its columns (%d frames) into the column cache %s", meta.root, n, path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir()
+    try:
+        out = {f.name: np.lib.format.open_memmap(tmp / f"{f.name}.npy", mode="w+", dtype=np.dtype(f.dtype),
+                                                 shape=(n, *(() if f.shape in ((1,), ()) else f.shape)))
+               for f in feats}
+        row = 0
+        expected_episode = np.repeat(meta.episodes.index, meta.episodes.length)
+        for rel in dict.fromkeys(meta.episodes.data_file):
+            where = meta.files.path(rel)
+            for batch in _batches(where, feats):
+                k = batch.num_rows
+                if row + k > n:
+                    raise DatasetError(where, f"the data files hold more rows than the episodes' {n}")
+                for f in feats:
+                    out[f.name][row:row + k] = column_to_numpy(batch.column(f.name), f, where)
+                _check_rows(meta, where, out, row, k, expected_episode)
+                row += k
+        if row != n:
+            raise DatasetError(meta.files.path("data"), f"the data files hold {row} rows, episodes need {n}")
+        starts, values = task_runs(out["task_index"], meta.episodes.row_from)
+        for array in out.values():
+            array.flush()
+        del out
+        np.save(tmp / "task_runs.npy", np.stack([starts, values]))
+        (tmp / MANIFEST).write_text(json.dumps(want))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _batches(where: str, feats: list[Feature]):
+    """A parquet file's rows in batches of READ_ROWS; an unreadable file or a missing column names the file."""
+    try:
+        parquet = pq.ParquetFile(where)
+        names = set(parquet.schema_arrow.names)
+    except (OSError, ValueError) as e:
+        raise DatasetError(where, f"cannot read parquet: {e}") from None
+    for f in feats:
+        if f.name not in names:
+            raise DatasetError(where, f"column {f.name!r} (in info.json features) is missing")
+    batches = parquet.iter_batches(batch_size=READ_ROWS, columns=[f.name for f in feats])
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (OSError, ValueError) as e:
+            raise DatasetError(where, f"cannot read parquet: {e}") from None
+        yield batch
+
+
+def _check_rows(meta, where: str, out: dict, row: int, k: int, expected_episode: np.ndarray) -> None:
+    if "index" in out and not np.array_equal(out["index"][row:row + k], np.arange(row, row + k)):
+        raise DatasetError(meta.files.path("data"), "column 'index' is not 0..total_frames-1 in file order")
+    if "episode_index" in out:
+        got, want = out["episode_index"][row:row + k], expected_episode[row:row + k]
+        if not np.array_equal(got, want):
+            bad = int(np.argmax(got != want))
+            raise DatasetError(where, f"episode_index at row {row + bad} is {got[bad]}, meta/episodes says {want[bad]}")

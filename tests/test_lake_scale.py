@@ -1,0 +1,205 @@
+"""The lake at scale: the Feistel epoch order, run-length token lengths, memory-mapped columns."""
+
+import pickle
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from kilovla.data.columns import ColumnStore, dataset_cache_dir, open_columns
+from kilovla.data.lake import DataLake, LakeSource, TokenLayout
+from kilovla.data.lengths import RunLengths
+from kilovla.data.lerobot import LeRobotDataset
+from kilovla.data.meta import DatasetMeta
+from kilovla.data.plan import ORDER_VERSION, GlobalBatchPlan, PlanConfig, feistel_permute
+from kilovla.errors import DatasetError, KilovlaError
+
+
+def _keys(seed):
+    return np.random.SeedSequence([seed]).generate_state(6, dtype=np.uint64)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 256, 1000, 4097])
+def test_feistel_is_a_bijection_of_any_size(n):
+    out = feistel_permute(np.arange(n), n, _keys(n))
+    assert sorted(out.tolist()) == list(range(n))
+    if n > 16:
+        assert not np.array_equal(out, np.arange(n))
+        assert not np.array_equal(out, feistel_permute(np.arange(n), n, _keys(n + 1)))
+
+
+def test_feistel_order_is_a_uniform_shuffle():
+    # where sample 0..9 land over 4000 keys: each of the 10 positions ~400 times (a shuffle of samples,
+    # not a rotation or a block order); and neighbours do not stay neighbours
+    n, trials = 10, 4000
+    counts = np.zeros((n, n))
+    adjacent = 0
+    for t in range(trials):
+        out = feistel_permute(np.arange(n), n, _keys(10_000 + t))
+        counts[np.arange(n), out] += 1
+        adjacent += abs(int(out[0]) - int(out[1])) == 1
+    chi2 = ((counts - trials / n) ** 2 / (trials / n)).sum()
+    assert chi2 < 160  # 81 degrees of freedom: p ~ 1e-6 above this
+    assert abs(adjacent / trials - 2 / n) < 0.05  # as often as in a uniform permutation (2/n)
+
+
+def test_run_lengths_equal_the_per_sample_array():
+    lengths = np.repeat([5, 5, 7, 3, 9], [4, 2, 1, 6, 3])
+    runs = RunLengths.from_array(lengths)
+    assert len(runs.starts) == 4 and runs.max() == 9 and runs.sum() == lengths.sum()
+    ids = np.array([0, 5, 6, 7, 15, 3])
+    np.testing.assert_array_equal(runs[ids], lengths[ids])
+    both = RunLengths.concat([runs, RunLengths.from_array([9, 9, 1])])
+    np.testing.assert_array_equal(both.to_array(), np.concatenate([lengths, [9, 9, 1]]))
+    assert RunLengths(np.array([0, 2]), np.array([4, 4]), 3).tobytes() == RunLengths.from_array([4, 4, 4]).tobytes()
+    with pytest.raises(IndexError):
+        runs[np.array([16])]
+
+
+def _episode_lengths(episodes, seed=0):
+    rng = np.random.default_rng(seed)
+    per_episode = rng.choice([590, 591, 596, 626], episodes)
+    frames = rng.integers(300, 700, episodes)
+    return RunLengths(np.concatenate([[0], np.cumsum(frames)[:-1]]), per_episode, int(frames.sum()))
+
+
+def test_a_plan_over_1e9_samples_costs_its_batch_not_the_lake():
+    lengths = _episode_lengths(2_000_000)  # ~10^9 samples in 2x10^6 episodes
+    assert len(lengths) > 9 * 10**8
+    tracemalloc.start()
+    plan = GlobalBatchPlan(lengths, PlanConfig(seed=0, global_batch_size=4096, token_budget=8192))
+    rows = plan.all_rank_rows(123_456, 1024)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 64 * 2**20  # the runs are 32 MB; a permutation of the lake would be 8 GB
+    ids = np.concatenate([np.concatenate(r) for r in rows])
+    assert len(ids) == 4096 and len(np.unique(ids)) == 4096 and ids.max() < len(lengths)
+
+
+def test_an_epoch_over_episodes_shuffles_samples_not_episodes():
+    lengths = _episode_lengths(50, seed=1)
+    plan = GlobalBatchPlan(lengths, PlanConfig(seed=3, global_batch_size=64, token_budget=8192))
+    order = plan.epoch_order(0)
+    assert sorted(order.tolist()) == list(range(len(lengths)))
+    episode = np.searchsorted(lengths.starts, plan.global_batch(0), side="right") - 1
+    # 64 uniform draws over 50 episodes touch ~36 of them; an order of episode blocks would touch 1-2
+    assert len(np.unique(episode)) > 25
+
+
+@pytest.mark.parametrize("weights", [[2.0, 0.5], [1.5, 0.25], [0.0, 1.0]])
+def test_fractional_weights_draw_a_fresh_subset_each_epoch(weights):
+    lengths = np.full(300, 600)
+    plan = GlobalBatchPlan(lengths, PlanConfig(seed=0, global_batch_size=10, drop_last=False),
+                           offsets=np.array([0, 100, 300]), weights=np.array(weights))
+    sizes = np.array([100, 200])
+    first, second = plan.epoch_order(0), plan.epoch_order(1)
+    for order in (first, second):
+        counts = np.bincount(order, minlength=300)
+        for d, (lo, hi) in enumerate([(0, 100), (100, 300)]):
+            assert counts[lo:hi].sum() == round(weights[d] * sizes[d])
+            whole = int(np.floor(weights[d]))
+            assert counts[lo:hi].min() >= whole and counts[lo:hi].max() <= whole + 1
+    fractional = [d for d, w in enumerate(weights) if 0 < w % 1]
+    for d in fractional:
+        lo, hi = [(0, 100), (100, 300)][d]
+        extra = lambda order: set(np.flatnonzero(np.bincount(order, minlength=300)[lo:hi] > np.floor(weights[d])))
+        assert extra(first) != extra(second)
+
+
+def test_token_steps_resume_from_the_state_without_walking_the_epoch():
+    lengths = _episode_lengths(400, seed=2)
+    cfg = PlanConfig(seed=1, global_batch_tokens=200_000, token_budget=8192)
+    plan = GlobalBatchPlan(lengths, cfg)
+    steps = plan.steps_in_epoch(0)
+    along = [plan.global_batch(s) for s in range(steps + 5)]
+    assert all(lengths[b].sum() <= 200_000 for b in along)
+    assert sorted(np.concatenate(along[:steps]).tolist()) == sorted(plan.epoch_order(0)[:sum(map(len, along[:steps]))].tolist())
+    plan.step = steps + 2
+    state = plan.state_dict()
+    assert state["order"] == ORDER_VERSION and state["epoch"] == 1 and state["epoch_start"] == steps
+    fresh = GlobalBatchPlan(lengths, cfg)
+    fresh.load_state_dict(state)
+    np.testing.assert_array_equal(fresh.global_batch(steps + 2), along[steps + 2])
+    assert fresh._cuts[1].first == 2  # resumed at the recorded boundary: epoch 1's first steps not walked
+    np.testing.assert_array_equal(fresh.global_batch(steps + 3), along[steps + 3])
+    np.testing.assert_array_equal(fresh.global_batch(1), along[1])  # an earlier step walks from its epoch's start
+
+
+def test_a_state_from_the_old_order_is_refused_in_one_line():
+    plan = GlobalBatchPlan(np.full(100, 600), PlanConfig(seed=0, global_batch_size=10))
+    old = {k: v for k, v in plan.state_dict().items() if k != "order"}
+    with pytest.raises(KilovlaError, match="order version 1") as err:
+        plan.load_state_dict(old)
+    assert "\n" not in str(err.value)
+
+
+# -- columns ---------------------------------------------------------------------------------------
+def test_columns_are_mapped_from_the_cache_and_equal_the_parquet(lerobot_fixture):
+    meta = DatasetMeta(lerobot_fixture)
+    store = open_columns(meta)
+    assert store.path == dataset_cache_dir("columns", lerobot_fixture) and store.private_bytes() < 10_000
+    in_memory = meta.load_columns()
+    for key, values in in_memory.items():
+        assert isinstance(store[key], np.memmap), key
+        np.testing.assert_array_equal(np.asarray(store[key]), values)
+    assert open_columns(meta).path == store.path  # the second open maps what the first wrote
+
+
+def test_a_dataset_pickles_without_its_columns(tiny_root):
+    ds = LeRobotDataset(tiny_root, delta_timestamps={"action": [0.0, 0.1, 0.2]})
+    blob = pickle.dumps(ds)
+    assert len(blob) < 20_000  # the columns travel as a path, not as ~frames x 300 bytes
+    again = pickle.loads(blob)
+    assert isinstance(again.columns["action"], np.memmap)
+    a, b = ds.get_batch(np.arange(len(ds))), again.get_batch(np.arange(len(ds)))
+    for key in ("action", "observation.state", "action_is_pad"):
+        np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_a_rewritten_data_file_rebuilds_the_cache(tiny_copy):
+    import pyarrow.parquet as pq
+
+    meta = DatasetMeta(tiny_copy)
+    first = open_columns(meta)
+    rel = meta.episodes.data_file[0]
+    table = pq.read_table(tiny_copy / rel)
+    import pyarrow as pa
+
+    state = table.column("observation.state").to_pylist()
+    state[0] = [9.0] * len(state[0])
+    column = pa.array(state, type=table.schema.field("observation.state").type)
+    pq.write_table(table.set_column(table.column_names.index("observation.state"), "observation.state", column),
+                   tiny_copy / rel)
+    again = open_columns(DatasetMeta(tiny_copy))
+    assert again["observation.state"][0].tolist() == [9.0] * len(state[0])
+    assert first["observation.state"][0].tolist() != [9.0] * len(state[0])  # the old map stays valid
+
+
+def test_an_unwritable_cache_falls_back_to_memory_with_a_warning(tiny_root, tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("KILOVLA_CACHE_DIR", str(blocker))
+    store = open_columns(DatasetMeta(tiny_root))
+    assert store.path is None and not isinstance(store["action"], np.memmap)
+    assert "reading the columns into memory" in caplog.text
+
+
+def test_a_corrupt_data_file_is_named_before_any_cache_is_used(tiny_copy):
+    meta = DatasetMeta(tiny_copy)
+    (tiny_copy / meta.episodes.data_file[0]).write_bytes(b"PAR1 not parquet")
+    with pytest.raises(DatasetError, match=meta.episodes.data_file[0]):
+        LeRobotDataset(tiny_copy)
+    assert not any(dataset_cache_dir("columns", tiny_copy).parent.glob(f".{tiny_copy.name}*.tmp"))
+
+
+def test_episode_subsets_map_positions_by_episode_offsets(tiny_root):
+    full = LeRobotDataset(tiny_root)
+    eps = full.meta.episodes
+    part = LeRobotDataset(tiny_root, episodes=[3, 1])
+    expected = np.concatenate([np.arange(eps.row_from[e], eps.row_to[e]) for e in (1, 3)])
+    np.testing.assert_array_equal(part.positions_to_rows(np.arange(len(part))), expected)
+    starts, tasks = part.task_runs()
+    per_position = np.repeat(tasks, np.diff(np.append(starts, len(part))))
+    np.testing.assert_array_equal(per_position, part.task_of(np.arange(len(part))))
+    lake = DataLake([LakeSource(root=str(tiny_root), episodes=(1, 3))], TokenLayout(tokens_per_camera=4))
+    assert len(lake.lengths) == len(part) and len(lake.lengths.starts) <= 2 * 2

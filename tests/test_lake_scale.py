@@ -203,3 +203,72 @@ def test_episode_subsets_map_positions_by_episode_offsets(tiny_root):
     np.testing.assert_array_equal(per_position, part.task_of(np.arange(len(part))))
     lake = DataLake([LakeSource(root=str(tiny_root), episodes=(1, 3))], TokenLayout(tokens_per_camera=4))
     assert len(lake.lengths) == len(part) and len(lake.lengths.starts) <= 2 * 2
+
+
+# -- the lake index --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def three_datasets(tmp_path_factory):
+    from kilovla.data.synthetic import make_synthetic_dataset
+
+    base = tmp_path_factory.mktemp("lake3")
+    return [make_synthetic_dataset(base / f"ds{i}", episodes=3, frames=(8, 14), seed=i, cameras=("front",),
+                                   resolution=(16, 16)) for i in range(3)]
+
+
+def test_the_index_is_built_in_parallel_and_rebuilt_only_for_a_changed_dataset(three_datasets, tmp_path):
+    import shutil
+
+    from kilovla.data.lake_index import LakeIndex
+
+    roots = [tmp_path / d.name for d in three_datasets]
+    for src, dst in zip(three_datasets, roots):
+        shutil.copytree(src, dst)
+    first = LakeIndex.open(roots, tmp_path / "index", engine="local", workers=2)
+    assert first.rebuilt == 3 and all(d.problems == [] for d in first.datasets())
+    assert LakeIndex.open(roots, tmp_path / "index").rebuilt == 0
+    info = roots[1] / "meta" / "info.json"
+    info.write_text(info.read_text().replace('"robot_type": "', '"robot_type": "x'))
+    again = LakeIndex.open(roots, tmp_path / "index", engine="serial")
+    assert again.rebuilt == 1 and again.datasets()[1].meta.info["robot_type"].startswith("x")
+    assert len(list(tmp_path.glob("index.*.safetensors"))) == 1  # the replaced arrays are gone
+
+
+def test_a_lake_opened_from_its_index_reads_no_metadata_and_returns_the_same_samples(three_datasets, tmp_path,
+                                                                                     monkeypatch):
+    from kilovla.data import meta as meta_module
+    from kilovla.data.lake_index import LakeIndex
+
+    sources = [LakeSource(root=str(d), weight=w, delta_timestamps={"action": [0.0, 0.1]}, episodes=e)
+               for d, w, e in zip(three_datasets, (1.0, 0.5, 2.0), (None, (0, 2), None))]
+    direct = DataLake(sources, TokenLayout(tokens_per_camera=4))
+    index = LakeIndex.open([s.root for s in sources], tmp_path / "index")
+
+    def no_reads(*a, **k):
+        raise AssertionError("read a metadata file")
+
+    monkeypatch.setattr(meta_module.DatasetFiles, "read_json", no_reads)
+    monkeypatch.setattr(meta_module.DatasetFiles, "read_parquet", no_reads)
+    indexed = DataLake(sources, TokenLayout(tokens_per_camera=4), index=index)
+    assert indexed.fingerprint() == direct.fingerprint()
+    ids = np.arange(len(direct))
+    a, b = direct.get_batch(ids), indexed.get_batch(ids)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_the_index_records_what_validate_finds(three_datasets, tmp_path):
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kilovla.data.lake_index import LakeIndex
+
+    root = tmp_path / "bad"
+    shutil.copytree(three_datasets[0], root)
+    rel = DatasetMeta(root).episodes.data_file[0]
+    table = pq.read_table(root / rel)
+    ts = (table.column("timestamp").to_numpy() * 2).astype(np.float32)
+    pq.write_table(table.set_column(table.column_names.index("timestamp"), "timestamp", pa.array(ts)), root / rel)
+    entry = LakeIndex.open([root], tmp_path / "index").datasets()[0]
+    assert any("timestamp at row" in p for p in entry.problems)

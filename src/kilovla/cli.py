@@ -142,13 +142,14 @@ def cmd_data_bench(args) -> int:
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data", "envs", "packing", "pruning", "scaling", "load", "rl", "fp8", "serve")
+SUITES = ("data", "lake", "envs", "packing", "pruning", "scaling", "load", "rl", "fp8", "serve")
 
 
 def cmd_bench(args) -> int:
     from kilovla.bench import data as data_bench
     from kilovla.bench import envs as envs_bench
     from kilovla.bench import fp8 as fp8_bench
+    from kilovla.bench import lake as lake_bench
     from kilovla.bench import load as load_bench
     from kilovla.bench import models as models_bench
     from kilovla.bench import rl as rl_bench
@@ -157,6 +158,7 @@ def cmd_bench(args) -> int:
 
     runners = {
         "data": lambda: data_bench.run(quick=args.quick, out_dir=args.out, world_size=args.world_size),
+        "lake": lambda: lake_bench.run(quick=args.quick, out_dir=args.out),
         "envs": lambda: envs_bench.run(quick=args.quick, out_dir=args.out),
         "packing": lambda: models_bench.run_packing(quick=args.quick, out_dir=args.out),
         "pruning": lambda: models_bench.run_pruning(quick=args.quick, out_dir=args.out),

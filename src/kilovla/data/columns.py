@@ -66,11 +66,13 @@ def task_runs(task_index: np.ndarray, row_from: np.ndarray) -> tuple[np.ndarray,
 
 
 class ColumnStore(Mapping):
-    """Column name -> (frames, *shape) array: read-only memory maps (`path` set) or in-memory arrays.
-    Pickles by path, so a loader worker or a Ray actor maps the files again instead of receiving a copy."""
+    """Column name -> (frames, *shape) array: read-only memory maps of the cache at `path` (every column
+    mapped at open: a cache rebuilt later never mixes into an open store), and in-memory arrays (all of
+    them when `path` is None). Pickles by path, so a loader worker or a Ray actor maps the files again
+    instead of receiving a copy."""
 
     def __init__(self, arrays: dict[str, np.ndarray], runs: tuple[np.ndarray, np.ndarray], path: Path | None = None):
-        self._arrays, self.runs, self.path = arrays, runs, path
+        self._arrays, self.runs, self.path = dict(arrays), runs, path
 
     def __getitem__(self, key: str) -> np.ndarray:
         return self._arrays[key]
@@ -81,15 +83,36 @@ class ColumnStore(Mapping):
     def __len__(self) -> int:
         return len(self._arrays)
 
+    def add(self, arrays: dict[str, np.ndarray]) -> None:
+        """In-memory columns beside the maps (string columns, which have no .npy form)."""
+        self._arrays.update(arrays)
+
     def __reduce__(self):
         if self.path is None:
             return ColumnStore, (self._arrays, self.runs, None)
-        return _map_store, (str(self.path), json.loads((self.path / MANIFEST).read_text()))
+        mapped = [k for k, v in self._arrays.items() if isinstance(v, np.memmap)]
+        held = {k: v for k, v in self._arrays.items() if not isinstance(v, np.memmap)}
+        return _reopen, (str(self.path), mapped, held)
 
     def private_bytes(self) -> int:
-        """Bytes this store holds in process memory (0 for memory maps, whose pages are shared)."""
-        held = [] if self.path is not None else list(self._arrays.values())
+        """Bytes this store holds in process memory (memory maps' pages are shared: not counted)."""
+        held = [v for v in self._arrays.values() if not isinstance(v, np.memmap)]
         return sum(a.nbytes for a in held) + sum(r.nbytes for r in self.runs)
+
+
+def _reopen(path: str, names: list[str], held: dict) -> ColumnStore:
+    store = map_columns(path, names)
+    store.add(held)
+    return store
+
+
+def map_columns(path: str | Path, names: list[str], runs: tuple[np.ndarray, np.ndarray] | None = None) -> ColumnStore:
+    """The column cache at `path` (columns `names`) mapped; `runs` as stored elsewhere (else read)."""
+    path = Path(path)
+    if runs is None:
+        stacked = np.load(path / "task_runs.npy")
+        runs = (stacked[0], stacked[1])
+    return ColumnStore({k: np.load(path / f"{k}.npy", mmap_mode="r") for k in names}, runs, path)
 
 
 def _stamps(meta: DatasetMeta) -> dict[str, list[int]]:
@@ -111,13 +134,6 @@ def _numeric(meta: DatasetMeta) -> list[Feature]:
 def _expected(meta: DatasetMeta) -> dict:
     return {"version": COLUMNS_VERSION, "frames": meta.total_frames, "stamps": _stamps(meta),
             "columns": {f.name: {"dtype": f.dtype, "shape": list(f.shape)} for f in _numeric(meta)}}
-
-
-def _map_store(path: str, manifest: dict) -> ColumnStore:
-    path = Path(path)
-    arrays = {k: np.load(path / f"{k}.npy", mmap_mode="r") for k in manifest["columns"]}
-    runs = np.load(path / "task_runs.npy")
-    return ColumnStore(arrays, (runs[0], runs[1]), path)
 
 
 def _read_manifest(path: Path) -> dict | None:
@@ -143,28 +159,27 @@ def open_columns(meta: DatasetMeta, setting: str | Path | None = "auto") -> Colu
         columns = meta.load_columns()
         return ColumnStore(columns, task_runs(columns["task_index"], meta.episodes.row_from))
     if strings:
-        store._arrays.update(meta.load_columns(strings))
+        store.add(meta.load_columns(strings))
     return store
 
 
 def _open_or_build(meta: DatasetMeta, path: Path, want: dict) -> ColumnStore:
     found = _read_manifest(path)
     if found == want:
-        return _map_store(str(path), found)
+        return map_columns(path, list(found["columns"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process on the node builds; the others wait, then map
         found = _read_manifest(path)
         if found != want:
             _build(meta, path, want)
-    return _map_store(str(path), want)
+    return map_columns(path, list(want["columns"]))
 
 
 def _build(meta: DatasetMeta, path: Path, want: dict) -> None:
     """Write every numeric column into `path` (a fresh temporary folder, renamed into place last)."""
     feats, n = _numeric(meta), meta.total_frames
-    missing = [name for name in ("task_index", "index", "episode_index") if name not in {f.name for f in feats}]
-    if "task_index" in missing:
+    if "task_index" not in {f.name for f in feats}:
         raise DatasetError(meta.files.path("meta/info.json"), "feature 'task_index' is missing from 'features'")
     log.info("%s: writing its columns (%d frames) into the column cache %s", meta.root, n, path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kilovla.data.lake_index import LakeIndex
 from kilovla.data.lengths import RunLengths
 from kilovla.data.lerobot import LeRobotDataset
 from kilovla.errors import KilovlaError
@@ -64,6 +65,7 @@ class LakeSource:
     action_horizon: int | None = None  # overrides the layout's for this dataset
     episodes: tuple[int, ...] | None = None
     frame_cache: str | None = "auto"  # a decoded-frame cache folder, "auto" or None (see LeRobotDataset)
+    column_cache: str | None = "auto"  # where the numeric columns are mapped from; None: in memory (see columns)
 
 
 class DataLake:
@@ -75,7 +77,10 @@ class DataLake:
     """
 
     def __init__(self, sources: Sequence[LakeSource | str | Path], layout: TokenLayout | None = None,
-                 count_tokens: Callable[[str], int] = byte_token_count, video_backend: str = "auto"):
+                 count_tokens: Callable[[str], int] = byte_token_count, video_backend: str = "auto",
+                 index: str | Path | LakeIndex | None = None):
+        """index: open the datasets from a lake index (`lake_index`: one file instead of each dataset's
+        meta/; "auto" at its default place, built or brought up to date first) or None (read each)."""
         if not sources:
             raise KilovlaError("a data lake needs at least one dataset")
         self.sources = [s if isinstance(s, LakeSource) else LakeSource(root=str(s)) for s in sources]
@@ -83,9 +88,17 @@ class DataLake:
             if s.weight < 0:
                 raise KilovlaError(f"{s.root}: mixture weight must be >= 0, got {s.weight}")
         self.layout = layout or TokenLayout()
+        if index is not None and not isinstance(index, LakeIndex):
+            index = LakeIndex.open([s.root for s in self.sources], None if index == "auto" else index)
+        self.index = index
+        indexed = index.datasets() if index is not None else [None] * len(self.sources)
+        for entry in indexed:
+            if entry is not None and entry.meta is None:
+                raise KilovlaError(f"{entry.root}: cannot be read ({entry.problems[0]})")
         self.datasets = [LeRobotDataset(s.root, delta_timestamps=s.delta_timestamps, episodes=s.episodes,
-                                        video_backend=video_backend, frame_cache=s.frame_cache)
-                         for s in self.sources]
+                                        video_backend=video_backend, frame_cache=s.frame_cache,
+                                        column_cache=s.column_cache, meta=e and e.meta, columns=e and e.columns)
+                         for s, e in zip(self.sources, indexed)]
         sizes = np.array([len(d) for d in self.datasets], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.weights = np.array([s.weight for s in self.sources], dtype=np.float64)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from kilovla.data import windows
-from kilovla.data.columns import open_columns
+from kilovla.data.columns import ColumnStore, open_columns
 from kilovla.data.frame_cache import resolve_frame_cache
 from kilovla.data.meta import DatasetMeta, Feature
 from kilovla.errors import DatasetError, KilovlaError
@@ -56,13 +56,16 @@ class LeRobotDataset:
             half-used; with "auto" such a cache is passed over with one warning and frames decoded.
         column_cache: where the numeric columns are mapped from (`kilovla.data.columns`): "auto"
             (the default column cache, written on first open), a folder, or None (read into memory).
+        meta, columns: the dataset's metadata and columns as a lake index holds them (`lake_index`):
+            nothing under meta/ is read then.
     """
 
     def __init__(self, root: str | Path, delta_timestamps: dict[str, list[float]] | None = None,
                  episodes: list[int] | None = None, tolerance_s: float = 1e-4, video_backend: str = "auto",
                  image_transforms=None, decode_threads: int = 2, frame_cache: str | Path | None = "auto",
-                 column_cache: str | Path | None = "auto"):
-        self.meta = DatasetMeta(root)
+                 column_cache: str | Path | None = "auto", meta: DatasetMeta | None = None,
+                 columns: ColumnStore | None = None):
+        self.meta = meta if meta is not None else DatasetMeta(root)
         self.root = self.meta.root
         self.fps = self.meta.fps
         self.tolerance_s = tolerance_s
@@ -77,7 +80,7 @@ class LeRobotDataset:
                 raise KilovlaError(f"delta_timestamps keys {unknown} are not features of {self.root} "
                                    f"(features: {sorted(self.meta.features)})")
             self.delta_indices = windows.delta_indices(delta_timestamps, self.fps)
-        self.columns = open_columns(self.meta, column_cache)
+        self.columns = columns if columns is not None else open_columns(self.meta, column_cache)
         eps = self.meta.episodes
         self.episode_ids = np.arange(len(eps)) if episodes is None else np.asarray(sorted(set(episodes)), dtype=np.int64)
         if np.any((self.episode_ids < 0) | (self.episode_ids >= len(eps))):

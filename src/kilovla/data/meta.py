@@ -167,11 +167,14 @@ def _format_path(template: str, **kw) -> str:
 class DatasetMeta:
     """Everything under meta/, loaded and checked for consistency (no frame data, no video)."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, info: dict | None = None, tasks: list[str] | None = None,
+                 episodes: Episodes | None = None):
+        """Reads meta/ under `root`; or, given `info`, `tasks` and `episodes` (what a lake index stored
+        of this dataset, see `lake_index`), reads nothing and checks them as if read."""
         self.files = DatasetFiles(root)
         self.root = self.files.root
         info_rel = "meta/info.json"
-        self.info = self.files.read_json(info_rel)
+        self.info = self.files.read_json(info_rel) if info is None else info
         info_path = self.files.path(info_rel)
         if not isinstance(self.info, dict):
             raise DatasetError(info_path, f"must hold a JSON object, got a {type(self.info).__name__}")
@@ -195,7 +198,9 @@ class DatasetMeta:
                                "kilovla reads video features only (re-encode them as video)")
         if self.video_keys and "video_path" not in self.info:
             raise DatasetError(info_path, "has video features but no 'video_path'")
-        if self.version == "v3.0":
+        if episodes is not None:
+            self.tasks, self.episodes = list(tasks), episodes
+        elif self.version == "v3.0":
             self.tasks = self._load_tasks_v3()
             self.episodes = self._load_episodes_v3()
         else:

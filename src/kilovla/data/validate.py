@@ -34,11 +34,13 @@ class Problem:
         return f"{self.path}: {self.message}"
 
 
-def validate_dataset(root: str, deep: bool = False, stats: bool = True) -> list[Problem]:
-    """`stats=False` leaves meta/stats.json out (what `kilovla data stats` is about to rewrite)."""
+def validate_dataset(root: str, deep: bool = False, stats: bool = True, meta: DatasetMeta | None = None,
+                     columns=None) -> list[Problem]:
+    """`stats=False` leaves meta/stats.json out (what `kilovla data stats` is about to rewrite). `meta` and
+    `columns` (e.g. a column cache's maps) when the caller has them already."""
     try:
-        meta = DatasetMeta(root)
-        columns = meta.load_columns()
+        meta = meta or DatasetMeta(root)
+        columns = meta.load_columns() if columns is None else columns
     except DatasetError as e:
         return [Problem(e.path, e.problem)]
     problems: list[Problem] = []
@@ -50,10 +52,11 @@ def validate_dataset(root: str, deep: bool = False, stats: bool = True) -> list[
     return problems
 
 
-def check_dataset(root: str, stats: bool = True) -> None:
-    """Raise KilovlaError naming the dataset's problems when `validate_dataset` finds any: what
-    validate calls an error is refused by every command that reads the dataset (train, data stats)."""
-    problems = validate_dataset(root, stats=stats)
+def check_dataset(root: str, stats: bool = True, problems: list | None = None) -> None:
+    """Raise KilovlaError naming the dataset's problems when `validate_dataset` finds any (or `problems`,
+    e.g. as a lake index recorded them): what validate calls an error is refused by every command that
+    reads the dataset (train, data stats)."""
+    problems = validate_dataset(root, stats=stats) if problems is None else problems
     if problems:
         shown = "; ".join(str(p) for p in problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""

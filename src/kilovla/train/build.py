@@ -234,14 +234,16 @@ def token_layout(model_cfg, meta: PolicyMeta) -> TokenLayout:
 
 
 def build_data(cfg: TrainConfig, model_cfg, meta: PolicyMeta, processor: Processor,
-               metas: list[DatasetMeta]) -> tuple[DataLake, TokenLayout, GlobalBatchPlan]:
-    """The lake over the run's datasets (action windows of the model's chunk) and its seeded plan."""
+               metas: list[DatasetMeta], index=None) -> tuple[DataLake, TokenLayout, GlobalBatchPlan]:
+    """The lake over the run's datasets (action windows of the model's chunk) and its seeded plan; `index`: the
+    datasets' lake index (`LakeIndex`), or None to read each."""
     chunk = chunk_of(model_cfg)
     weights = cfg.dataset.weights or [1.0] * len(metas)
     sources = [LakeSource(root=str(r), weight=w, delta_timestamps={"action": [i / m.fps for i in range(chunk)]})
                for r, w, m in zip(cfg.dataset.roots, weights, metas)]
     layout = token_layout(model_cfg, meta)
-    lake = DataLake(sources, layout, count_tokens=processor.token_count, video_backend=cfg.dataset.video_backend)
+    lake = DataLake(sources, layout, count_tokens=processor.token_count, video_backend=cfg.dataset.video_backend,
+                    index=index)
     plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=cfg.seed, global_batch_size=cfg.batch.global_batch_size,
                                                       global_batch_tokens=cfg.batch.global_batch_tokens,
                                                       token_budget=cfg.batch.token_budget))

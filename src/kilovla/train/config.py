@@ -18,6 +18,9 @@ class DatasetConfig:
     roots: list[str] = field(default_factory=list)
     weights: list[float] | None = None
     video_backend: str = "auto"
+    # the lake index (data/lake_index.py): "auto" (at its default place, built or brought up to date on
+    # start), a path, or null (read and validate every dataset's meta/ and frames in every rank)
+    index: str | None = "auto"
 
 
 @dataclass

@@ -43,6 +43,7 @@ import torch
 from kilovla import config as config_mod
 from kilovla.data import TokenLayout, build_loader
 from kilovla.data.meta import DatasetMeta
+from kilovla.data.lake_index import LakeIndex
 from kilovla.data.validate import check_dataset
 from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear
@@ -68,8 +69,14 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if not cfg.dataset.roots:
         raise KilovlaError("no dataset: set dataset.roots (a list of LeRobot dataset folders)")
-    for root in cfg.dataset.roots:  # what `kilovla data validate` calls an error stops the run here
-        check_dataset(root)
+    index = None
+    if cfg.dataset.index is None:
+        for root in cfg.dataset.roots:  # what `kilovla data validate` calls an error stops the run here
+            check_dataset(root)
+    else:  # the same checks, recorded once per dataset version in the lake index
+        index = LakeIndex.open(cfg.dataset.roots, None if cfg.dataset.index == "auto" else cfg.dataset.index)
+        for entry in index.datasets():
+            check_dataset(entry.root, problems=entry.problems)
     world = distributed.init(cfg.parallel.timeout_s)
     run_dir = Path(cfg.run_dir)
     folder = ckpt.resolve(resume, run_dir) if resume else None
@@ -82,7 +89,7 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         if at == cfg.steps:
             print(f"nothing to do: {folder} is at the last step ({at})", flush=True)
             return {"steps": at, "note": "nothing to do: the checkpoint is at the last step"}
-    trainer = Trainer(cfg, world, resume_from=folder, on_eval=on_eval)
+    trainer = Trainer(cfg, world, resume_from=folder, on_eval=on_eval, index=index)
     trainer.open_run_dir(replace=use == "replace")
     summary = trainer.train(t_start)
     distributed.shutdown()
@@ -105,7 +112,8 @@ class _Totals:
 class Trainer:
     """One supervised run. Construction builds every component, in the order each needs the last."""
 
-    def __init__(self, cfg: TrainConfig, world: distributed.World, resume_from: Path | None = None, on_eval=None):
+    def __init__(self, cfg: TrainConfig, world: distributed.World, resume_from: Path | None = None, on_eval=None,
+                 index: LakeIndex | None = None):
         torch.manual_seed(cfg.seed)
         start_weights(cfg, policy_defaults(cfg.policy.preset))
         self.cfg = cfg = with_policy_defaults(cfg)
@@ -113,10 +121,10 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.model_cfg = preset(cfg.policy.preset, **dict(cfg.policy.overrides))
         start = plan_start(cfg, self.model_cfg)
-        self.metas = [DatasetMeta(r) for r in cfg.dataset.roots]
+        self.metas = [d.meta for d in index.datasets()] if index else [DatasetMeta(r) for r in cfg.dataset.roots]
         self.meta = policy_meta(cfg, self.model_cfg, self.metas, init_from=start.record)
         self.processor = build_processor(cfg, self.model_cfg, self.meta)
-        self.lake, self.layout, self.plan = build_data(cfg, self.model_cfg, self.meta, self.processor, self.metas)
+        self.lake, self.layout, self.plan = build_data(cfg, self.model_cfg, self.meta, self.processor, self.metas, index)
         self.model = build_weights(cfg, start, world)
         apply_freeze(self.model, freeze_vision=cfg.freeze_vision, freeze_vlm=cfg.freeze_vlm or cfg.expert_only,
                      gradient_checkpointing=cfg.gradient_checkpointing)

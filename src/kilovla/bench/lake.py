@@ -1,0 +1,331 @@
+"""`kilovla bench lake`: the data lake from 10^6 to 10^8 frames, and the plan at 10^9 samples.
+
+It writes numeric-only LeRobot v3.0 datasets (state 8 + action 7 float32 a frame, 500-frame episodes,
+10^5 frames a dataset: 1000 datasets at 10^8 frames, ~6 GB of parquet) into a scratch folder, once,
+and measures, each in fresh processes:
+
+- open: from nothing to the first global batch computed (1024 ranks) and one rank's samples fetched,
+  with 4 processes opening the same lake at once; and their private memory (USS, psutil: pages no other
+  process shares), the median process reported;
+- the lake index of 1000 datasets built serially (baseline) and by a local process pool (ours), from no
+  column caches;
+- a batch of 256 random samples fetched (with a 10-step action window);
+- the plan at 10^9 samples (2x10^6 episodes, lengths alone): first batch at 1024 ranks, and its peak
+  traced allocation (tracemalloc).
+
+Baseline of the open and memory rows: the lake as it was before the lake index (each dataset's meta/
+read, every numeric column read into process memory, per-frame row, episode and length arrays and a
+full permutation per epoch), emulated by `column_cache=None`, no index and `_old_plan_memory`; it holds
+~300 bytes a frame per process, so it is measured up to 10^7 frames (3 GB a process x 4) and
+extrapolated linearly to 10^8, as each row's note says. The plan baseline (a numpy permutation of every
+sample plus a per-sample length array) is measured at 10^8 and extrapolated to 10^9.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
+
+FRAMES_PER_DATASET = 100_000
+EPISODE_FRAMES = 500
+FPS = 10
+STATE_DIM, ACTION_DIM = 8, 7
+TASKS = ("pick up the red block", "open the drawer", "push the button to the left", "stack the cups")
+PROCESSES = 4
+RANKS = 1024
+GLOBAL_BATCH = 8192  # 8 samples a rank
+FETCH = 256
+SIZES = (10**6, 10**7, 10**8)
+BASELINE_SIZES = (10**6, 10**7)  # the in-memory lake: ~3 GB a process at 10^7
+QUICK_SIZES = (2 * 10**5, 10**6)
+PLAN_SAMPLES, PLAN_EPISODES = 10**9, 2 * 10**6
+
+
+def write_numeric_dataset(root: Path, frames: int, seed: int) -> Path:
+    """A LeRobot v3.0 dataset of `frames` frames in EPISODE_FRAMES-frame episodes, state + action only,
+    meta/stats.json included (what `kilovla data validate` asks of a training dataset)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kilovla.data.stats import feature_stats
+    from kilovla.data.writer import DEFAULT_FEATURES, write_meta
+
+    rng = np.random.default_rng(seed)
+    episodes = frames // EPISODE_FRAMES
+    n = episodes * EPISODE_FRAMES
+    tmp = root.with_name(f".{root.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = rng.standard_normal((n, STATE_DIM), dtype=np.float32)
+    action = rng.standard_normal((n, ACTION_DIM), dtype=np.float32)
+    episode_index = np.repeat(np.arange(episodes), EPISODE_FRAMES)
+    frame_index = np.tile(np.arange(EPISODE_FRAMES), episodes)
+    timestamp = (frame_index / FPS).astype(np.float32)
+    task_of_episode = rng.integers(0, len(TASKS), episodes)
+    table = pa.table({
+        "observation.state": pa.FixedSizeListArray.from_arrays(state.ravel(), STATE_DIM),
+        "action": pa.FixedSizeListArray.from_arrays(action.ravel(), ACTION_DIM),
+        "timestamp": timestamp, "frame_index": frame_index,
+        "episode_index": episode_index, "index": np.arange(n), "task_index": np.repeat(task_of_episode, EPISODE_FRAMES)})
+    (tmp / "data" / "chunk-000").mkdir(parents=True)
+    pq.write_table(table, tmp / "data" / "chunk-000" / "file-000.parquet")
+    features = {"observation.state": {"dtype": "float32", "shape": [STATE_DIM], "names": None},
+                "action": {"dtype": "float32", "shape": [ACTION_DIM], "names": None}, **DEFAULT_FEATURES}
+    rows, stats = [], []
+    for e in range(episodes):
+        lo, hi = e * EPISODE_FRAMES, (e + 1) * EPISODE_FRAMES
+        rows.append({"episode_index": e, "tasks": [TASKS[task_of_episode[e]]], "length": EPISODE_FRAMES,
+                     "dataset_from_index": lo, "dataset_to_index": hi, "data/chunk_index": 0, "data/file_index": 0})
+        stats.append({"observation.state": feature_stats(state[lo:hi]), "action": feature_stats(action[lo:hi]),
+                      "timestamp": feature_stats(timestamp[lo:hi])})
+    write_meta(tmp, fps=FPS, robot_type="bench", features=features, tasks=list(TASKS), episodes=rows,
+               episode_stats=stats, chunks_size=1000, data_mb=100, video_mb=200)
+    shutil.rmtree(root, ignore_errors=True)
+    os.replace(tmp, root)
+    return root
+
+
+def lake_roots(scratch: Path, frames: int, progress=None) -> list[Path]:
+    """The first frames / FRAMES_PER_DATASET datasets under scratch/datasets, written where missing."""
+    count = max(1, frames // FRAMES_PER_DATASET)
+    size = min(frames, FRAMES_PER_DATASET)
+    roots = []
+    for i in range(count):
+        root = scratch / "datasets" / f"ds{i:04d}-{size}"
+        if not (root / "meta" / "stats.json").is_file():
+            write_numeric_dataset(root, size, seed=i)
+        roots.append(root)
+        if progress and (i + 1) % 50 == 0:
+            progress(f"lake: {i + 1}/{count} datasets written")
+    return roots
+
+
+def _sources(roots: list[str], mode: str):
+    from kilovla.data.lake import LakeSource
+
+    window = {"action": [i / FPS for i in range(10)]}
+    return [LakeSource(root=r, delta_timestamps=window, column_cache=None if mode == "baseline" else "auto")
+            for r in roots]
+
+
+def _old_plan_memory(lake) -> list[np.ndarray]:
+    """What the lake and plan held per frame before the lake index (kept alive by the caller): each
+    dataset's row and row -> episode arrays, the per-sample lengths, one epoch's permutation."""
+    n = len(lake)
+    held = [lake.lengths.to_array(), np.random.default_rng(0).permutation(n)]
+    for ds in lake.datasets:
+        held += [np.arange(len(ds)), np.repeat(np.arange(ds.num_episodes), ds.meta.episodes.length)]
+    return held
+
+
+def child(mode: str, roots_file: str, index: str | None, rank: int) -> dict:
+    """One process opening the lake (the measurements of `run`); prints its JSON."""
+    import psutil
+
+    from kilovla.data.lake import DataLake, TokenLayout
+    from kilovla.data.lake_index import LakeIndex
+    from kilovla.data.plan import GlobalBatchPlan, PlanConfig
+
+    roots = json.loads(Path(roots_file).read_text())
+    t0 = time.perf_counter()
+    lake_index = LakeIndex.open(roots, index) if index else None
+    lake = DataLake(_sources(roots, mode), TokenLayout(tokens_per_camera=0, max_language_tokens=48), index=lake_index)
+    held = _old_plan_memory(lake) if mode == "baseline" else []
+    plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=0, global_batch_size=min(GLOBAL_BATCH, len(lake)),
+                                                      token_budget=8192))
+    rows = plan.rank_rows(0, rank, RANKS)
+    lake.get_batch(np.concatenate(rows))
+    open_s = time.perf_counter() - t0
+    rng = np.random.default_rng(rank)
+    times = []
+    for _ in range(7):
+        ids = rng.integers(0, len(lake), FETCH)
+        t = time.perf_counter()
+        lake.get_batch(ids)
+        times.append(time.perf_counter() - t)
+    uss = psutil.Process().memory_full_info().uss / 2**20
+    del held
+    return {"open_s": open_s, "uss_mb": uss, "fetch_ms": statistics.median(times) * 1e3, "frames": len(lake)}
+
+
+def _processes(mode: str, roots: list[Path], scratch: Path, index: Path | None, n: int = PROCESSES) -> dict:
+    roots_file = scratch / f"roots-{mode}-{len(roots)}.json"
+    roots_file.write_text(json.dumps([str(r) for r in roots]))
+    cmd = [sys.executable, "-m", "kilovla.bench.lake", mode, str(roots_file), str(index) if index else "-"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([*cmd, str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank in range(n)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=3600)
+        if p.returncode != 0:
+            raise RuntimeError(f"bench lake: a {mode} process failed:\n{err[-2000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return {k: statistics.median(r[k] for r in results) for k in ("open_s", "uss_mb", "fetch_ms", "frames")}
+
+
+def _clear_caches(roots: list[Path]) -> None:
+    from kilovla.data.columns import dataset_cache_dir
+
+    for r in roots:
+        shutil.rmtree(dataset_cache_dir("columns", r), ignore_errors=True)
+
+
+def _index_build(roots: list[Path], path: Path, engine: str) -> float:
+    from kilovla.data.lake_index import LakeIndex
+
+    _clear_caches(roots)
+    for old in path.parent.glob(f"{path.name}*"):
+        old.unlink()
+    t = time.perf_counter()
+    index = LakeIndex.open(roots, path, engine=engine)
+    assert index.rebuilt == len(roots)
+    return time.perf_counter() - t
+
+
+def _timed_and_traced(fn) -> dict:
+    """fn's wall time (untraced: tracemalloc slows Python several-fold) and, in a second call, its peak
+    traced allocation."""
+    t = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t
+    tracemalloc.start()
+    fn()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"s": seconds, "mb": peak / 2**20}
+
+
+def plan_costs(samples: int, episodes: int) -> dict:
+    """Ours: the plan over run-length lengths (episodes of equal frames), first batch at RANKS ranks; the
+    lengths' runs (the input, held by the lake) added to the memory."""
+    from kilovla.data.lengths import RunLengths
+    from kilovla.data.plan import GlobalBatchPlan, PlanConfig
+
+    per = samples // episodes
+    lengths = RunLengths(np.arange(episodes) * per, np.random.default_rng(0).choice([70, 71, 74, 78], episodes),
+                         episodes * per)
+
+    def first_batch():
+        GlobalBatchPlan(lengths, PlanConfig(seed=0, global_batch_size=GLOBAL_BATCH, token_budget=8192)).all_rank_rows(0, RANKS)
+
+    out = _timed_and_traced(first_batch)
+    return {**out, "mb": out["mb"] + lengths.nbytes() / 2**20}
+
+
+def old_plan_costs(samples: int) -> dict:
+    """Baseline: a per-sample length array and a numpy permutation of every sample, then the first batch."""
+    from kilovla.data.packing import plan_rank_rows
+
+    def first_batch():
+        lengths = np.random.default_rng(0).choice([70, 71, 74, 78], samples)
+        order = np.random.default_rng(1).permutation(samples)
+        plan_rank_rows(lengths[order[:GLOBAL_BATCH]], RANKS, 8192)
+
+    return _timed_and_traced(first_batch)
+
+
+def _loglog(path: Path, curves: dict[str, tuple[list, list]], ylabel: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for label, (x, y) in curves.items():
+        ax.loglog(x, y, "o-" if "extrap" not in label else "o--", label=label)
+    ax.set_xlabel("frames in the lake")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, scratch: str | Path | None = None) -> Path:
+    from kilovla.progress import note
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(scratch or os.environ.get("KILOVLA_BENCH_TMP") or out / "lake-scratch")
+    sizes, base_sizes = (QUICK_SIZES, QUICK_SIZES[:1]) if quick else (SIZES, BASELINE_SIZES)
+    free = shutil.disk_usage(scratch.parent if not scratch.exists() else scratch).free
+    while len(sizes) > 1 and sizes[-1] * 160 > free:  # parquet + column cache, ~160 bytes a frame
+        note(f"lake: {sizes[-1]:.0e} frames need ~{sizes[-1] * 160 / 1e9:.0f} GB; {free / 1e9:.0f} GB free: skipped")
+        sizes = sizes[:-1]
+    scratch.mkdir(parents=True, exist_ok=True)
+    ours, base = {}, {}
+    for frames in sizes:
+        roots = lake_roots(scratch, frames, progress=note)
+        index = scratch / f"index-{frames}"
+        from kilovla.data.lake_index import LakeIndex
+
+        LakeIndex.open(roots, index)  # built once (and the column caches with it); the processes open it
+        ours[frames] = _processes("ours", roots, scratch, index)
+        note(f"lake {frames:.0e}: ours {ours[frames]}")
+        if frames in base_sizes:
+            base[frames] = _processes("baseline", roots, scratch, None)
+            note(f"lake {frames:.0e}: baseline {base[frames]}")
+    top, btop = sizes[-1], base_sizes[-1]
+    scale = top / btop
+    tag = f"{top:.0e}".replace("+0", "").replace("+", "")  # 1e8
+    extrap = f"baseline measured at {btop:.0e} frames ({base[btop]['open_s']:.2f} s, {base[btop]['uss_mb']:.0f} MiB) " \
+             f"and extrapolated x{scale:g} (it holds every column per process)" if scale > 1 else "both measured"
+    rows = [
+        Row.compare(f"lake_open_s_{tag}", "s", base[btop]["open_s"] * scale, ours[top]["open_s"], higher_is_better=False,
+                    limit=10.0, note=f"{len(lake_roots(scratch, top))} datasets, {PROCESSES} processes at once, median; "
+                    f"open -> first global batch at {RANKS} ranks + one rank's samples; {extrap}"),
+        Row.compare(f"lake_uss_mb_{tag}", "MiB", base[btop]["uss_mb"] * scale, ours[top]["uss_mb"],
+                    higher_is_better=False, limit=300.0,
+                    note=f"private memory (USS) per process, {PROCESSES} processes, median; {extrap}"),
+        Row.compare(f"sample_fetch_ms_{tag}", "ms", base[btop]["fetch_ms"], ours[top]["fetch_ms"], higher_is_better=False,
+                    note=f"{FETCH} random samples with a 10-step action window; baseline (in-memory columns) at "
+                         f"{btop:.0e} frames"),
+    ]
+    roots = lake_roots(scratch, top)
+    serial = _index_build(roots, scratch / "index-build", "serial")
+    pooled = _index_build(roots, scratch / "index-build", "local")
+    rows.append(Row.compare(f"lake_index_build_s_{len(roots)}_datasets", "s", serial, pooled, higher_is_better=False,
+                            note=f"{top:.0e} frames, from no column caches: serial vs a process pool of "
+                                 f"{os.cpu_count()} (engine=local; Ray tasks with engine=ray)"))
+    plan_n, plan_e = (10**8, 2 * 10**5) if quick else (PLAN_SAMPLES, PLAN_EPISODES)
+    mine = plan_costs(plan_n, plan_e)
+    old_n = plan_n // 10
+    old = old_plan_costs(old_n)
+    ptag = f"{plan_n:.0e}".replace("+0", "").replace("+", "")
+    rows.append(Row.compare(f"plan_first_batch_s_{ptag}", "s", old["s"] * 10, mine["s"], higher_is_better=False, limit=0.5,
+                            note=f"{plan_n:.0e} samples in {plan_e:.0e} episodes (lengths alone), {RANKS} ranks, "
+                                 f"{GLOBAL_BATCH} samples a step; baseline (a full permutation) measured at "
+                                 f"{old_n:.0e}: {old['s']:.2f} s, x10"))
+    rows.append(Row.compare(f"plan_mb_{ptag}", "MiB", old["mb"] * 10, mine["mb"], higher_is_better=False, limit=200.0,
+                            note=f"peak traced allocation + the lengths' runs; baseline at {old_n:.0e}: "
+                                 f"{old['mb']:.0f} MiB, x10"))
+    xs = sorted(ours)
+    bx = sorted(base)
+    _loglog(out / "lake_scaling.png", {
+        "open s, ours": (xs, [ours[x]["open_s"] for x in xs]),
+        "open s, baseline": (bx, [base[x]["open_s"] for x in bx]),
+        "open s, baseline extrap.": ([bx[-1], xs[-1]], [base[bx[-1]]["open_s"], base[bx[-1]]["open_s"] * scale]),
+        "USS GiB, ours": (xs, [ours[x]["uss_mb"] / 1024 for x in xs]),
+        "USS GiB, baseline": (bx, [base[x]["uss_mb"] / 1024 for x in bx]),
+        "USS GiB, baseline extrap.": ([bx[-1], xs[-1]], [base[bx[-1]]["uss_mb"] / 1024, base[bx[-1]]["uss_mb"] * scale / 1024]),
+    }, "seconds / GiB per process")
+    extra = {"lake_by_size": {str(k): v for k, v in ours.items()}, "baseline_by_size": {str(k): v for k, v in base.items()},
+             "plot": "lake_scaling.png"}
+    return write_suite("lake", rows, quick=quick, out_dir=out, extra=extra)
+
+
+if __name__ == "__main__":
+    mode, roots_file, index, rank = sys.argv[1:5]
+    print(json.dumps(child(mode, roots_file, None if index == "-" else index, int(rank))))

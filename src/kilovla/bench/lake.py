@@ -5,11 +5,12 @@ It writes numeric-only LeRobot v3.0 datasets (state 8 + action 7 float32 a frame
 and measures, each in fresh processes:
 
 - open: from nothing to the first global batch computed (1024 ranks) and one rank's samples fetched,
-  with 4 processes opening the same lake at once; and their private memory (USS, psutil: pages no other
-  process shares), the median process reported;
+  with 4 processes opening the same lake at once; and their private memory then (USS, psutil: pages no
+  other process shares), the median process reported;
 - the lake index of 1000 datasets built serially (baseline) and by a local process pool (ours), from no
   column caches;
-- a batch of 256 random samples fetched (with a 10-step action window);
+- a batch of 256 random samples fetched (with a 10-step action window; random over the lake, so at
+  10^8 frames a batch spans ~230 of the 1000 datasets, one gather call each);
 - the plan at 10^9 samples (2x10^6 episodes, lengths alone): first batch at 1024 ranks, and its peak
   traced allocation (tracemalloc).
 
@@ -146,6 +147,9 @@ def child(mode: str, roots_file: str, index: str | None, rank: int) -> dict:
     rows = plan.rank_rows(0, rank, RANKS)
     lake.get_batch(np.concatenate(rows))
     open_s = time.perf_counter() - t0
+    # private memory once open: before the fetches below, whose random pages of the maps (file pages this
+    # process alone touched: reclaimable page cache, not copies) USS would count as private too
+    uss = psutil.Process().memory_full_info().uss / 2**20
     rng = np.random.default_rng(rank)
     times = []
     for _ in range(7):
@@ -153,7 +157,6 @@ def child(mode: str, roots_file: str, index: str | None, rank: int) -> dict:
         t = time.perf_counter()
         lake.get_batch(ids)
         times.append(time.perf_counter() - t)
-    uss = psutil.Process().memory_full_info().uss / 2**20
     del held
     return {"open_s": open_s, "uss_mb": uss, "fetch_ms": statistics.median(times) * 1e3, "frames": len(lake)}
 

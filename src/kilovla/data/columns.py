@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import uuid
@@ -34,7 +35,7 @@ from kilovla.errors import DatasetError
 
 log = logging.getLogger(__name__)
 
-COLUMNS_VERSION = 1
+COLUMNS_VERSION = 2
 MANIFEST = "manifest.json"
 READ_ROWS = 1 << 18  # rows per parquet batch while building: memory stays flat however large the file
 
@@ -66,13 +67,14 @@ def task_runs(task_index: np.ndarray, row_from: np.ndarray) -> tuple[np.ndarray,
 
 
 class ColumnStore(Mapping):
-    """Column name -> (frames, *shape) array: read-only memory maps of the cache at `path` (every column
-    mapped at open: a cache rebuilt later never mixes into an open store), and in-memory arrays (all of
-    them when `path` is None). Pickles by path, so a loader worker or a Ray actor maps the files again
-    instead of receiving a copy."""
+    """Column name -> (frames, *shape) array: read-only maps of the cache at `path` (`mapped`: their
+    {name: [dtype, row shape]}; every one mapped at open, so a cache rebuilt later never mixes into an
+    open store), and in-memory arrays (all of them when `path` is None). Pickles by path, so a loader
+    worker or a Ray actor maps the files again instead of receiving a copy."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], runs: tuple[np.ndarray, np.ndarray], path: Path | None = None):
-        self._arrays, self.runs, self.path = dict(arrays), runs, path
+    def __init__(self, arrays: dict[str, np.ndarray], runs: tuple[np.ndarray, np.ndarray], path: Path | None = None,
+                 mapped: dict | None = None):
+        self._arrays, self.runs, self.path, self.mapped = dict(arrays), runs, path, dict(mapped or {})
 
     def __getitem__(self, key: str) -> np.ndarray:
         return self._arrays[key]
@@ -87,32 +89,56 @@ class ColumnStore(Mapping):
         """In-memory columns beside the maps (string columns, which have no .npy form)."""
         self._arrays.update(arrays)
 
+    def held(self) -> dict[str, np.ndarray]:
+        return {k: v for k, v in self._arrays.items() if k not in self.mapped}
+
     def __reduce__(self):
         if self.path is None:
             return ColumnStore, (self._arrays, self.runs, None)
-        mapped = [k for k, v in self._arrays.items() if isinstance(v, np.memmap)]
-        held = {k: v for k, v in self._arrays.items() if not isinstance(v, np.memmap)}
-        return _reopen, (str(self.path), mapped, held)
+        return _reopen, (str(self.path), self.mapped, len(next(iter(self._arrays.values()))), self.held())
 
     def private_bytes(self) -> int:
-        """Bytes this store holds in process memory (memory maps' pages are shared: not counted)."""
-        held = [v for v in self._arrays.values() if not isinstance(v, np.memmap)]
-        return sum(a.nbytes for a in held) + sum(r.nbytes for r in self.runs)
+        """Bytes this store holds in process memory (the maps' pages are shared: not counted)."""
+        return sum(a.nbytes for a in self.held().values()) + sum(r.nbytes for r in self.runs)
 
 
-def _reopen(path: str, names: list[str], held: dict) -> ColumnStore:
-    store = map_columns(path, names)
+def _reopen(path: str, mapped: dict, frames: int, held: dict) -> ColumnStore:
+    store = map_columns(path, mapped, frames)
     store.add(held)
     return store
 
 
-def map_columns(path: str | Path, names: list[str], runs: tuple[np.ndarray, np.ndarray] | None = None) -> ColumnStore:
-    """The column cache at `path` (columns `names`) mapped; `runs` as stored elsewhere (else read)."""
+def _map_npy(path: Path, dtype: str, shape: tuple) -> np.ndarray:
+    """A .npy file (written by `_build`) as a read-only array over one mmap: no header parse beyond its
+    length, and a plain ndarray (np.memmap's __getitem__ costs ~0.1 ms a call)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        if mm[:6] != b"\x93NUMPY":
+            raise ValueError("not a .npy file")
+        offset = 10 + int.from_bytes(mm[8:10], "little") if mm[6] == 1 else 12 + int.from_bytes(mm[8:12], "little")
+        return np.frombuffer(mm, dtype=np.dtype(dtype), count=int(np.prod(shape)), offset=offset).reshape(shape)
+    except (OSError, ValueError) as e:
+        raise DatasetError(path, f"column cache file cannot be mapped ({e}); remove {path.parent} to rebuild it") from None
+
+
+def map_columns(path: str | Path, mapped: dict, frames: int, runs: tuple[np.ndarray, np.ndarray] | None = None) -> ColumnStore:
+    """The column cache at `path`: `mapped` {name: [dtype, row shape]} of `frames` rows each; `runs` as
+    stored elsewhere (else read from the cache)."""
     path = Path(path)
     if runs is None:
         stacked = np.load(path / "task_runs.npy")
         runs = (stacked[0], stacked[1])
-    return ColumnStore({k: np.load(path / f"{k}.npy", mmap_mode="r") for k in names}, runs, path)
+    arrays = {k: _map_npy(path / f"{k}.npy", dtype, (frames, *_row_shape(shape))) for k, (dtype, shape) in mapped.items()}
+    return ColumnStore(arrays, runs, path, mapped)
+
+
+def _row_shape(shape) -> tuple:
+    """A feature's shape as stored per row: (1,) and () are scalars (as LeRobot returns them)."""
+    return () if tuple(shape) in ((1,), ()) else tuple(shape)
 
 
 def _stamps(meta: DatasetMeta) -> dict[str, list[int]]:
@@ -133,7 +159,7 @@ def _numeric(meta: DatasetMeta) -> list[Feature]:
 
 def _expected(meta: DatasetMeta) -> dict:
     return {"version": COLUMNS_VERSION, "frames": meta.total_frames, "stamps": _stamps(meta),
-            "columns": {f.name: {"dtype": f.dtype, "shape": list(f.shape)} for f in _numeric(meta)}}
+            "columns": {f.name: [f.dtype, list(f.shape)] for f in _numeric(meta)}}
 
 
 def _read_manifest(path: Path) -> dict | None:
@@ -166,14 +192,14 @@ def open_columns(meta: DatasetMeta, setting: str | Path | None = "auto") -> Colu
 def _open_or_build(meta: DatasetMeta, path: Path, want: dict) -> ColumnStore:
     found = _read_manifest(path)
     if found == want:
-        return map_columns(path, list(found["columns"]))
+        return map_columns(path, found["columns"], found["frames"])
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process on the node builds; the others wait, then map
         found = _read_manifest(path)
         if found != want:
             _build(meta, path, want)
-    return map_columns(path, list(want["columns"]))
+    return map_columns(path, want["columns"], want["frames"])
 
 
 def _build(meta: DatasetMeta, path: Path, want: dict) -> None:
@@ -186,7 +212,7 @@ def _build(meta: DatasetMeta, path: Path, want: dict) -> None:
     tmp.mkdir()
     try:
         out = {f.name: np.lib.format.open_memmap(tmp / f"{f.name}.npy", mode="w+", dtype=np.dtype(f.dtype),
-                                                 shape=(n, *(() if f.shape in ((1,), ()) else f.shape)))
+                                                 shape=(n, *_row_shape(f.shape)))
                for f in feats}
         row = 0
         expected_episode = np.repeat(meta.episodes.index, meta.episodes.length)

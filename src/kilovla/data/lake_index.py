@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,25 +37,47 @@ from kilovla.errors import DatasetError, KilovlaError
 
 log = logging.getLogger(__name__)
 
-LAKE_INDEX_VERSION = 1
+LAKE_INDEX_VERSION = 2
 
 
 def default_index_path(roots: list[str]) -> Path:
     """cache_base()/lakes/<hash of the datasets' absolute paths, in order> (no suffix)."""
-    key = "\n".join(str(Path(r).resolve()) for r in roots)
+    key = "\n".join(os.path.realpath(r) for r in roots)
     return cache_base() / "lakes" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def dataset_stamp(root: str) -> list[list]:
     """(relative path, size, mtime_ns) of every file under meta/ and data/, sorted."""
     out = []
+
+    def walk(folder: str, rel: str) -> None:
+        with os.scandir(folder) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    walk(e.path, f"{rel}{e.name}/")
+                else:
+                    st = e.stat()
+                    out.append([f"{rel}{e.name}", st.st_size, st.st_mtime_ns])
+
     for top in ("meta", "data"):
-        for folder, _, names in os.walk(Path(root) / top):
-            for name in names:
-                path = Path(folder) / name
-                st = path.stat()
-                out.append([str(path.relative_to(root)), st.st_size, st.st_mtime_ns])
+        if os.path.isdir(os.path.join(root, top)):
+            walk(os.path.join(root, top), f"{top}/")
     return sorted(out)
+
+
+class EpisodeTasks(Sequence):
+    """Episodes.tasks as the index stores them (task indices, offsets): a list of lists, built on access."""
+
+    def __init__(self, names: list[str], flat: np.ndarray, start: np.ndarray):
+        self.names, self.flat, self.start = names, flat, start
+
+    def __len__(self) -> int:
+        return len(self.start) - 1
+
+    def __getitem__(self, e):
+        if isinstance(e, slice):
+            return [self[i] for i in range(*e.indices(len(self)))]
+        return [self.names[t] for t in self.flat[self.start[e]:self.start[e + 1]]]
 
 
 def index_dataset(root: str) -> tuple[dict, dict[str, np.ndarray]]:
@@ -89,8 +111,7 @@ def index_dataset(root: str) -> tuple[dict, dict[str, np.ndarray]]:
         arrays[f"video/{cam}/to_s"] = eps.video_to_s[cam]
     entry = {"root": root, "stamp": stamp, "problems": problems, "info": meta.info, "tasks": list(meta.tasks),
              "episode_task_names": names, "data_files": files, "video_files": videos,
-             "columns": None if store.path is None else str(store.path), "column_names": [k for k in store if isinstance(store[k], np.memmap)],
-             "string_columns": [k for k in store if not isinstance(store[k], np.memmap)]}
+             "columns": None if store.path is None else str(store.path), "mapped": store.mapped, "string_columns": list(store.held())}
     return entry, arrays
 
 
@@ -109,7 +130,7 @@ def _meta_from(entry: dict, arrays: dict[str, np.ndarray]) -> DatasetMeta:
     names, flat, start = entry["episode_task_names"], arrays["episode_tasks"], arrays["episode_tasks_from"]
     length, row_from = arrays["length"], arrays["row_from"]
     eps = Episodes(index=np.arange(len(length)), length=length, row_from=row_from, row_to=row_from + length,
-                   tasks=[[names[t] for t in flat[a:b]] for a, b in zip(start[:-1], start[1:])],
+                   tasks=EpisodeTasks(names, flat, start),
                    data_file=[files[i] for i in arrays["data_file"]])
     for cam, cam_files in entry["video_files"].items():
         eps.video_file[cam] = [cam_files[i] for i in arrays[f"video/{cam}/file"]]
@@ -129,7 +150,7 @@ class LakeIndex:
     def open(cls, roots: list[str], path: str | Path | None = None, engine: str = "auto", workers: int | None = None,
              progress: Callable[[int, int], None] | None = None) -> LakeIndex:
         """The index of `roots` (absolute paths), re-indexing only the datasets whose stamp changed."""
-        roots = [str(Path(r).resolve()) for r in roots]
+        roots = [os.path.realpath(r) for r in roots]
         for r in roots:
             if "://" in r:
                 raise KilovlaError(f"{r}: the lake index needs datasets on a local (or mounted) file system")
@@ -169,7 +190,7 @@ class LakeIndex:
             runs = (arrays["runs_start"], arrays["runs_task"])
             columns = None
             if entry["columns"] is not None and os.path.isdir(entry["columns"]):
-                columns = map_columns(entry["columns"], entry["column_names"], runs)
+                columns = map_columns(entry["columns"], entry["mapped"], meta.total_frames, runs)
                 if entry["string_columns"]:  # no .npy form: read from the parquet files
                     columns.add(meta.load_columns(entry["string_columns"]))
             out.append(IndexedDataset(entry["root"], entry["problems"], meta, columns))

@@ -1,15 +1,5 @@
 """LeRobot datasets (v3.0, and v2.1 for reading/converting) without importing lerobot.
 
-Layout of a v3.0 dataset (what LeRobot 0.4 writes; see ../shared/research/data_layer.md)::
-
-    meta/info.json                       fps, features, path templates, totals
-    meta/tasks.parquet                   task_index + the task string as pandas index
-    meta/episodes/chunk-XXX/file-YYY.parquet   one row per episode: length, row range, data and
-                                         video file of the episode, from/to timestamps, stats
-    data/chunk-XXX/file-YYY.parquet      one row per frame, many episodes per file
-    videos/<camera>/chunk-XXX/file-YYY.mp4     many episodes per file, episode e at
-                                         [from_timestamp, to_timestamp)
-
 The metadata (meta/, both versions) is read by `kilovla.data.meta`, the numeric columns are memory
 maps of a column cache (`kilovla.data.columns`), the camera frames come from the videos or a frame
 cache (`kilovla.data.frame_cache`).

@@ -279,3 +279,58 @@ def test_the_index_records_what_validate_finds(three_datasets, tmp_path):
     pq.write_table(table.set_column(table.column_names.index("timestamp"), "timestamp", pa.array(ts)), root / rel)
     entry = LakeIndex.open([root], tmp_path / "index").datasets()[0]
     assert any("timestamp at row" in p for p in entry.problems)
+
+
+def test_adding_a_dataset_indexes_it_alone_and_a_changed_video_is_seen(three_datasets, tmp_path):
+    import shutil
+
+    from kilovla.data.lake_index import LakeIndex
+
+    roots = [tmp_path / d.name for d in three_datasets]
+    for src, dst in zip(three_datasets, roots):
+        shutil.copytree(src, dst)
+    assert LakeIndex.open(roots[:2]).rebuilt == 2  # the default place, keyed by the roots list
+    assert LakeIndex.open(roots).rebuilt == 1  # another list: the two known entries are reused
+    assert LakeIndex.open(roots[1:]).rebuilt == 0
+    next((roots[2] / "videos").rglob("*.mp4")).unlink()
+    again = LakeIndex.open(roots[1:])
+    assert again.rebuilt == 1 and any("missing" in p for p in again.datasets()[1].problems)
+
+
+@pytest.mark.parametrize("damage", ["json_list", "arrays_truncated"])
+def test_a_damaged_index_is_rebuilt(three_datasets, tmp_path, damage):
+    from kilovla.data.lake_index import LakeIndex
+
+    path = tmp_path / "index"
+    LakeIndex.open(three_datasets[:1], path)
+    if damage == "json_list":
+        path.with_suffix(".json").write_text("[]")
+    else:
+        arrays = next(tmp_path.glob("index.*.safetensors"))
+        arrays.write_bytes(arrays.read_bytes()[:100])
+    again = LakeIndex.open(three_datasets[:1], path)
+    assert again.datasets()[0].meta.total_frames == DatasetMeta(three_datasets[0]).total_frames
+
+
+def test_a_truncated_column_cache_file_is_rebuilt(tiny_copy):
+    meta = DatasetMeta(tiny_copy)
+    store = open_columns(meta)
+    (store.path / "task_runs.npy").write_bytes(b"\x93NUMPY")
+    (store.path / "action.npy").write_bytes(b"\x93NUMPY\x01\x00")
+    again = open_columns(DatasetMeta(tiny_copy))
+    np.testing.assert_array_equal(np.asarray(again["action"]), meta.load_columns(["action"])["action"])
+
+
+def test_a_script_without_a_main_guard_builds_the_index(three_datasets, tmp_path):
+    import subprocess
+    import sys
+
+    import shutil
+
+    script = tmp_path / "no_guard.py"
+    roots = [str(shutil.copytree(d, tmp_path / d.name)) for d in three_datasets]  # never indexed before
+    script.write_text("from kilovla.data.lake_index import LakeIndex\n"
+                      f"print(LakeIndex.open({roots!r}, {str(tmp_path / 'index')!r}, engine='local', workers=2).rebuilt)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "3"

@@ -6,8 +6,9 @@ into a column cache (beside the frame cache: $KILOVLA_CACHE_DIR/columns/<name>-<
 files read-only. The pages then live in the page cache, once per node, instead of in each process's
 private memory (~300 bytes a frame for a state-8 + action-7 dataset), and an open reads nothing but
 the manifest. The cache is keyed by the data files' sizes and modification times: a rewritten file
-rebuilds it. Where no cache can be written (a read-only home, an fsspec URL) the columns are read into
-memory as before, with one warning.
+rebuilds it (as rsync's quick check: a file rewritten in place with its size and mtime restored is not
+seen; remove the cache folder then). A truncated cache file is rebuilt. Where no cache can be written
+(a read-only home, an fsspec URL) the columns are read into memory as before, with one warning.
 
 With the columns comes the dataset's task runs (row where a run of equal task_index starts, that
 task_index; a run never crosses an episode), from which the lake's token lengths are made without a
@@ -130,7 +131,11 @@ def map_columns(path: str | Path, mapped: dict, frames: int, runs: tuple[np.ndar
     stored elsewhere (else read from the cache)."""
     path = Path(path)
     if runs is None:
-        stacked = np.load(path / "task_runs.npy")
+        try:
+            stacked = np.load(path / "task_runs.npy")
+        except (OSError, ValueError) as e:
+            raise DatasetError(path / "task_runs.npy", f"column cache file cannot be read ({e}); remove {path} "
+                               "to rebuild it") from None
         runs = (stacked[0], stacked[1])
     arrays = {k: _map_npy(path / f"{k}.npy", dtype, (frames, *_row_shape(shape))) for k, (dtype, shape) in mapped.items()}
     return ColumnStore(arrays, runs, path, mapped)
@@ -192,13 +197,20 @@ def open_columns(meta: DatasetMeta, setting: str | Path | None = "auto") -> Colu
 def _open_or_build(meta: DatasetMeta, path: Path, want: dict) -> ColumnStore:
     found = _read_manifest(path)
     if found == want:
-        return map_columns(path, found["columns"], found["frames"])
+        try:
+            return map_columns(path, found["columns"], found["frames"])
+        except DatasetError as e:  # a truncated or removed cache file: built again below
+            log.warning("%s; rebuilding the column cache", e)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process on the node builds; the others wait, then map
         found = _read_manifest(path)
-        if found != want:
-            _build(meta, path, want)
+        if found == want:
+            try:
+                return map_columns(path, want["columns"], want["frames"])
+            except DatasetError:
+                pass
+        _build(meta, path, want)
     return map_columns(path, want["columns"], want["frames"])
 
 

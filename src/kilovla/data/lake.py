@@ -65,7 +65,9 @@ class LakeSource:
     action_horizon: int | None = None  # overrides the layout's for this dataset
     episodes: tuple[int, ...] | None = None
     frame_cache: str | None = "auto"  # a decoded-frame cache folder, "auto" or None (see LeRobotDataset)
-    column_cache: str | None = "auto"  # where the numeric columns are mapped from; None: in memory (see columns)
+    # where the numeric columns are mapped from; None: in memory (see columns). A lake opened from an index
+    # maps the cache the index recorded, whatever this says
+    column_cache: str | None = "auto"
 
 
 class DataLake:

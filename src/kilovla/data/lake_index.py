@@ -6,8 +6,10 @@ reads before the first step. The lake index holds, per dataset, what the readers
 validate` take from them: info.json, the tasks, the episode table, the task runs, the column cache's
 place and what validate found wrong. It is built once, in parallel (Ray tasks over the datasets, or a
 local process pool; `engine`), and re-built only for datasets whose files changed: each entry keeps a
-stamp (path, size, modification time of every file under meta/ and data/), and opening the index
-compares stamps with stat calls alone. A rank then reads one JSON file and one safetensors file.
+stamp (path, size, modification time of every file under meta/, data/ and videos/), and opening the
+index compares stamps with stat calls alone. Each entry is also kept on its own (`entry_path`), so an
+index of another list of roots (a dataset added or dropped) indexes only what it has not seen. A rank
+then reads one JSON file and one safetensors file.
 
 Files (beside the column caches, or where `path` says):
 
@@ -46,8 +48,14 @@ def default_index_path(roots: list[str]) -> Path:
     return cache_base() / "lakes" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def entry_path(root: str) -> Path:
+    """One dataset's entry, kept on its own too: an index of other roots reuses it instead of re-indexing."""
+    return cache_base() / "lakes" / "datasets" / hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:16]
+
+
 def dataset_stamp(root: str) -> list[list]:
-    """(relative path, size, mtime_ns) of every file under meta/ and data/, sorted."""
+    """(relative path, size, mtime_ns) of every file under meta/, data/ and videos/, sorted: what the entry
+    (validate's findings included) was made from."""
     out = []
 
     def walk(folder: str, rel: str) -> None:
@@ -59,7 +67,7 @@ def dataset_stamp(root: str) -> list[list]:
                     st = e.stat()
                     out.append([f"{rel}{e.name}", st.st_size, st.st_mtime_ns])
 
-    for top in ("meta", "data"):
+    for top in ("meta", "data", "videos"):
         if os.path.isdir(os.path.join(root, top)):
             walk(os.path.join(root, top), f"{top}/")
     return sorted(out)
@@ -169,8 +177,15 @@ class LakeIndex:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait, then read what it wrote
             old = _read(path)
             fresh = {e["root"]: (e, a) for e, a in zip(*old) if stamps.get(e["root"]) == e["stamp"]} if old else {}
+            for r in dict.fromkeys(roots):  # an entry an index of other roots made (a dataset added or dropped)
+                alone = _read(entry_path(r)) if r not in fresh else None
+                if alone and alone[0][0]["stamp"] == stamps[r]:
+                    fresh[r] = (alone[0][0], alone[1][0])
             todo = [r for r in dict.fromkeys(roots) if r not in fresh]
             built = dict(zip(todo, _index_all(todo, engine, workers, progress)))
+            for r, (entry, arrays) in built.items():
+                entry_path(r).parent.mkdir(parents=True, exist_ok=True)
+                _write(entry_path(r), [entry], [arrays])
             entries = [(fresh.get(r) or built[r]) for r in roots]
             _write(path, [e for e, _ in entries], [a for _, a in entries])
         return cls([e for e, _ in entries], [a for _, a in entries], path, len(todo))
@@ -240,8 +255,10 @@ def _index_all(roots: list[str], engine: str, workers: int | None, progress) -> 
         return results
     import multiprocessing
 
-    with ProcessPoolExecutor(max_workers=workers or os.cpu_count(),
-                             mp_context=multiprocessing.get_context("forkserver")) as pool:
+    # fork: forkserver/spawn workers re-run a user's script without a __main__ guard, and the pool then waits
+    # forever; the build runs before models and process groups exist (numpy and pyarrow only in the workers)
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with ProcessPoolExecutor(max_workers=workers or os.cpu_count(), mp_context=context) as pool:
         for i, result in enumerate(pool.map(index_dataset, roots, chunksize=max(1, len(roots) // 64))):
             results[i] = result
             if progress:
@@ -254,15 +271,19 @@ def _read(path: Path) -> tuple[list[dict], list[dict]] | None:
 
     try:
         head = json.loads(path.with_suffix(".json").read_text())
-        if head.get("version") != LAKE_INDEX_VERSION:
+        if not isinstance(head, dict) or head.get("version") != LAKE_INDEX_VERSION:
             return None
         flat = load_file(str(path.parent / head["arrays"]))
-    except (OSError, ValueError, KeyError):  # absent, half-replaced by another builder, or foreign: rebuild
+        arrays = [{} for _ in head["datasets"]]
+        for key, value in flat.items():
+            i, name = key.split("/", 1)
+            arrays[int(i)][name] = value
+        if not all(isinstance(e, dict) and "root" in e and "stamp" in e for e in head["datasets"]):
+            return None
+    except Exception as e:  # absent, half-replaced, truncated or foreign (safetensors has its own errors): rebuild
+        if path.with_suffix(".json").exists():
+            log.warning("lake index %s cannot be read (%s: %s); rebuilding it", path, type(e).__name__, e)
         return None
-    arrays = [{} for _ in head["datasets"]]
-    for key, value in flat.items():
-        i, name = key.split("/", 1)
-        arrays[int(i)][name] = value
     return head["datasets"], arrays
 
 

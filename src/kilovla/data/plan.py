@@ -24,8 +24,9 @@ samples, with cycle walking back into range (a permutation of [0, n) for any n; 
 costs O(global batch) and no memory beyond the lengths' runs (`lengths.RunLengths`), at 10^3 samples
 or 10^9. With `global_batch_tokens` a step ends where the running token total would pass the budget,
 so step i's first position depends on every step before it in the epoch: the boundaries are found
-walking the order forward in blocks and kept per epoch (one int per step: ~4 MB for an epoch of
-10^6 steps), so stepping forward costs O(global batch) amortised, and a state resumes at its recorded
+walking the order forward in blocks and kept for the current and the previous epoch (a Python int per
+step: ~36 MB for an epoch of 10^6 steps), so stepping forward costs O(global batch) amortised, and a
+state resumes at its recorded
 boundary without walking; asking for a step before the kept ones (or an epoch's step count,
 `steps_in_epoch`) walks that epoch from its start, O(samples in the epoch) once.
 
@@ -146,9 +147,13 @@ class GlobalBatchPlan:
         self._keys = lru_cache(maxsize=256)(self._make_keys)
         self._cuts: dict[int, _TokenCuts] = {}
         self._epoch_start = {0: 0}  # token mode: the first global step of each epoch walked so far
+        if self.samples_per_epoch() == 0:
+            raise KilovlaError("every dataset's mixture weight rounds to 0 samples: the epoch is empty")
         if self.steps_at_least(0, 1) == 0:
-            raise KilovlaError(f"an epoch of {self.samples_per_epoch()} samples makes no full global batch "
-                               f"of {config.global_batch_size}; lower the batch size or set drop_last=False")
+            size = (f"global_batch_tokens={config.global_batch_tokens}" if config.global_batch_tokens is not None
+                    else f"global_batch_size={config.global_batch_size}")
+            raise KilovlaError(f"an epoch of {self.samples_per_epoch()} samples makes no full global batch of "
+                               f"{size}; lower it or set drop_last=False")
 
     @classmethod
     def from_lake(cls, lake, config: PlanConfig = PlanConfig()) -> GlobalBatchPlan:
@@ -209,6 +214,8 @@ class GlobalBatchPlan:
         cuts = self._cuts.get(epoch)
         if cuts is None or i < cuts.first:
             cuts = self._cuts[epoch] = _TokenCuts()
+            for old in [e for e in self._cuts if e < epoch - 1]:  # bounded: the current and the previous epoch
+                del self._cuts[old]
         self._walk(epoch, cuts, i)
         return cuts
 
@@ -278,7 +285,8 @@ class GlobalBatchPlan:
         cfg = asdict(self.config)
         state = {"step": self.step, "seed": cfg["seed"], "global_batch_size": cfg["global_batch_size"],
                  "global_batch_tokens": cfg["global_batch_tokens"], "token_budget": cfg["token_budget"],
-                 "num_samples": len(self.lengths), "fingerprint": self.fingerprint, "order": ORDER_VERSION}
+                 "num_samples": len(self.lengths), "fingerprint": self.fingerprint, "order": ORDER_VERSION,
+                 "shuffle": cfg["shuffle"], "drop_last": cfg["drop_last"]}
         if cfg["global_batch_tokens"] is not None:  # where the next step starts: resuming walks nothing
             epoch, i = self.locate(self.step)
             state.update(epoch=epoch, epoch_start=self.step - i, position=self._bounds(epoch, i)[0])
@@ -295,7 +303,8 @@ class GlobalBatchPlan:
                                f"permutation per epoch, kilovla before the lake at scale), this one with version "
                                f"{ORDER_VERSION}; finish that run with the kilovla that started it, or start a new run")
         mine = {**asdict(self.config), "num_samples": len(self.lengths), "fingerprint": self.fingerprint}
-        for key in ("seed", "global_batch_size", "global_batch_tokens", "num_samples", "fingerprint"):
+        for key in ("seed", "global_batch_size", "global_batch_tokens", "num_samples", "fingerprint", "shuffle",
+                    "drop_last"):
             if key in state and state[key] != mine[key]:
                 raise KilovlaError(f"cannot resume: the saved plan has {key}={state[key]!r}, this one {mine[key]!r}")
         self.step = int(state["step"])

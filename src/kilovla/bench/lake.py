@@ -185,9 +185,12 @@ def _clear_caches(roots: list[Path]) -> None:
 
 
 def _index_build(roots: list[Path], path: Path, engine: str) -> float:
-    from kilovla.data.lake_index import LakeIndex
+    from kilovla.data.lake_index import LakeIndex, entry_path
 
     _clear_caches(roots)
+    for r in roots:  # each dataset's entry kept on its own too: the build must not reuse them
+        for old in entry_path(str(r)).parent.glob(f"{entry_path(str(r)).name}.*"):
+            old.unlink()
     for old in path.parent.glob(f"{path.name}*"):
         old.unlink()
     t = time.perf_counter()

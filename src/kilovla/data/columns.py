@@ -179,39 +179,46 @@ def open_columns(meta: DatasetMeta, setting: str | Path | None = "auto") -> Colu
     folder), a folder, or None (read into memory, no cache). String columns are read into memory."""
     strings = [f.name for f in meta.table_features() if f.dtype == "string"]
     if setting is None or meta.files.is_url:
-        columns = meta.load_columns()
-        return ColumnStore(columns, task_runs(columns["task_index"], meta.episodes.row_from))
+        return _in_memory(meta)
     path = dataset_cache_dir("columns", meta.root) if setting == "auto" else Path(setting)
-    want = _expected(meta)
     try:
-        store = _open_or_build(meta, path, want)
+        store = _open_or_build(meta, path, _expected(meta))
     except OSError as e:
         log.warning("%s: no column cache at %s (%s); reading the columns into memory", meta.root, path, e)
-        columns = meta.load_columns()
-        return ColumnStore(columns, task_runs(columns["task_index"], meta.episodes.row_from))
+        return _in_memory(meta)
     if strings:
         store.add(meta.load_columns(strings))
     return store
 
 
+def _in_memory(meta: DatasetMeta) -> ColumnStore:
+    columns = meta.load_columns()
+    return ColumnStore(columns, task_runs(columns["task_index"], meta.episodes.row_from))
+
+
+def _try_map(path: Path, want: dict) -> ColumnStore | None:
+    """The cache at `path` mapped when its manifest is `want` and its files map; else None (to build)."""
+    if _read_manifest(path) != want:
+        return None
+    try:
+        return map_columns(path, want["columns"], want["frames"])
+    except DatasetError as e:  # a truncated or removed cache file
+        log.warning("%s; rebuilding the column cache", e)
+        return None
+
+
 def _open_or_build(meta: DatasetMeta, path: Path, want: dict) -> ColumnStore:
-    found = _read_manifest(path)
-    if found == want:
-        try:
-            return map_columns(path, found["columns"], found["frames"])
-        except DatasetError as e:  # a truncated or removed cache file: built again below
-            log.warning("%s; rebuilding the column cache", e)
+    store = _try_map(path, want)
+    if store is not None:
+        return store
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process on the node builds; the others wait, then map
-        found = _read_manifest(path)
-        if found == want:
-            try:
-                return map_columns(path, want["columns"], want["frames"])
-            except DatasetError:
-                pass
-        _build(meta, path, want)
-    return map_columns(path, want["columns"], want["frames"])
+        store = _try_map(path, want)
+        if store is None:
+            _build(meta, path, want)
+            store = map_columns(path, want["columns"], want["frames"])
+    return store
 
 
 def _build(meta: DatasetMeta, path: Path, want: dict) -> None:

@@ -163,20 +163,18 @@ class LakeIndex:
             if "://" in r:
                 raise KilovlaError(f"{r}: the lake index needs datasets on a local (or mounted) file system")
         path = Path(path) if path is not None else default_index_path(roots)
-        old = _read(path)
         stamps = {}
         for r in roots:
             if not os.path.isdir(r):
                 raise DatasetError(r, "no such dataset folder")
             stamps[r] = dataset_stamp(r)
-        fresh = {e["root"]: (e, a) for e, a in zip(*old) if stamps.get(e["root"]) == e["stamp"]} if old else {}
-        if all(r in fresh for r in roots) and old and [e["root"] for e in old[0]] == roots:
+        old = _read(path)
+        if old and [e["root"] for e in old[0]] == roots and _fresh(old, stamps).keys() == set(roots):
             return cls(old[0], old[1], path, 0)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_name(f".{path.name}.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait, then read what it wrote
-            old = _read(path)
-            fresh = {e["root"]: (e, a) for e, a in zip(*old) if stamps.get(e["root"]) == e["stamp"]} if old else {}
+            fresh = _fresh(_read(path), stamps)
             for r in dict.fromkeys(roots):  # an entry an index of other roots made (a dataset added or dropped)
                 alone = _read(entry_path(r)) if r not in fresh else None
                 if alone and alone[0][0]["stamp"] == stamps[r]:
@@ -210,6 +208,13 @@ class LakeIndex:
                     columns.add(meta.load_columns(entry["string_columns"]))
             out.append(IndexedDataset(entry["root"], entry["problems"], meta, columns))
         return out
+
+
+def _fresh(index: tuple[list[dict], list[dict]] | None, stamps: dict) -> dict:
+    """root -> (entry, arrays) of the index's entries whose stamp is the dataset's now."""
+    if not index:
+        return {}
+    return {e["root"]: (e, a) for e, a in zip(*index) if stamps.get(e["root"]) == e["stamp"]}
 
 
 def _index_all(roots: list[str], engine: str, workers: int | None, progress) -> list[tuple[dict, dict]]:

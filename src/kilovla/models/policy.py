@@ -7,6 +7,8 @@ A policy checkpoint is a folder (the trainer's checkpoints are such folders)::
     policy.json         preset + config overrides, camera mapping, state keys, dims, normalisation stats,
                         tokenizer, image processing, where training started from (`init_from`), and
                         in a `kilovla quantize` folder its `quantization_config` (FP8 layers, quant/fp8.py)
+    adapter.safetensors   a LoRA run's intermediate checkpoints: its adapters instead of model.safetensors;
+                        policy.json `lora` names their base (models/lora.py), which is rebuilt and checked
     residual.safetensors  an RL run's residual actor (policy.json `residual`; models/residual.py): the folder's
                         policy is the base above plus its bounded correction of each executed chunk
     tokenizer/          the tokenizer files when the policy uses a real tokenizer (`VLAPolicy.save`;
@@ -81,7 +83,7 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu", ema: bool = 
 
     folder = Path(folder)
     meta_path = folder / "policy.json"
-    if ema and not (folder / "ema.safetensors").is_file():
+    if ema and not (folder / "ema.safetensors").is_file() and not (folder / "adapter_ema.safetensors").is_file():
         raise KilovlaError(f"{folder / 'ema.safetensors'}: missing; only runs with ema_decay write EMA weights")
     if not meta_path.is_file():
         raise KilovlaError(f"{meta_path}: missing; a policy checkpoint folder holds policy.json and model.safetensors")
@@ -91,12 +93,18 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu", ema: bool = 
         meta = PolicyMeta(**fields)
     except (json.JSONDecodeError, TypeError, AttributeError) as e:
         raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
-    model = build_model(meta.preset, device="meta", **meta.overrides)
-    if quantization is None:
+    if meta.lora and not meta.lora.get("merged"):  # a LoRA run's checkpoint: its adapters on their base
+        from kilovla.models.lora import ADAPTER_EMA_FILE, ADAPTER_FILE, build_base, load_adapters
+
+        adapters = folder / (ADAPTER_EMA_FILE if ema else ADAPTER_FILE)
+        model = load_adapters(build_base(meta.lora, str(meta_path)), meta.lora, adapters, str(meta_path))
+    elif quantization is None:
+        model = build_model(meta.preset, device="meta", **meta.overrides)
         load_checkpoint(model, folder / "ema.safetensors" if ema else folder)  # or model.safetensors, or FSDP shards
     else:  # a `kilovla quantize` folder; quant builds on models, so it is imported only here
         from kilovla.quant.fp8 import load_quantized_weights
 
+        model = build_model(meta.preset, device="meta", **meta.overrides)
         load_quantized_weights(model, quantization, folder, str(meta_path))
     if meta.residual is not None:  # an RL folder: the base's weights above, its learned residual beside them
         model = with_residual(model, meta, folder)

@@ -48,6 +48,7 @@ class PolicyMeta:
     init_from: dict | None = None  # {"path", "layout"} of the checkpoint training started from
     image_size: list[int] | None = None  # [H, W] of the training data's camera frames (eval renders at it)
     residual: dict | None = None  # an RL residual on top of these weights (models/residual.py ResidualSpec)
+    lora: dict | None = None  # LoRA adapters and their base (models/lora.py describe); merged: weights hold them
 
 
 CONSTANT = 1e-4  # a feature dimension narrower than this carries nothing: it normalises to 0

@@ -250,6 +250,31 @@ def build_data(cfg: TrainConfig, model_cfg, meta: PolicyMeta, processor: Process
     return lake, layout, plan
 
 
+def build_lora(model: torch.nn.Module, settings, cfg: TrainConfig, start: ModelStart, world) -> dict:
+    """peft adapters on the run's starting weights (models/lora.py); returns policy.json's `lora` section,
+    which names the base (the init_from checkpoint, or preset + seed + device of a random start)."""
+    from kilovla.models.lora import apply_lora, describe
+
+    base = {"preset": cfg.policy.preset, "overrides": dict(cfg.policy.overrides)}
+    base.update({"init_from": start.record} if start.record else {"seed": cfg.seed, "device": world.device.type})
+    apply_lora(model, settings)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("LoRA rank %d: %d trainable parameters of %d (%.2f%%)", settings.rank, n, total, 100 * n / total)
+    return describe(settings, model, base, merged=False)
+
+
+def check_resume_lora(folder: Path, saved: dict | None, mine: dict) -> None:
+    """A LoRA checkpoint resumes only on the base and adapter shape it was trained with."""
+    if not saved:
+        raise KilovlaError(f"{folder}: not a LoRA checkpoint (policy.json has no lora section): resume it without "
+                           "--policy.lora.rank, or start a new run_dir")
+    for key in ("rank", "alpha", "targets", "full", "fingerprint"):
+        if saved.get(key) != mine.get(key):
+            raise KilovlaError(f"{folder}: its LoRA {key} is {saved.get(key)!r}, this run's {mine.get(key)!r}"
+                               + (" (the base weights differ: another init_from or seed)" if key == "fingerprint" else ""))
+
+
 def build_ema(model: torch.nn.Module, decay: float | None) -> dict[str, torch.Tensor] | None:
     """A copy of every trainable parameter, or None without an EMA."""
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad} if decay else None

@@ -12,6 +12,12 @@
         stats.json           the dataset's normalisation stats
     run_dir/checkpoints/latest     the name of the newest complete checkpoint
 
+A LoRA run (`--policy.lora.rank`, models/lora.py) writes its trainable tensors only: adapter.safetensors
+(and adapter_ema.safetensors) in place of model.safetensors, `state/` without the frozen base, the
+optimizer as always; policy.json's `lora` names the base (checked by fingerprint on load). Its last
+checkpoint also holds the merged weights as model.safetensors (and ema.safetensors), a plain policy
+folder, unless `--policy.lora.merge=false`.
+
 Unsharded runs (one process, DDP) write full tensors from rank 0. FSDP runs write `state/` with
 torch.distributed.checkpoint: each rank writes its own shards, so no rank holds the whole model, and
 a run resumes on any world size (DCP reshards on load). The last checkpoint of an FSDP run also gets
@@ -43,6 +49,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.models.checkpoints import check_fits, read_safetensors, save_safetensors
+from kilovla.models.lora import ADAPTER_EMA_FILE, ADAPTER_FILE, LoraSettings, merge_state
 from kilovla.train import distributed
 
 STATE_DIR = "state"
@@ -53,9 +60,12 @@ def step_of(folder: Path) -> int:
 
 
 def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, trainer_state: dict,
-         policy_meta: dict, config_yaml: str, stats: dict, keep: int = 3, full_weights: bool = True) -> Path:
+         policy_meta: dict, config_yaml: str, stats: dict, keep: int = 3, full_weights: bool = True,
+         lora: LoraSettings | None = None) -> Path:
     """Every rank calls this (the state dicts of a sharded model are collectives). `full_weights`:
-    also write model.safetensors when the model is sharded (the run's last checkpoint)."""
+    also write model.safetensors when the model is sharded (the run's last checkpoint). `lora`: the
+    model carries adapters; only its trainable tensors are written (plus the merged weights when
+    `full_weights` and `lora.merge`)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
@@ -69,21 +79,35 @@ def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, 
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         distributed.barrier(world, what)
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        adapters = lora is not None
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters)
         if sharded:
             import torch.distributed.checkpoint as dcp
 
-            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
-                     checkpoint_id=str(tmp / STATE_DIR))
-            model_state = get_model_state_dict(model, options=full) if full_weights else None
+            dcp.save({"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=adapters)),
+                      "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp / STATE_DIR))
+            model_state = get_model_state_dict(model, options=full) if full_weights or adapters else None
         else:
             model_state = get_model_state_dict(model, options=full)
             optim_state = get_optimizer_state_dict(model, optimizer, options=full)
+        merged = None
+        if adapters and full_weights and lora.merge:  # the whole model, gathered (a collective when sharded)
+            merged = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if world.is_main:
-            if model_state is not None:
-                save_safetensors(model_state, tmp / "model.safetensors")
-            if ema is not None:
-                save_safetensors({**model_state, **{k: v.cpu() for k, v in ema.items()}}, tmp / "ema.safetensors")
+            ema_cpu = {k: v.cpu() for k, v in ema.items()} if ema is not None else None
+            if adapters:
+                save_safetensors(model_state, tmp / ADAPTER_FILE)
+                if ema_cpu is not None:
+                    save_safetensors({**model_state, **ema_cpu}, tmp / ADAPTER_EMA_FILE)
+                if merged is not None:
+                    save_safetensors(merge_state(merged, lora), tmp / "model.safetensors")
+                    if ema_cpu is not None:
+                        save_safetensors(merge_state({**merged, **ema_cpu}, lora), tmp / "ema.safetensors")
+            else:
+                if model_state is not None:
+                    save_safetensors(model_state, tmp / "model.safetensors")
+                if ema_cpu is not None:
+                    save_safetensors({**model_state, **ema_cpu}, tmp / "ema.safetensors")
             if not sharded:
                 torch.save({"optimizer": optim_state}, tmp / "optimizer.pt")
             torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
@@ -168,10 +192,11 @@ def resolve(resume: str, run_dir: Path, marker: str = "trainer_state.json") -> P
     return folder
 
 
-def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world) -> dict:
+def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world, adapters: bool = False) -> dict:
     """Restore weights, EMA, optimizer, scheduler and RNG into a (possibly sharded) model; returns the
     trainer state. A `state/` checkpoint is read shard by shard (any world size); a full one is read by
-    rank 0 and broadcast into a sharded model, or read by every rank otherwise."""
+    rank 0 and broadcast into a sharded model, or read by every rank otherwise. `adapters`: a LoRA
+    run's checkpoint, which holds the trainable tensors only (the base is the model's already)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -180,8 +205,9 @@ def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world) -> 
 
     folder = Path(folder)
     trainer_state = json.loads((folder / "trainer_state.json").read_text())
+    only = StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)
     if (folder / STATE_DIR).is_dir():
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state = {"model": get_model_state_dict(model, options=only), "optim": get_optimizer_state_dict(model, optimizer)}
         try:
             # One process (an FSDP run resumed without torchrun): say so, rather than DCP warning that it assumes it.
             load_dcp(state, folder / STATE_DIR, no_dist=not torch.distributed.is_initialized())
@@ -189,20 +215,24 @@ def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world) -> 
             raise
         except Exception as e:  # noqa: BLE001  a missing or misshapen key
             raise KilovlaError(f"{folder / STATE_DIR}: does not fit the model: {str(e).strip()[:500]}") from None
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=only)
         set_optimizer_state_dict(model, optimizer, state["optim"])
     else:
         sharded = distributed.is_sharded(model)
         reader = world.is_main or not sharded
-        weights = read_safetensors(folder / "model.safetensors") if reader else {}
+        weights_file = folder / (ADAPTER_FILE if adapters else "model.safetensors")
+        weights = read_safetensors(weights_file) if reader else {}
         if reader:  # a sharded parameter (DTensor) reports its full shape
-            check_fits(model.state_dict(), weights, str(folder / "model.safetensors"))
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
+            trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+            own = {k: v for k, v in model.state_dict().items() if not adapters or k in trainable}
+            check_fits(own, weights, str(weights_file))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded, strict=not adapters)
         set_model_state_dict(model, weights, options=options)
         optim = load_torch(folder / "optimizer.pt")["optimizer"] if reader else {}
         set_optimizer_state_dict(model, optimizer, optim, options=options)
-    if ema is not None and (folder / "ema.safetensors").is_file():
-        for k, v in read_safetensors(folder / "ema.safetensors").items():
+    ema_file = folder / (ADAPTER_EMA_FILE if adapters else "ema.safetensors")
+    if ema is not None and ema_file.is_file():
+        for k, v in read_safetensors(ema_file).items():
             if k in ema:
                 ema[k].copy_(v)
     scheduler.load_state_dict(trainer_state["scheduler"])

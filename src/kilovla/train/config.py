@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kilovla.errors import KilovlaError
+from kilovla.models.lora import LoraSettings
 from kilovla.train.optim import OptimConfig
 
 
@@ -43,6 +44,7 @@ class PolicyConfig:
     tokenizer: str | None = None  # "byte" or a path; unset: the preset's kind, found next to init_from
     image_resize: str | None = None  # stretch, pad
     augmentation: dict | None = None  # ImageAugmentation fields ({} turns the preset's off)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # --policy.lora.rank=16: LoRA adapters (models/lora.py)
 
 
 @dataclass
@@ -128,6 +130,9 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
         problems.append(f"parallel.strategy must be one of {', '.join(STRATEGIES)}, not {cfg.parallel.strategy!r}")
     if cfg.eval.every < 0 or (cfg.eval.every and cfg.eval.episodes < 1):
         problems.append(f"eval.every must be >= 0 and eval.episodes >= 1 (got {cfg.eval.every}, {cfg.eval.episodes})")
+    problems += cfg.policy.lora.check()
+    if cfg.policy.lora.enabled and cfg.expert_only:
+        problems.append("policy.lora.rank and expert_only are two ways to choose what trains: pick one")
     if problems:
         raise KilovlaError("; ".join(problems))
     if cfg.parallel.static_graph and cfg.parallel.strategy == "ddp" and world_size > 1:

@@ -52,9 +52,9 @@ from kilovla.models.presets import build_model, policy_defaults, preset
 from kilovla.progress import StepProgress
 from kilovla.train import checkpoint as ckpt
 from kilovla.train import distributed
-from kilovla.train.build import (apply_freeze, attention_in_use, build_data, build_ema, build_processor, build_weights,
-                                 chunk_of, flow_time, plan_start, policy_meta, start_weights, update_ema,
-                                 with_policy_defaults)
+from kilovla.train.build import (apply_freeze, attention_in_use, build_data, build_ema, build_lora, build_processor,
+                                 build_weights, check_resume_lora, chunk_of, flow_time, plan_start, policy_meta,
+                                 start_weights, update_ema, with_policy_defaults)
 from kilovla.train.config import TrainConfig, validate_config
 from kilovla.train.metrics import MetricsLogger, mfu, plot_learning_curve
 from kilovla.train.optim import build_optimizer, clip_gradients
@@ -126,8 +126,13 @@ class Trainer:
         self.processor = build_processor(cfg, self.model_cfg, self.meta)
         self.lake, self.layout, self.plan = build_data(cfg, self.model_cfg, self.meta, self.processor, self.metas, index)
         self.model = build_weights(cfg, start, world)
-        apply_freeze(self.model, freeze_vision=cfg.freeze_vision, freeze_vlm=cfg.freeze_vlm or cfg.expert_only,
-                     gradient_checkpointing=cfg.gradient_checkpointing)
+        self.lora = cfg.policy.lora if cfg.policy.lora.enabled else None
+        if self.lora is not None:  # adapters on a frozen base: the freeze switches have nothing left to freeze
+            self.lora_section = build_lora(self.model, self.lora, cfg, start, world)
+            apply_freeze(self.model, gradient_checkpointing=cfg.gradient_checkpointing)
+        else:
+            apply_freeze(self.model, freeze_vision=cfg.freeze_vision, freeze_vlm=cfg.freeze_vlm or cfg.expert_only,
+                         gradient_checkpointing=cfg.gradient_checkpointing)
         if cfg.ema_decay and cfg.parallel.strategy == "fsdp" and world.size > 1:
             raise KilovlaError("ema_decay with parallel.strategy=fsdp is not supported yet; use ddp or drop the EMA")
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and world.device.type == "cuda")
@@ -162,14 +167,24 @@ class Trainer:
         saved = json.loads((folder / "policy.json").read_text())
         if saved.get("preset") != self.cfg.policy.preset:
             raise KilovlaError(f"{folder}: a checkpoint of {saved.get('preset')!r}, not of {self.cfg.policy.preset!r}")
-        self.load_state_dict(ckpt.load(folder, self.model, self.ema, self.optimizer, self.scheduler, self.world))
+        if self.lora is not None:
+            check_resume_lora(folder, saved.get("lora"), self.lora_section)
+        elif saved.get("lora"):
+            raise KilovlaError(f"{folder}: a LoRA run's checkpoint (rank {saved['lora'].get('rank')}): resume it with "
+                               "the same --policy.lora settings")
+        self.load_state_dict(ckpt.load(folder, self.model, self.ema, self.optimizer, self.scheduler, self.world,
+                                       adapters=self.lora is not None))
 
     def save_checkpoint(self, final: bool) -> None:
-        cfg = self.cfg
+        cfg, meta = self.cfg, self.meta
+        if self.lora is not None:  # adapters on their base; the last checkpoint's weights are merged ones
+            merged = final and self.lora.merge
+            meta = dataclasses.replace(meta, lora={**self.lora_section, "merged": merged})
         ckpt.save(self.run_dir / "checkpoints" / f"step_{self.step:06d}", model=self.model, optimizer=self.optimizer,
                   scheduler=self.scheduler, ema=self.ema, world=self.world, trainer_state=self.state_dict(),
-                  policy_meta=dataclasses.asdict(self.meta), config_yaml=config_mod.dump_yaml(cfg),
-                  stats=self.metas[0].files.read_json("meta/stats.json"), keep=cfg.checkpoint.keep, full_weights=final)
+                  policy_meta=dataclasses.asdict(meta), config_yaml=config_mod.dump_yaml(cfg),
+                  stats=self.metas[0].files.read_json("meta/stats.json"), keep=cfg.checkpoint.keep, full_weights=final,
+                  lora=self.lora)
 
     # -- one row, one step -----------------------------------------------------------------------------
     def forward_backward(self, row: dict, totals: _Totals) -> None:
@@ -397,7 +412,8 @@ def _dump_gradients(model, trainable_names: list[str], step: int, world) -> None
     for name, p in model.named_parameters():
         if name in trainable_names:
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a collective when sharded
-            grads[name] = g.detach().cpu().clone()
+            # a parameter the loss does not reach (pi0.5's last LM layer's LoRA MLP) has no gradient: zero
+            grads[name] = torch.zeros(p.shape) if g is None else g.detach().cpu().clone()
     if world.is_main:
         save_safetensors(grads, Path(out) / f"step_{step:06d}.safetensors")
 
@@ -419,6 +435,10 @@ def _evaluate(model, meta, cfg, step, logger, world, on_eval) -> None:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if world.is_main:
             eval_model = build_model(cfg.policy.preset, device="meta", **cfg.policy.overrides)
+            if cfg.policy.lora.enabled:
+                from kilovla.models.lora import apply_lora
+
+                apply_lora(eval_model, cfg.policy.lora)
             eval_model.load_state_dict(full, assign=True)
     if world.is_main:
         policy = VLAPolicy(eval_model, meta, world.device)

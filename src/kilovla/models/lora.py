@@ -1,0 +1,213 @@
+"""LoRA adapters on pi0 / pi0.5 / GR00T through Hugging Face `peft` (its LoRA layers, injected in place).
+
+    settings = LoraSettings(rank=16)
+    apply_lora(model, settings)            # peft's lora.Linear around the family's target linears; all else frozen
+    merged = merge_state(model.state_dict(), settings)   # plain kilovla keys, W + (alpha / r) B A
+
+Per-family targets (`default_targets`), as LeRobot's PEFT defaults for pi0 / pi0.5: the language
+model's and the action expert's attention (q, k, v, o) and MLP (gate, up, down) projections; GR00T:
+the DiT action head's attention (to_q, to_k, to_v, to_out) and feed-forward linears, with `llm` the
+Eagle LLM's q/k/v/o too. `vision` adds the vision tower's attention and MLP on either family.
+
+The model keeps its own class (`peft.inject_adapter_in_model`, no PeftModel wrapper), so the trainer,
+FSDP2's per-layer units, gradient checkpointing and evaluation see the same modules as without LoRA;
+a wrapped linear's weight is renamed `<name>.base_layer.weight` and its adapters are
+`<name>.lora_A.default.weight` / `<name>.lora_B.default.weight`.
+
+A folder that holds adapters (`adapter.safetensors`) names its base in policy.json `lora.base`: the
+`init_from` checkpoint, or preset + seed + device of a random start, and a fingerprint of the base
+weights that loading checks, so adapters are never put on weights they were not trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from kilovla.errors import KilovlaError
+
+ADAPTER_FILE = "adapter.safetensors"
+ADAPTER_EMA_FILE = "adapter_ema.safetensors"
+ADAPTER_NAME = "default"
+
+_PI_LM = r"paligemma_with_expert\.(paligemma\.model\.language_model|gemma_expert\.model)\.layers\.\d+\." \
+         r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+_PI_VISION = r"paligemma_with_expert\.paligemma\.model\.vision_tower\.vision_model\.encoder\.layers\.\d+\." \
+             r"(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
+_GROOT_DIT = r"action_head\.model\.transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))"
+_GROOT_LLM = r"backbone\.eagle_model\.language_model\.model\.layers\.\d+\.self_attn\.[qkvo]_proj"
+_GROOT_VISION = r"backbone\.eagle_model\.vision_model\.vision_model\.encoder\.layers\.\d+\." \
+                r"(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
+
+
+@dataclass
+class LoraSettings:
+    """`--policy.lora.*`. rank 0: no LoRA (every other field is then ignored)."""
+
+    rank: int = 0
+    alpha: float | None = None  # None: alpha = rank (scale 1, as openpi's gemma_2b_lora / gemma_300m_lora)
+    dropout: float = 0.0
+    targets: str | None = None  # a regex over module names (full match); None: the family's defaults
+    vision: bool = False  # also the vision tower
+    llm: bool = False  # GR00T: also the Eagle LLM's q/k/v/o (pi0 / pi0.5 adapt their LM by default)
+    full: list[str] = field(default_factory=list)  # module names trained in full beside the adapters
+    merge: bool = True  # the run's last checkpoint also holds merged weights (model.safetensors)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.rank < 0:
+            problems.append(f"policy.lora.rank must be >= 0, not {self.rank}")
+        if self.enabled and not 0.0 <= self.dropout < 1.0:
+            problems.append(f"policy.lora.dropout must be in [0, 1), not {self.dropout}")
+        if self.enabled and self.alpha is not None and self.alpha <= 0:
+            problems.append(f"policy.lora.alpha must be > 0, not {self.alpha}")
+        return problems
+
+
+def default_targets(model: torch.nn.Module, settings: LoraSettings) -> str:
+    from kilovla.models.groot import GrootModel
+
+    if isinstance(model, GrootModel):
+        parts = [_GROOT_DIT] + ([_GROOT_LLM] if settings.llm else []) + ([_GROOT_VISION] if settings.vision else [])
+    else:
+        if settings.llm:
+            raise KilovlaError("policy.lora.llm is GR00T's switch: pi0 / pi0.5 adapt their language model by default")
+        parts = [_PI_LM] + ([_PI_VISION] if settings.vision else [])
+    return "|".join(f"({p})" for p in parts)
+
+
+def targets_of(model: torch.nn.Module, settings: LoraSettings) -> str:
+    return settings.targets or default_targets(model, settings)
+
+
+def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+    """Inject peft LoRA layers (B = 0: the model computes exactly what it did) and leave only the
+    adapters and `settings.full` trainable. Returns `model` itself."""
+    import peft
+
+    pattern = targets_of(model, settings)
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise KilovlaError(f"policy.lora.targets is not a regular expression: {e}") from None
+    # A linear the model itself keeps frozen (pi0.5's last LM layer's q/o projections and MLP: nothing reads
+    # the prefix after that layer's keys and values) would get adapters without gradients: left alone.
+    linear = [n for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and regex.fullmatch(n) and m.weight.requires_grad]
+    if not linear:
+        raise KilovlaError(f"policy.lora.targets {pattern!r} matches no linear layer of {type(model).__name__}")
+    names = dict(model.named_modules())
+    missing = [n for n in settings.full if n not in names]
+    if missing:
+        raise KilovlaError(f"policy.lora.full names {missing}, not modules of {type(model).__name__}")
+    config = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha if settings.alpha is not None else settings.rank,
+                             lora_dropout=settings.dropout, target_modules=linear, bias="none")
+    peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+    model.requires_grad_(False)
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            p.requires_grad_(True)
+    for name in settings.full:
+        names[name].requires_grad_(True)
+    return model
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return any(".lora_" in n for n, _ in model.named_parameters())
+
+
+def merge_state(state: dict[str, torch.Tensor], settings: LoraSettings) -> dict[str, torch.Tensor]:
+    """A LoRA model's full state dict -> the plain model's (kilovla keys): each adapted weight becomes
+    W + scaling * B @ A in W's dtype (computed in float32); adapters dropped, `.base_layer` unwrapped."""
+    out = {}
+    for key, value in state.items():
+        if ".lora_" not in key:
+            out[key.replace(".base_layer.", ".")] = value
+    suffix = f".lora_A.{ADAPTER_NAME}.weight"
+    for key in state:
+        if key.endswith(suffix):
+            prefix = key[: -len(suffix)]
+            a, b = state[key].float(), state[f"{prefix}.lora_B.{ADAPTER_NAME}.weight"].float()
+            w = out[f"{prefix}.weight"]
+            out[f"{prefix}.weight"] = (w.float() + settings.scaling * (b @ a)).to(w.dtype)
+    return out
+
+
+def base_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the frozen base: the first 1024 values of 16 parameters spread over the model
+    (kilovla names), enough to tell a different checkpoint, seed or initialisation apart."""
+    params = sorted((n.replace(".base_layer.", "."), p) for n, p in model.named_parameters() if ".lora_" not in n)
+    if not params:
+        return ""
+    pick = [params[i * (len(params) - 1) // 15] for i in range(16)] if len(params) > 16 else params
+    h = hashlib.sha256()
+    for name, p in pick:
+        h.update(name.encode())
+        h.update(p.detach().reshape(-1)[:1024].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def describe(settings: LoraSettings, model: torch.nn.Module, base: dict, merged: bool) -> dict:
+    """policy.json's `lora` section: the adapters' shape, their base, whether the folder's weights are merged."""
+    return {**dataclasses.asdict(settings), "targets": targets_of(model, settings), "base": base,
+            "fingerprint": base_fingerprint(model), "merged": merged}
+
+
+def settings_from(section: dict, where: str) -> LoraSettings:
+    fields = {f.name for f in dataclasses.fields(LoraSettings)}
+    try:
+        return LoraSettings(**{k: v for k, v in section.items() if k in fields})
+    except TypeError as e:
+        raise KilovlaError(f"{where}: lora section: {e}") from None
+
+
+def build_base(section: dict, where: str) -> torch.nn.Module:
+    """The frozen base a folder's adapters were trained on, with its weights (on the cpu)."""
+    from kilovla.models.checkpoints import load_checkpoint
+    from kilovla.models.presets import build_model
+
+    base = section.get("base") or {}
+    if base.get("init_from"):
+        model = build_model(base["preset"], device="meta", **base.get("overrides", {}))
+        try:
+            load_checkpoint(model, base["init_from"]["path"], base["init_from"].get("layout", "auto"))
+        except FileNotFoundError:
+            raise KilovlaError(f"{where}: the adapters' base {base['init_from']['path']} is missing") from None
+        return model
+    device = base.get("device", "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise KilovlaError(f"{where}: the adapters' random base was drawn on cuda; no GPU here to draw it again")
+    return build_model(base["preset"], device=device, seed=int(base.get("seed", 0)), **base.get("overrides", {})).cpu()
+
+
+def load_adapters(model: torch.nn.Module, section: dict, path, where: str) -> torch.nn.Module:
+    """Put the adapters of `path` (adapter.safetensors) on `model`, the base, after checking its fingerprint."""
+    from kilovla.models.checkpoints import read_safetensors
+
+    settings = settings_from(section, where)
+    apply_lora(model, dataclasses.replace(settings, targets=section.get("targets") or settings.targets))
+    if section.get("fingerprint") and base_fingerprint(model) != section["fingerprint"]:
+        raise KilovlaError(f"{where}: the base weights differ from those the adapters were trained on "
+                           f"(fingerprint {base_fingerprint(model)} vs {section['fingerprint']})")
+    if not path.is_file():
+        raise KilovlaError(f"{path}: missing; policy.json says the folder holds LoRA adapters")
+    weights = read_safetensors(path)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if set(weights) != trainable:
+        raise KilovlaError(f"{path}: does not fit the adapters policy.json describes "
+                           f"({len(set(weights) - trainable)} unexpected, {len(trainable - set(weights))} missing tensors)")
+    model.load_state_dict(weights, strict=False)
+    model.requires_grad_(False)
+    return model

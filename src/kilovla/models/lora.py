@@ -95,8 +95,10 @@ def targets_of(model: torch.nn.Module, settings: LoraSettings) -> str:
 def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     """Inject peft LoRA layers (B = 0: the model computes exactly what it did) and leave only the
     adapters and `settings.full` trainable. Returns `model` itself."""
-    import peft
-
+    try:
+        import peft
+    except ImportError:
+        raise KilovlaError("policy.lora needs Hugging Face peft: pip install 'kilovla[lora]'") from None
     pattern = targets_of(model, settings)
     try:
         regex = re.compile(pattern)

@@ -142,7 +142,7 @@ def cmd_data_bench(args) -> int:
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data", "lake", "envs", "packing", "pruning", "scaling", "load", "rl", "fp8", "serve")
+SUITES = ("data", "lake", "envs", "packing", "pruning", "scaling", "load", "memory", "rl", "fp8", "serve")
 
 
 def cmd_bench(args) -> int:
@@ -151,6 +151,7 @@ def cmd_bench(args) -> int:
     from kilovla.bench import fp8 as fp8_bench
     from kilovla.bench import lake as lake_bench
     from kilovla.bench import load as load_bench
+    from kilovla.bench import memory as memory_bench
     from kilovla.bench import models as models_bench
     from kilovla.bench import rl as rl_bench
     from kilovla.bench import scaling as scaling_bench
@@ -164,6 +165,7 @@ def cmd_bench(args) -> int:
         "pruning": lambda: models_bench.run_pruning(quick=args.quick, out_dir=args.out),
         "scaling": lambda: scaling_bench.run(quick=args.quick, out_dir=args.out),
         "load": lambda: load_bench.run(quick=args.quick, out_dir=args.out),
+        "memory": lambda: memory_bench.run(quick=args.quick, out_dir=args.out),
         "rl": lambda: rl_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, minutes=args.minutes,
                                    env_steps=args.env_steps, only=args.only),
         "fp8": lambda: fp8_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, dataset=args.dataset,

@@ -104,7 +104,8 @@ class GrootConfig:
 
 
 def _heads(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
-    return x.view(*x.shape[:-1], n, d)
+    """(..., n * d) -> (..., n, d); fewer heads where a tensor-parallel rank holds a share of them."""
+    return x.view(*x.shape[:-1], -1, d)
 
 
 def _attend(q, k, v, spec: VarlenSpec | None, mask: torch.Tensor | None, backend: str) -> torch.Tensor:

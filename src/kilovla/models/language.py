@@ -60,9 +60,9 @@ class DecoderLayer(nn.Module):
         cfg, attn = self.cfg, self.self_attn
         h, gate = self.input_layernorm(x, cond)
         lead = h.shape[:-1]
-        q = None if keys_only else apply_rope(attn.q_proj(h).view(*lead, cfg.heads, cfg.head_dim), positions)
-        k = apply_rope(attn.k_proj(h).view(*lead, cfg.kv_heads, cfg.head_dim), positions)
-        out, *carry = attend(q, k, attn.v_proj(h).view(*lead, cfg.kv_heads, cfg.head_dim))
+        q = None if keys_only else apply_rope(attn.q_proj(h).view(*lead, -1, cfg.head_dim), positions)
+        k = apply_rope(attn.k_proj(h).view(*lead, -1, cfg.head_dim), positions)
+        out, *carry = attend(q, k, attn.v_proj(h).view(*lead, -1, cfg.head_dim))
         if keys_only:
             return (x, *carry)
         x = gated_residual(x, attn.o_proj(out.flatten(-2)), gate)

@@ -168,14 +168,19 @@ class Pi05Model(nn.Module):
                                f"{self.config.vision.image_size}x{self.config.vision.image_size}")
         return self.vlm.multi_modal_projector.linear(self.vlm.vision_tower(images))
 
-    def embed_suffix(self, state: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor):
-        """-> suffix tokens (B, extra + H, W_expert) and the adaRMS condition (B, W_expert) or None."""
+    def embed_suffix(self, state: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, embed: bool = True):
+        """-> suffix tokens (B, extra + H, W_expert) and the adaRMS condition (B, W_expert) or None.
+        `embed=False`: zeros in place of the tokens (a later pipeline stage receives them)."""
         w = self.config.expert.width
         time_emb = sincos_time_embedding(t, w).to(x_t.dtype)
-        actions = self.action_in_proj(x_t)
+        if not embed:
+            tokens = x_t.new_zeros(x_t.shape[0], self.config.suffix_extra + x_t.shape[1], w)
         if self.config.pi05:
             cond = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(time_emb))))
-            return actions, cond
+            return (self.action_in_proj(x_t) if embed else tokens), cond
+        if not embed:
+            return tokens, None
+        actions = self.action_in_proj(x_t)
         mixed = torch.cat([actions, time_emb[:, None].expand_as(actions)], dim=-1)
         actions = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(mixed)))
         return torch.cat([self.state_proj(state)[:, None], actions], dim=1), None
@@ -211,16 +216,13 @@ class Pi05Model(nn.Module):
         x_pre, x_suf, k, v = lp(x_pre, pre.positions, None, attend_prefix, keys_only=i == self.config.lm.depth - 1)
         return x_pre, x_suf, (k, v)
 
-    def _layers(self, pre: _Stream | None, suf: _Stream | None, attention, collect_kv: bool = False):
-        """Run both streams through every layer; `attention(i, qkv_pre, qkv_suf) -> (out_pre, out_suf)`.
-
-        With `gradient_checkpointing` set, each layer's activations are recomputed in backward.
-        """
+    def _run_layers(self, layers: range, x_pre, x_suf, pre: _Stream | None, suf: _Stream | None, attention,
+                    collect_kv: bool = False):
+        """Hidden states (x_pre, x_suf) through `layers`; -> (x_pre, x_suf, per-layer prefix (k, v) if
+        `collect_kv`). With `gradient_checkpointing` set, each layer's activations are recomputed in backward."""
         kv_cache = []
-        x_pre = pre.x if pre else None
-        x_suf = suf.x if suf else None
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
-        for i in range(self.config.lm.depth):
+        for i in layers:
             if recompute:
                 x_pre, x_suf, kv = torch.utils.checkpoint.checkpoint(self._layer, i, x_pre, x_suf, pre, suf, attention,
                                                                      use_reentrant=False)
@@ -228,12 +230,19 @@ class Pi05Model(nn.Module):
                 x_pre, x_suf, kv = self._layer(i, x_pre, x_suf, pre, suf, attention)
             if collect_kv:
                 kv_cache.append(kv)
+        return x_pre, x_suf, kv_cache
+
+    def _layers(self, pre: _Stream | None, suf: _Stream | None, attention, collect_kv: bool = False):
+        """Run both streams through every layer; `attention(i, qkv_pre, qkv_suf) -> (out_pre, out_suf)`.
+        Returns the expert's normed output and (with `collect_kv`) the prefix's keys and values per layer."""
+        _, x_suf, kv_cache = self._run_layers(range(self.config.lm.depth), pre.x if pre else None,
+                                              suf.x if suf else None, pre, suf, attention, collect_kv)
         if suf is not None:
             x_suf = self.expert.norm(x_suf, suf.cond)[0]
         return x_suf, kv_cache
 
     # -- padded path ----------------------------------------------------------------------------------
-    def _padded_prefix(self, batch: PaddedBatch):
+    def _padded_prefix(self, batch: PaddedBatch, embed: bool = True):
         cfg = self.config
         batch = batch.select_cameras(cfg.enabled_cameras)
         if cfg.language_padding == "longest":
@@ -245,8 +254,13 @@ class Pi05Model(nn.Module):
                                    f"max_language_tokens={cfg.max_language_tokens}")
             batch = PaddedBatch(**{**vars(batch), "tokens": F.pad(batch.tokens, (0, extra)),
                                    "token_mask": F.pad(batch.token_mask, (0, extra))})
-        img = self.embed_images(batch.images.flatten(0, 1))  # (B*C, P, W)
-        return padded_prefix(img, batch.image_masks, self.vlm.language_model.embed(batch.tokens), batch.token_mask)
+        if embed:
+            img = self.embed_images(batch.images.flatten(0, 1))  # (B*C, P, W)
+            text = self.vlm.language_model.embed(batch.tokens)
+        else:  # the shapes only (a later pipeline stage)
+            img = batch.state.new_zeros(batch.images.shape[0] * batch.images.shape[1], cfg.vision.tokens, cfg.lm.width)
+            text = batch.state.new_zeros(*batch.tokens.shape, cfg.lm.width)
+        return padded_prefix(img, batch.image_masks, text, batch.token_mask)
 
     def _padded_suffix_masks(self, batch: PaddedBatch, horizon: int):
         b = batch.batch_size
@@ -258,10 +272,10 @@ class Pi05Model(nn.Module):
         ar[: extra + 1] = True  # the state block (pi0) and the action block each start a causal block
         return suf_mask, ar
 
-    def _padded_layout(self, batch: PaddedBatch, horizon: int):
+    def _padded_layout(self, batch: PaddedBatch, horizon: int, embed: bool = True):
         """Prefix tokens, the additive attention mask (B, 1, N, N), RoPE positions (B, N) over
         [prefix | suffix], and the prefix length: what the padded path and the sampler share."""
-        x_pre, pre_mask = self._padded_prefix(batch)
+        x_pre, pre_mask = self._padded_prefix(batch, embed)
         suf_mask, suf_ar = self._padded_suffix_masks(batch, horizon)
         input_mask = torch.cat([pre_mask, suf_mask], dim=1)
         ar = torch.cat([torch.zeros(pre_mask.shape[1], dtype=torch.bool, device=suf_ar.device), suf_ar])
@@ -295,27 +309,37 @@ class Pi05Model(nn.Module):
 
         return attention
 
-    def forward_padded(self, batch: PaddedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Velocity prediction (B, H, A) through the padded reference path."""
-        x_pre, mask, positions, n = self._padded_layout(batch, x_t.shape[1])
-        suffix, cond = self.embed_suffix(batch.state, x_t, t)
+    def _padded_streams(self, batch: PaddedBatch, x_t: torch.Tensor, t: torch.Tensor, embed: bool = True):
+        """The padded reference path's streams, attention and `finish` (see `_streams`)."""
+        x_pre, mask, positions, n = self._padded_layout(batch, x_t.shape[1], embed)
+        suffix, cond = self.embed_suffix(batch.state, x_t, t, embed)
         pre = _Stream(x_pre, positions[:, :n])
         suf = _Stream(suffix, positions[:, n:], None if cond is None else cond[:, None])
-        out, _ = self._layers(pre, suf, self._dense_attention(mask, n))
-        return self.action_out_proj(out[:, self.config.suffix_extra:])
+        extra = self.config.suffix_extra
+        return pre, suf, self._dense_attention(mask, n), lambda out: self.action_out_proj(out[:, extra:])
+
+    def forward_padded(self, batch: PaddedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Velocity prediction (B, H, A) through the padded reference path."""
+        pre, suf, attention, finish = self._padded_streams(batch, x_t, t)
+        return finish(self._layers(pre, suf, attention)[0])
 
     # -- packed path ----------------------------------------------------------------------------------
-    def forward_packed(self, batch: PackedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Velocity prediction (B, H, A) with every sample's tokens laid end to end, no padding."""
+    def _packed_streams(self, batch: PackedBatch, x_t: torch.Tensor, t: torch.Tensor, embed: bool = True):
+        """The packed path's streams, attention and `finish` (see `_streams`): every sample's tokens
+        laid end to end, no padding."""
         cfg = self.config
         b, horizon = batch.batch_size, x_t.shape[1]
         dev = x_t.device
         # Prefix: per sample, its images' tokens then its language tokens.
-        img = self.embed_images(batch.images) if len(batch.images) else x_t.new_zeros(0, 1, cfg.lm.width)
-        x_pre, pre_len, pre_pos = pack_prefix(img, batch.image_sample, self.vlm.language_model.embed(batch.tokens),
-                                              batch.token_sample, b)
+        if embed:
+            img = self.embed_images(batch.images) if len(batch.images) else x_t.new_zeros(0, 1, cfg.lm.width)
+            text = self.vlm.language_model.embed(batch.tokens)
+        else:  # the shapes only (a later pipeline stage)
+            img = x_t.new_zeros(len(batch.images), cfg.vision.tokens, cfg.lm.width)
+            text = x_t.new_zeros(len(batch.tokens), cfg.lm.width)
+        x_pre, pre_len, pre_pos = pack_prefix(img, batch.image_sample, text, batch.token_sample, b)
         # Suffix: [state] + the chunk positions each sample has.
-        suffix, cond = self.embed_suffix(batch.state, x_t, t)
+        suffix, cond = self.embed_suffix(batch.state, x_t, t, embed)
         hmask = batch.horizon_mask if batch.horizon_mask is not None else torch.ones(b, horizon, dtype=torch.bool, device=dev)
         extra = cfg.suffix_extra
         suf_valid = torch.cat([torch.ones(b, extra, dtype=torch.bool, device=dev), hmask], dim=1)
@@ -327,11 +351,19 @@ class Pi05Model(nn.Module):
         pre = _Stream(x_pre, pre_pos)
         suf = _Stream(x_suf, suf_pos, None if cond is None else cond[suf_sample])
         attention = self._varlen_attention(pre_len, suf_len, suf_slot, dev)
-        out, _ = self._layers(pre, suf, attention)
-        v = x_t.new_zeros(b, horizon, cfg.max_action_dim)
         is_action = suf_slot >= extra
-        v[suf_sample[is_action], suf_slot[is_action] - extra] = self.action_out_proj(out[is_action])
-        return v
+
+        def finish(out: torch.Tensor) -> torch.Tensor:
+            v = x_t.new_zeros(b, horizon, cfg.max_action_dim)
+            v[suf_sample[is_action], suf_slot[is_action] - extra] = self.action_out_proj(out[is_action])
+            return v
+
+        return pre, suf, attention, finish
+
+    def forward_packed(self, batch: PackedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Velocity prediction (B, H, A) with every sample's tokens laid end to end, no padding."""
+        pre, suf, attention, finish = self._packed_streams(batch, x_t, t)
+        return finish(self._layers(pre, suf, attention)[0])
 
     def _varlen_attention(self, pre_len: torch.Tensor, suf_len: torch.Tensor, suf_slot: torch.Tensor, dev):
         """Index plans for the varlen calls of one packed batch (built once, used by every layer)."""
@@ -382,6 +414,18 @@ class Pi05Model(nn.Module):
     def forward(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None,
                 time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Flow-matching loss. A PaddedBatch runs packed when config.packing is set."""
+        return self.forward_stage(batch, noise, time)
+
+    def forward_stage(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None,
+                      time: torch.Tensor | None = None, layers: range | None = None, receive=None):
+        """`forward` over `layers` only (every layer by default): one pipeline stage's share of it
+        (train/pipeline.py). A stage after the first passes `receive(x_pre, x_suf) -> (x_pre, x_suf)`,
+        which is given zeros of the two streams' shapes and returns the hidden states the stage
+        before sent (the shapes follow from the batch, which every stage of a replica reads);
+        positions, attention plans and the adaRMS condition are computed here from the batch. Returns
+        the loss dict after the last layer, else the hidden states (x_pre, x_suf) for the next stage."""
+        depth = self.config.lm.depth
+        layers = range(depth) if layers is None else layers
         if batch.actions is None:
             raise KilovlaError("training needs actions in the batch")
         actions = batch.actions
@@ -392,7 +436,13 @@ class Pi05Model(nn.Module):
         u_t = noise - actions
         if isinstance(batch, PaddedBatch) and self.config.packing:
             batch = batch.pack(self.config.enabled_cameras)
-        v_t = self.forward_packed(batch, x_t, t) if isinstance(batch, PackedBatch) else self.forward_padded(batch, x_t, t)
+        streams = self._packed_streams if isinstance(batch, PackedBatch) else self._padded_streams
+        pre, suf, attention, finish = streams(batch, x_t, t, embed=receive is None)
+        x_pre, x_suf = (pre.x, suf.x) if receive is None else receive(pre.x, suf.x)
+        x_pre, x_suf, _ = self._run_layers(layers, x_pre, x_suf, pre, suf, attention)
+        if layers.stop < depth:
+            return x_pre, x_suf
+        v_t = finish(self.expert.norm(x_suf, suf.cond)[0])
         return flow_loss(v_t, u_t, loss_weight(batch, u_t))
 
     # -- inference -------------------------------------------------------------------------------------

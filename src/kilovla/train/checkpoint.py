@@ -72,6 +72,7 @@ def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, 
     folder = Path(folder)
     root = folder.parent
     sharded = distributed.is_sharded(model)
+    staged = getattr(model, "pipeline_stage", None) is not None
     tmp = root / f".{folder.name}.tmp"  # the same name on every rank: they all write into it
     what = f"checkpoint {folder.name}"
     try:
@@ -86,7 +87,10 @@ def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, 
 
             dcp.save({"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=adapters)),
                       "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp / STATE_DIR))
-            model_state = get_model_state_dict(model, options=full) if full_weights or adapters else None
+            if staged:  # each stage holds its own keys: rank 0 reads the whole model back from the shards
+                model_state = gathered_from_shards(tmp / STATE_DIR) if full_weights and world.is_main else None
+            else:
+                model_state = get_model_state_dict(model, options=full) if full_weights or adapters else None
         else:
             model_state = get_model_state_dict(model, options=full)
             optim_state = get_optimizer_state_dict(model, optimizer, options=full)
@@ -129,6 +133,30 @@ def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, 
     if world.is_main:
         prune(root, keep)
     return folder
+
+
+def gathered_from_shards(state_dir: Path) -> dict[str, torch.Tensor]:
+    """The whole model from a `state/` folder, read in this one process (a pipeline run's rank 0, whose
+    stage holds only its own layers): the tensors' shapes come from DCP's metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from kilovla.safe_load import load_dcp, read_dcp_metadata
+
+    meta = read_dcp_metadata(Path(state_dir) / ".metadata")
+    model = {k.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in meta.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    state = {"model": model}
+    load_dcp(state, state_dir, no_dist=True)
+    return state["model"]
+
+
+def _stage_part(weights: dict, optim: dict, names: set[str]) -> tuple[dict, dict]:
+    """A whole model's weights and optimizer state (keyed by parameter name), cut to a pipeline
+    stage's own `names`."""
+    groups = [{**g, "params": [n for n in g["params"] if n in names]} for g in optim.get("param_groups", [])]
+    return ({k: v for k, v in weights.items() if k in names},
+            {"state": {k: v for k, v in optim.get("state", {}).items() if k in names}, "param_groups": groups})
 
 
 def put_in_place(tmp: Path, folder: Path) -> None:
@@ -218,17 +246,21 @@ def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world, ada
         set_model_state_dict(model, state["model"], options=only)
         set_optimizer_state_dict(model, optimizer, state["optim"])
     else:
-        sharded = distributed.is_sharded(model)
-        reader = world.is_main or not sharded
+        staged = getattr(model, "pipeline_stage", None) is not None
+        # FSDP: rank 0 reads and broadcasts; a pipeline stage reads the file itself and keeps its own keys
+        broadcast = distributed.is_sharded(model) and not staged
+        reader = world.is_main or not broadcast
         weights_file = folder / (ADAPTER_FILE if adapters else "model.safetensors")
         weights = read_safetensors(weights_file) if reader else {}
+        optim = load_torch(folder / "optimizer.pt")["optimizer"] if reader else {}
         if reader:  # a sharded parameter (DTensor) reports its full shape
             trainable = {n for n, p in model.named_parameters() if p.requires_grad}
             own = {k: v for k, v in model.state_dict().items() if not adapters or k in trainable}
+            if staged:
+                weights, optim = _stage_part(weights, optim, set(own))
             check_fits(own, weights, str(weights_file))
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded, strict=not adapters)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=not adapters)
         set_model_state_dict(model, weights, options=options)
-        optim = load_torch(folder / "optimizer.pt")["optimizer"] if reader else {}
         set_optimizer_state_dict(model, optimizer, optim, options=options)
     ema_file = folder / (ADAPTER_EMA_FILE if adapters else "ema.safetensors")
     if ema is not None and ema_file.is_file():

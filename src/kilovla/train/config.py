@@ -56,7 +56,9 @@ class BatchConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "ddp"  # or fsdp (one FSDP2 unit per transformer layer)
+    strategy: str = "ddp"  # or fsdp (one FSDP2 unit per transformer layer); with tp, on the data dimension
+    tp: int = 1  # tensor-parallel degree: ranks that share one model replica (train/tensor_parallel.py)
+    pp: int = 1  # pipeline stages over the decoder layers, 1F1B (train/pipeline.py); pi0 / pi0.5
     bucket_cap_mb: int = 25
     gradient_as_bucket_view: bool = True
     static_graph: bool = False  # refused on several ranks: breaks accumulation over rows (see validate_config)
@@ -131,6 +133,7 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
     if cfg.eval.every < 0 or (cfg.eval.every and cfg.eval.episodes < 1):
         problems.append(f"eval.every must be >= 0 and eval.episodes >= 1 (got {cfg.eval.every}, {cfg.eval.episodes})")
     problems += cfg.policy.lora.check()
+    problems += _mesh_problems(cfg, world_size)
     if cfg.policy.lora.enabled and cfg.expert_only:
         problems.append("policy.lora.rank and expert_only are two ways to choose what trains: pick one")
     if problems:
@@ -142,3 +145,38 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
         raise KilovlaError("parallel.static_graph=true cannot be used on several ranks: a step accumulates "
                            "over several packed rows per rank (no_sync), which DDP's static graph does not "
                            "support; leave parallel.static_graph=false")
+
+
+def _mesh_problems(cfg: TrainConfig, world_size: int) -> list[str]:
+    """What a tp/pp mesh cannot do with these settings or this world size."""
+    p = cfg.parallel
+    if p.tp < 1 or p.pp < 1:
+        return [f"parallel.tp and parallel.pp must be >= 1 (got {p.tp}, {p.pp})"]
+    if p.tp == 1 and p.pp == 1:
+        return []
+    from kilovla.models.presets import preset
+    from kilovla.train.pipeline import pp_problems
+    from kilovla.train.tensor_parallel import tp_problems
+
+    problems = []
+    if world_size % (p.tp * p.pp):
+        problems.append(f"parallel.tp={p.tp} x parallel.pp={p.pp} does not divide the world size {world_size} "
+                        "(torchrun --nproc-per-node x --nnodes)")
+    model_cfg = preset(cfg.policy.preset, **dict(cfg.policy.overrides))
+    if p.tp > 1:
+        problems += tp_problems(model_cfg, p.tp)
+    if p.pp > 1:
+        problems += pp_problems(model_cfg, p.pp)
+        if p.strategy == "fsdp":
+            problems.append("parallel.pp with parallel.strategy=fsdp is not supported yet: use ddp on the data "
+                            "dimension (a stage holds 1/pp of the layers already)")
+        if cfg.eval.every:
+            problems.append("eval.every with parallel.pp is not supported yet: evaluate the checkpoints with "
+                            "kilovla eval")
+    mesh = " and ".join(f"parallel.{k}" for k in ("tp", "pp") if getattr(p, k) > 1)
+    if cfg.ema_decay:
+        problems.append(f"ema_decay with {mesh} is not supported yet: drop the EMA or the {mesh}")
+    if cfg.policy.lora.enabled:
+        problems.append(f"policy.lora with {mesh} is not supported yet: LoRA fits a 3B model on one device "
+                        "(README, LoRA); drop one of them")
+    return problems

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import threading
@@ -56,13 +57,57 @@ class World:
     device: torch.device = torch.device("cpu")
     timeout_s: float = 1800.0
     control: object = field(default=None, compare=False)  # a gloo group for barriers that name the missing rank
+    # with tensor or pipeline parallelism: the ("pp", "dp", "tp") DeviceMesh; rank = (pp * dp_size + dp) * tp + tp
+    mesh: object = field(default=None, compare=False)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def _dim(self, name: str) -> int:
+        return 1 if self.mesh is None else self.mesh[name].size()
 
-def init(timeout_s: float = 1800.0) -> World:
+    @property
+    def tp(self) -> int:
+        return self._dim("tp")
+
+    @property
+    def pp(self) -> int:
+        return self._dim("pp")
+
+    @property
+    def dp_size(self) -> int:
+        """Model replicas: what the plan splits a global batch over."""
+        return self.size // (self.tp * self.pp)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica: the ranks of one replica (its tp ranks and pp stages) read the same rows."""
+        return (self.rank // self.tp) % self.dp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.dp_size)
+
+    def group(self, name: str):
+        """The process group of one mesh dimension through this rank ("dp", "tp", "pp")."""
+        return None if self.mesh is None else self.mesh[name].get_group()
+
+    @property
+    def dp_group(self):
+        return self.group("dp")
+
+    @property
+    def tp_group(self):
+        return self.group("tp")
+
+
+def init(timeout_s: float = 1800.0, tp: int = 1, pp: int = 1) -> World:
+    """The process group of a torchrun launch; with `tp` or `pp` > 1 also the ("pp", "dp", "tp") mesh."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -77,7 +122,14 @@ def init(timeout_s: float = 1800.0) -> World:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         # monitored_barrier (which names the ranks that did not arrive) exists on gloo only.
         control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
-    return World(rank, size, local, device, timeout_s, control)
+    mesh = None
+    if tp * pp > 1:
+        if size % (tp * pp):
+            raise KilovlaError(f"parallel.tp={tp} x parallel.pp={pp} does not divide the world size {size}")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (pp, size // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
+    return World(rank, size, local, device, timeout_s, control, mesh)
 
 
 def shutdown() -> None:
@@ -107,9 +159,20 @@ def layer_units(model: nn.Module) -> list[list[nn.Module]]:
 def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb: int = 25,
                 gradient_as_bucket_view: bool = True, static_graph: bool = False,
                 find_unused_parameters: bool = False, bf16: bool = False) -> nn.Module:
-    """Wrap `model` for `world`; returns what the training step calls (the model itself under FSDP)."""
+    """Wrap `model` for `world`; returns what the training step calls (the model itself under FSDP or
+    tensor parallelism). With `world.mesh`, the model's decoder layers are sharded over its "tp"
+    dimension first (train/tensor_parallel.py) and `strategy` applies to its "dp" dimension: fsdp
+    shards over it, ddp leaves the gradient average to the trainer (`data_parallel_reduce`), as
+    DistributedDataParallel does not take DTensor parameters."""
     if world.size == 1:
         return model
+    if world.mesh is not None:  # (a pipeline stage's model holds its own layers already: train/pipeline.py)
+        if world.tp > 1:
+            from kilovla.train.tensor_parallel import apply_tp
+
+            apply_tp(model, world.mesh["tp"])
+        if strategy == "ddp" or world.dp_size == 1:
+            return model
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -128,7 +191,7 @@ def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb:
             raise KilovlaError("FSDP2 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard)") from None
         # The models never modify a module's output in place, which is all this warning is about.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        kwargs = {}
+        kwargs = {} if world.mesh is None else {"mesh": world.mesh["dp"]}
         if bf16 and world.device.type == "cuda":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         units = layer_units(model)
@@ -142,12 +205,23 @@ def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb:
     raise KilovlaError(f"parallel.strategy must be ddp or fsdp, not {strategy!r}")
 
 
-def is_sharded(model: nn.Module) -> bool:
+def is_fsdp(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
         return False
     return isinstance(model, FSDPModule)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """FSDP2, tensor parallelism (the parameters are DTensors) or a pipeline stage (a share of the
+    parameters): saved and loaded by their shards."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return (is_fsdp(model) or getattr(model, "pipeline_stage", None) is not None
+            or any(isinstance(p, DTensor) for p in model.parameters()))
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -161,7 +235,7 @@ def gradient_sync(model: nn.Module, sync: bool):
         with model.no_sync():
             yield
         return
-    if is_sharded(model):
+    if is_fsdp(model):
         model.set_requires_gradient_sync(sync)
     yield
 
@@ -234,12 +308,81 @@ class Watchdog:
                 os._exit(1)
 
 
-def all_reduce_sum(value: float, world: World) -> float:
-    if world.size == 1:
+def all_reduce_sum(value: float, world: World, over: str | None = None) -> float:
+    """The sum of `value` over all ranks, or over one mesh dimension through this rank (`over`: "dp"
+    sums over the model replicas, whose ranks hold different rows; "pp" over a replica's stages)."""
+    if world.size == 1 or (over is not None and world._dim(over) == 1):
         return value
     t = torch.tensor([value], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=world.group(over) if over else None)
     return float(t.item())
+
+
+# -- gradients on a mesh --------------------------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group, divide: int = 1) -> None:
+    """Sum `tensors` over `group` in place, one flat all-reduce per dtype, then divide by `divide`
+    (gloo has no AVG)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        if divide != 1:
+            flat /= divide
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def data_parallel_reduce(params: list[torch.Tensor], world: World) -> None:
+    """The gradient average over the model replicas (the mesh's "dp" dimension) when the data dimension
+    runs as ddp: DistributedDataParallel does not take DTensor parameters nor a pipeline stage's."""
+    if world.dp_size > 1:
+        all_reduce_flat([_local(p.grad) for p in params if p.grad is not None], world.dp_group, world.dp_size)
+
+
+def _sharded_dims(t: torch.Tensor) -> tuple[str, ...]:
+    """The mesh dimensions a DTensor is split over (none for a plain tensor or a replicated one)."""
+    if not hasattr(t, "placements"):
+        return ()
+    names = t.device_mesh.mesh_dim_names
+    return tuple(names[i] for i, p in enumerate(t.placements) if p.is_shard())
+
+
+def mesh_clip_gradients(params: list[torch.Tensor], max_norm: float, world: World,
+                        shared: frozenset[int] = frozenset()) -> float:
+    """The global gradient norm of a model on `world.mesh`, whatever mix it holds of plain,
+    tp-sharded, (under FSDP) dp- or 2D-sharded gradients and pipeline stages' own parameters; clipped
+    to `max_norm` when > 0. The squares of each kind's local pieces are summed over the mesh
+    dimensions it is split over, one all-reduce per kind, then over the stages, except for the
+    parameters (ids in `shared`) that every stage holds alike."""
+    grads = [(p.grad, id(p) in shared) for p in params if p.grad is not None]
+    squares: dict[tuple, torch.Tensor] = {}
+    for g, everywhere in grads:
+        key = (_sharded_dims(g), everywhere)
+        sq = _local(g).detach().double().pow(2).sum()  # on the gradients' device, as NCCL needs
+        squares[key] = squares[key] + sq if key in squares else sq
+    stage_sq, shared_sq = 0.0, 0.0
+    for (dims, everywhere), sq in sorted(squares.items()):  # the same order on every rank
+        for name in dims:  # summed over each dimension in turn: over all the pieces
+            dist.all_reduce(sq, group=world.group(name))
+        if everywhere:
+            shared_sq += float(sq)
+        else:
+            stage_sq += float(sq)
+    norm = math.sqrt(all_reduce_sum(stage_sq, world, over="pp") + shared_sq)
+    if max_norm > 0 and math.isfinite(norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            for g, _ in grads:
+                _local(g).mul_(coef)
+    return norm
 
 
 def all_gather_objects(obj, world: World) -> list:

@@ -51,7 +51,7 @@ from kilovla.models.batch import PaddedBatch
 from kilovla.models.presets import build_model, policy_defaults, preset
 from kilovla.progress import StepProgress
 from kilovla.train import checkpoint as ckpt
-from kilovla.train import distributed
+from kilovla.train import distributed, pipeline
 from kilovla.train.build import (apply_freeze, attention_in_use, build_data, build_ema, build_lora, build_processor,
                                  build_weights, check_resume_lora, chunk_of, flow_time, plan_start, policy_meta,
                                  start_weights, update_ema, with_policy_defaults)
@@ -77,7 +77,7 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         index = LakeIndex.open(cfg.dataset.roots, None if cfg.dataset.index == "auto" else cfg.dataset.index)
         for entry in index.datasets():
             check_dataset(entry.root, problems=entry.problems)
-    world = distributed.init(cfg.parallel.timeout_s)
+    world = distributed.init(cfg.parallel.timeout_s, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
     run_dir = Path(cfg.run_dir)
     folder = ckpt.resolve(resume, run_dir) if resume else None
     use = claim_run_dir(run_dir, resume, folder, main=world.is_main)
@@ -92,6 +92,9 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     trainer = Trainer(cfg, world, resume_from=folder, on_eval=on_eval, index=index)
     trainer.open_run_dir(replace=use == "replace")
     summary = trainer.train(t_start)
+    # All ranks leave together: a process group torn down while a peer is still writing the summary
+    # (after a pipeline's point-to-point sends) can abort in gloo's destructor.
+    distributed.barrier(world, "the end of the run")
     distributed.shutdown()
     return summary
 
@@ -135,6 +138,11 @@ class Trainer:
                          gradient_checkpointing=cfg.gradient_checkpointing)
         if cfg.ema_decay and cfg.parallel.strategy == "fsdp" and world.size > 1:
             raise KilovlaError("ema_decay with parallel.strategy=fsdp is not supported yet; use ddp or drop the EMA")
+        self.shared, self.schedule = [], None
+        if world.pp > 1:  # this rank's stage keeps its own layers only
+            self.shared = pipeline.keep_stage(self.model, world.pp_rank, world.pp)
+            self.stage_layers = pipeline.stage_layers(self.model_cfg.lm.depth, world.pp, world.pp_rank)
+            self.schedule = pipeline.Schedule(world)
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and world.device.type == "cuda")
         p = cfg.parallel
         self.step_model = distributed.parallelize(self.model, p.strategy, world, bucket_cap_mb=p.bucket_cap_mb,
@@ -157,7 +165,7 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own state (the tensors are saved by checkpoint.py beside it)."""
         return {"step": self.step, "plan": self.plan.state_dict(), "world_size": self.world.size,
-                "strategy": self.cfg.parallel.strategy if self.world.size > 1 else "single"}
+                "strategy": self.cfg.parallel.strategy if self.world.size > 1 else "single", "tp": self.world.tp}
 
     def load_state_dict(self, state: dict) -> None:
         self.plan.load_state_dict(state["plan"])
@@ -187,20 +195,46 @@ class Trainer:
                   lora=self.lora)
 
     # -- one row, one step -----------------------------------------------------------------------------
-    def forward_backward(self, row: dict, totals: _Totals) -> None:
-        """Loss and backward over one packed row, scaled so a step's gradient is the global batch's mean;
-        gradients are reduced across ranks only on the step's last row."""
+    def _row_inputs(self, row: dict) -> tuple:
+        """A packed row's batch, flow noise and time on the device, and what scales its summed loss so
+        a step's gradient is the global batch's mean."""
         step, world = row["step"], self.world
-        global_n = len(self.plan.global_batch(step))
         batch = self.processor.training_batch(row, seed=self.cfg.seed).to(world.device)
         noise, t = _sample_noise(self.model_cfg, self.cfg.seed, step, row["sample_index"], self.family_time)
+        return batch, noise.to(world.device), t.to(world.device), world.dp_size / len(self.plan.global_batch(step))
+
+    def forward_backward(self, row: dict, totals: _Totals) -> None:
+        """Loss and backward over one packed row; gradients are reduced across ranks only on the step's
+        last row."""
+        batch, noise, t, scale = self._row_inputs(row)
         last = row["row"] == row["rows_in_step"] - 1
         with distributed.gradient_sync(self.step_model, sync=last), self.autocast:
-            out = self.step_model(batch, noise=noise.to(world.device), time=t.to(world.device))
-            loss = out["per_sample"].sum() * (world.size / global_n)
+            out = self.step_model(batch, noise=noise, time=t)
+            loss = out["per_sample"].sum() * scale
             loss.backward()
-        real = float(row["lengths"].sum())
         totals.loss += float(out["per_sample"].detach().sum())
+        self._count(row, batch, totals)
+
+    def pipeline_forward_backward(self, rows: list[dict], totals: _Totals) -> None:
+        """A step's rows through this rank's pipeline stage, as micro-batches of the 1F1B schedule
+        (train/pipeline.py); the loss exists on the last stage only."""
+        inputs = [self._row_inputs(row) for row in rows]
+
+        def forward(i, receive):
+            batch, noise, t, scale = inputs[i]
+            with self.autocast:
+                out = self.model.forward_stage(batch, noise=noise, time=t, layers=self.stage_layers, receive=receive)
+            if isinstance(out, dict):  # the last stage
+                totals.loss += float(out["per_sample"].detach().sum())
+                return out["per_sample"].sum() * scale
+            return out
+
+        self.schedule.run(len(rows), forward)
+        for row, (batch, *_) in zip(rows, inputs):
+            self._count(row, batch, totals)
+
+    def _count(self, row: dict, batch, totals: _Totals) -> None:
+        real = float(row["lengths"].sum())
         totals.tokens += real
         totals.tensor_tokens += _tensor_tokens(batch, self.model_cfg, self.layout, real)
         totals.capacity += self.cfg.batch.token_budget
@@ -210,7 +244,7 @@ class Trainer:
         """The rank's rows of the next step, pulled from `rows` as they compute, then clip, optimizer
         step, schedule and EMA. Returns the step's metrics record (None when the plan has no rows left)."""
         cfg, world = self.cfg, self.world
-        totals, ids = _Totals(), []
+        totals, ids, step_rows = _Totals(), [], []
         t_step = time.perf_counter()
         while True:
             t_wait = time.perf_counter()
@@ -222,13 +256,25 @@ class Trainer:
                 self.phase = f"step {row['step'] + 1}"
                 faults.step_begins(row["step"] + 1)
                 watchdog.arm(self.phase, world.timeout_s)
-            self.forward_backward(row, totals)
+            if self.schedule is None:
+                self.forward_backward(row, totals)
+            else:  # a pipeline stage runs the step's rows together
+                step_rows.append(row)
             ids += row["sample_index"].tolist()
             if row["row"] == row["rows_in_step"] - 1:
                 break
+        if self.schedule is not None:
+            self.pipeline_forward_backward(step_rows, totals)
+            pipeline.sum_shared_gradients(self.model, self.shared, world)
         self.step = row["step"] + 1
+        if world.mesh is not None and not distributed.is_fsdp(self.model):  # ddp on the data dimension
+            distributed.data_parallel_reduce(self.trainable, world)
         _dump_gradients(self.model, self.trainable_names, self.step, world)
-        grad_norm = clip_gradients(self.trainable, cfg.optim.clip_grad_norm)
+        if world.mesh is not None:
+            shared = frozenset(id(p) for n, p in self.model.named_parameters() if n in self.shared)
+            grad_norm = distributed.mesh_clip_gradients(self.trainable, cfg.optim.clip_grad_norm, world, shared)
+        else:
+            grad_norm = clip_gradients(self.trainable, cfg.optim.clip_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -238,7 +284,8 @@ class Trainer:
     def _record(self, totals: _Totals, ids: list[int], grad_norm: float, elapsed: float) -> dict:
         world = self.world
         global_n = len(self.plan.global_batch(self.step - 1))
-        summed = {k: distributed.all_reduce_sum(getattr(totals, k), world)
+        totals.loss = distributed.all_reduce_sum(totals.loss, world, over="pp")  # the last stage's
+        summed = {k: distributed.all_reduce_sum(getattr(totals, k), world, over="dp")
                   for k in ("loss", "tokens", "tensor_tokens", "capacity")}
         tokens = summed["tokens"]
         record = {"kind": "train", "step": self.step, "loss": summed["loss"] / global_n,
@@ -248,13 +295,14 @@ class Trainer:
                   "budget_unused_fraction": 1 - tokens / summed["capacity"] if summed["capacity"] else 0.0,
                   "data_wait_fraction": totals.data_wait / elapsed, "step_time_s": elapsed,
                   "rows_per_rank": totals.rows, "peak_memory_mb": _memory_mb(world.device),
-                  "world_size": world.size, "attention_backend": self.backend,
+                  "world_size": world.size, "tp": world.tp, "attention_backend": self.backend,
                   "samples": global_n, "tokens": tokens, "tensor_tokens": summed["tensor_tokens"],
                   "capacity": summed["capacity"]}
         if (util := mfu(self.n_trainable, tokens / elapsed / world.size, world.device)) is not None:
             record["mfu"] = util
         if self.cfg.log_sample_ids:
-            record["sample_ids"] = sorted(i for r in distributed.all_gather_objects(ids, world) for i in r)
+            mine = ids if world.tp_rank == 0 and world.pp_rank == 0 else []  # one rank per replica
+            record["sample_ids"] = sorted(i for r in distributed.all_gather_objects(mine, world) for i in r)
         return record
 
     # -- the run -------------------------------------------------------------------------------------
@@ -271,8 +319,9 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
         mc = self.model_cfg
         asked = f" ({mc.attention_backend})" if mc.packing and self.backend != mc.attention_backend else ""
+        mesh = f", tp={world.tp} x dp={world.dp_size}" if world.tp > 1 else ""
         line = (f"kilovla train: {cfg.policy.preset}, {world.size} rank(s)"
-                f"{f' ({cfg.parallel.strategy})' if world.size > 1 else ''}, attention {self.backend}{asked}, "
+                f"{f' ({cfg.parallel.strategy}{mesh})' if world.size > 1 else ''}, attention {self.backend}{asked}, "
                 f"{'bf16' if self.bf16 else 'fp32'}, from step {self.step}"
                 f"{', frames from the frame cache' if self.frames_from_cache else ''}")
         log.info("%s", line)
@@ -285,7 +334,7 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, enabled=world.is_main,
                                resume_step=self.step if self.resume_from is not None else None)
         loader_kwargs = {"num_workers": cfg.loader.num_workers} if cfg.loader.engine == "torch" else {}
-        rows = iter(build_loader(cfg.loader.engine, self.lake, self.plan, rank=world.rank, world_size=world.size,
+        rows = iter(build_loader(cfg.loader.engine, self.lake, self.plan, rank=world.dp_rank, world_size=world.dp_size,
                                  steps=cfg.steps - self.step, **loader_kwargs))
         faults, watchdog = _Faults(world.rank), distributed.Watchdog(world)
         progress = StepProgress("train", cfg.steps, self.step, enabled=cfg.progress and world.is_main)
@@ -414,6 +463,9 @@ def _dump_gradients(model, trainable_names: list[str], step: int, world) -> None
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # a collective when sharded
             # a parameter the loss does not reach (pi0.5's last LM layer's LoRA MLP) has no gradient: zero
             grads[name] = torch.zeros(p.shape) if g is None else g.detach().cpu().clone()
+    if world.pp > 1:  # each stage holds its own parameters: gather one replica's on rank 0 (a test aid)
+        parts = distributed.all_gather_objects(grads if world.dp_rank == 0 and world.tp_rank == 0 else {}, world)
+        grads = {k: v for part in parts for k, v in part.items()}
     if world.is_main:
         save_safetensors(grads, Path(out) / f"step_{step:06d}.safetensors")
 

@@ -1,0 +1,160 @@
+"""Pipeline parallelism: the decoder layers split into stages over the mesh's "pp" dimension, run
+with a 1F1B schedule whose micro-batches are a replica's packed rows of the step.
+
+    stage 0:    ViT, projector, token embeddings, suffix embedding, layers [0, d/pp)
+    stage s:    layers [s*d/pp, (s+1)*d/pp)
+    last stage: ..., the expert's final norm, action_out_proj, the loss
+
+`keep_stage(model, stage, pp)` drops from a rank's model what its stage does not run (state-dict
+keys and all), so a stage holds 1/pp of the layers. What every stage runs itself is kept on every
+stage and stays identical: pi0.5's time MLP (its adaRMS condition enters every expert layer), whose
+gradient is summed over the stages (`sum_shared_gradients`) before the optimizer step.
+
+Shapes: packed rows differ in length from step to step, but every stage of a replica reads the
+same rows, so each stage computes the shapes of what it receives from the row itself
+(`Pi05Model.forward_stage`'s `receive`); only the hidden states travel, as float32, never a shape.
+A step with fewer rows than stages runs as well, with a longer bubble (1F1B's warm-up is
+min(pp - stage - 1, rows)).
+
+`Schedule` runs one step's rows on one rank: warm-up forwards, then one forward and one backward in
+turn, then the remaining backwards. Sends are non-blocking (kept alive until the step ends) and
+receives blocking, so a stage never waits on a send and the schedule cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kilovla.errors import KilovlaError
+
+
+def stage_layers(depth: int, pp: int, stage: int) -> range:
+    per = depth // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def pp_problems(model_cfg, pp: int) -> list[str]:
+    """What keeps a model config from `pp` stages, from the config alone (checked before any work)."""
+    from kilovla.models.pi05 import Pi05Config
+
+    if not isinstance(model_cfg, Pi05Config):
+        return [f"parallel.pp={pp}: pipeline stages exist for pi0 / pi0.5 only; GR00T N1.5 takes parallel.tp "
+                "or parallel.strategy"]
+    if model_cfg.lm.depth % pp:
+        return [f"parallel.pp={pp} does not divide the model's {model_cfg.lm.depth} layers"]
+    return []
+
+
+class _Dropped(nn.Module):
+    """Where a module of another stage was: no parameters, and an error if anything runs it."""
+
+    def forward(self, *args, **kwargs):
+        raise KilovlaError("a pipeline stage ran a module of another stage")
+
+
+def keep_stage(model: nn.Module, stage: int, pp: int) -> list[str]:
+    """Drop what `stage` of `pp` does not run from a pi0 / pi0.5 model, in place; returns the names of
+    the parameters every stage keeps (their gradients are summed over the stages)."""
+    from kilovla.models.pi05 import Pi05Model
+
+    if not isinstance(model, Pi05Model):
+        raise KilovlaError(f"no pipeline plan for {type(model).__name__}")
+    cfg = model.config
+    own = stage_layers(cfg.lm.depth, pp, stage)
+    for layers in (model.vlm.language_model.layers, model.expert.layers):
+        for i in range(len(layers)):
+            if i not in own:
+                layers[i] = _Dropped()
+    if stage > 0:  # the embeddings run on the first stage only
+        vlm = model.vlm
+        vlm.vision_tower, vlm.multi_modal_projector = _Dropped(), _Dropped()
+        if hasattr(vlm.language_model, "embed_tokens"):
+            vlm.language_model.embed_tokens = _Dropped()
+        for name in ("action_in_proj", "state_proj", "action_time_mlp_in", "action_time_mlp_out"):
+            if hasattr(model, name):
+                setattr(model, name, _Dropped())
+    if stage < pp - 1:  # the head runs on the last stage only
+        model.expert.norm, model.action_out_proj = _Dropped(), _Dropped()
+        model.vlm.language_model.norm = _Dropped()
+    model.pipeline_stage = (stage, pp)
+    shared = [n for n, _ in model.named_parameters() if n.startswith(("time_mlp_in.", "time_mlp_out."))]
+    return shared if pp > 1 else []
+
+
+def sum_shared_gradients(model: nn.Module, shared: list[str], world) -> None:
+    """The gradient of a parameter every stage keeps is the sum of the stages' parts."""
+    from kilovla.train.distributed import all_reduce_flat
+
+    params = dict(model.named_parameters())
+    grads = [params[n].grad for n in shared if params[n].grad is not None]
+    if grads:
+        all_reduce_flat(grads, world.group("pp"))
+
+
+class Schedule:
+    """1F1B over one step's rows on one rank of the ("pp", "dp", "tp") mesh (see the module docstring).
+
+    `forward(i, receive)` runs row i's share of the model on this stage (`receive` is None on the
+    first stage) and returns the loss to backpropagate on the last stage, else the hidden states to
+    send on."""
+
+    def __init__(self, world):
+        self.world = world
+        self.stage, self.pp = world.pp_rank, world.pp
+        step = world.size // world.pp  # ranks of one stage: the same (dp, tp) place one stage on
+        self.prev = world.rank - step if self.stage > 0 else None
+        self.next = world.rank + step if self.stage < self.pp - 1 else None
+
+    def run(self, rows: int, forward: Callable) -> None:
+        self._sends, self._saved = [], {}
+        warmup = min(self.pp - self.stage - 1, rows)
+        for i in range(warmup):
+            self._forward(i, forward)
+        for i in range(rows - warmup):
+            self._forward(warmup + i, forward)
+            self._backward(i)
+        for i in range(rows - warmup, rows):
+            self._backward(i)
+        for handle, _ in self._sends:
+            handle.wait()
+        self._sends, self._saved = [], {}
+
+    def _send(self, tensors, dst: int) -> None:
+        for t in tensors:
+            t = t.detach().to(torch.float32).contiguous()
+            self._sends.append((dist.isend(t, dst), t))  # the tensor stays alive until the send completes
+
+    def _forward(self, i: int, forward: Callable) -> None:
+        inputs = []
+
+        def receive(*templates):
+            for tmpl in templates:
+                t = torch.empty(tmpl.shape, dtype=torch.float32, device=tmpl.device)
+                dist.recv(t, self.prev)
+                inputs.append(t.to(tmpl.dtype).detach().requires_grad_())
+            return tuple(inputs)
+
+        out = forward(i, receive if self.prev is not None else None)
+        if self.next is not None:
+            self._send(out, self.next)
+        self._saved[i] = (inputs, out)
+
+    def _backward(self, i: int) -> None:
+        inputs, out = self._saved.pop(i)
+        if self.next is None:  # the last stage: `out` is the row's scaled loss
+            out.backward()
+        else:
+            grads = []
+            for t in out:
+                g = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+                dist.recv(g, self.next)
+                grads.append(g.to(t.dtype))
+            pairs = [(t, g) for t, g in zip(out, grads) if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if self.prev is not None:
+            self._send([t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs], self.prev)

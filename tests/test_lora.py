@@ -96,8 +96,11 @@ def test_a_lora_run_checkpoints_adapters_ends_merged_and_resumes_exactly(dataset
     obs, noise, _ = batch
     with torch.no_grad():
         assert (merged.sample_actions(obs, noise=noise) - unmerged.sample_actions(obs, noise=noise)).abs().max() < 1e-5
-    intermediate = load_checkpoint_policy(step2).model  # an adapters-only folder loads for eval / serve
-    assert any(".lora_" in n for n, _ in intermediate.named_parameters())
+    # an adapters-only folder loads merged (eval, serve, rl, quantize get a plain model)
+    intermediate = load_checkpoint_policy(step2).model
+    assert not any(".lora_" in n for n, _ in intermediate.named_parameters())
+    on_base = load_adapters(build_base(section, "test"), section, step2 / "adapter.safetensors", "test")
+    assert (_loss(intermediate.eval(), batch) - _loss(on_base.eval(), batch)).abs().max() < 1e-5
 
     # killed after step 3 (checkpoint at 2), resumed: the same losses and adapters as the straight run
     crashed = tmp_path / "crashed"
@@ -116,6 +119,8 @@ def test_a_lora_run_checkpoints_adapters_ends_merged_and_resumes_exactly(dataset
     # another rank, or another base (seed), is refused in one line
     other = _run([*_args(dataset, crashed, steps=6), "--policy.lora.rank=8", "--resume", "auto"])
     assert other.returncode == 2 and "rank" in other.stderr
+    other = _run([*_args(dataset, crashed, steps=6), *LORA, "--policy.lora.dropout=0.3", "--resume", "auto"])
+    assert other.returncode == 2 and "dropout" in other.stderr
     reseeded = _run([*_args(dataset, crashed, steps=6), *LORA, "--seed=3", "--resume", "auto"])
     assert reseeded.returncode == 2 and "base weights differ" in reseeded.stderr
 
@@ -126,6 +131,29 @@ def test_adapters_are_refused_on_another_base(dataset, tmp_path):
     section = json.loads((folder / "policy.json").read_text())["lora"]
     with pytest.raises(KilovlaError, match="base weights differ"):
         load_adapters(build_model("pi05-tiny", seed=5, chunk_size=4), section, folder / "adapter.safetensors", "x")
+    base = lambda: build_base(section, "x")  # noqa: E731
+    # one tensor of the base re-set: the fingerprint samples every tensor
+    reset = base()
+    reset.action_out_proj.weight.data.fill_(1.0)
+    with pytest.raises(KilovlaError, match="base weights differ"):
+        load_adapters(reset, section, folder / "adapter.safetensors", "x")
+    # adapters of the wrong shape, or not finite, or a section that is not one: one line each
+    from kilovla.models.checkpoints import read_safetensors, save_safetensors
+
+    weights = read_safetensors(folder / "adapter.safetensors")
+    key = next(k for k in weights if ".lora_A." in k)
+    for name, bad in (("shape", {**weights, key: weights[key].reshape(-1, 1)}),
+                      ("finite", {**weights, key: torch.full_like(weights[key], float("nan"))})):
+        save_safetensors(bad, tmp_path / f"{name}.safetensors")
+        with pytest.raises(KilovlaError, match="does not fit|non-finite"):
+            load_adapters(base(), section, tmp_path / f"{name}.safetensors", "x")
+    with pytest.raises(KilovlaError, match="rank must be a positive integer"):
+        load_adapters(base(), {**section, "rank": "x"}, folder / "adapter.safetensors", "x")
+    with pytest.raises(KilovlaError, match="must name the adapters' base"):
+        build_base({**section, "base": {}}, "x")
+    # an adapters folder is not weights to start a run from
+    proc = _run([*_args(dataset, tmp_path / "again"), f"--policy.init_from={folder}"])
+    assert proc.returncode == 2 and "a LoRA run's adapters on their base" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -143,6 +171,7 @@ def test_two_ranks_of_a_lora_run_give_the_one_process_gradients(dataset, tmp_pat
 def test_bad_lora_settings_are_one_line(dataset, tmp_path):
     for flags, message in ((["--policy.lora.rank=4", "--policy.lora.targets=nothing_here"], "matches no linear"),
                            (["--policy.lora.rank=4", "--expert_only=true"], "pick one"),
-                           (["--policy.lora.rank=4", "--policy.lora.llm=true"], "GR00T's switch")):
+                           (["--policy.lora.rank=4", "--policy.lora.llm=true"], "GR00T's switch"),
+                           (["--policy.lora.rank=4", "--freeze_vision=true"], "drop freeze_vision")):
         proc = _run([*_args(dataset, tmp_path / "bad"), *flags])
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]

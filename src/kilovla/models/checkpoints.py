@@ -362,12 +362,16 @@ def open_init_checkpoint(path: str | Path) -> Checkpoint:
     meta = path / "policy.json"
     if meta.is_file():
         try:
-            quantized = "quantization_config" in json.loads(meta.read_text())
+            fields = json.loads(meta.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{meta}: not a policy description: {e}") from None
-        if quantized:
+        if isinstance(fields, dict) and "quantization_config" in fields:
             raise CheckpointError(f"{path}: a quantized policy folder (policy.json has a quantization_config); "
                                   "fine-tuning starts from float weights: use the folder it was quantized from")
+        lora = fields.get("lora") if isinstance(fields, dict) else None
+        if isinstance(lora, dict) and not lora.get("merged") and not (path / "model.safetensors").is_file():
+            raise CheckpointError(f"{path}: a LoRA run's adapters on their base, not weights to start from: use the "
+                                  "run's final checkpoint (merged), or resume the run with --resume")
     return Checkpoint.open(path)
 
 

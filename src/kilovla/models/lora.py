@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -147,17 +148,19 @@ def merge_state(state: dict[str, torch.Tensor], settings: LoraSettings) -> dict[
     return out
 
 
+FINGERPRINT_SAMPLES = 256  # values of each base tensor, evenly spaced over it
+
+
 def base_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of the frozen base: the first 1024 values of 16 parameters spread over the model
-    (kilovla names), enough to tell a different checkpoint, seed or initialisation apart."""
-    params = sorted((n.replace(".base_layer.", "."), p) for n, p in model.named_parameters() if ".lora_" not in n)
-    if not params:
-        return ""
-    pick = [params[i * (len(params) - 1) // 15] for i in range(16)] if len(params) > 16 else params
+    """A short hash of the frozen base: every parameter's name (kilovla's), shape and 256 values spread
+    evenly over it, enough to tell another checkpoint, seed, initialisation or a re-set tensor apart
+    (not a change of a few values between the samples: a fingerprint, not a checksum)."""
     h = hashlib.sha256()
-    for name, p in pick:
-        h.update(name.encode())
-        h.update(p.detach().reshape(-1)[:1024].float().cpu().numpy().tobytes())
+    for name, p in sorted((n.replace(".base_layer.", "."), p) for n, p in model.named_parameters()
+                          if ".lora_" not in n):
+        flat = p.detach().reshape(-1)
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+        h.update(flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -168,11 +171,22 @@ def describe(settings: LoraSettings, model: torch.nn.Module, base: dict, merged:
 
 
 def settings_from(section: dict, where: str) -> LoraSettings:
+    """policy.json's `lora` section as settings, checked as `--policy.lora.*` would be."""
     fields = {f.name for f in dataclasses.fields(LoraSettings)}
     try:
-        return LoraSettings(**{k: v for k, v in section.items() if k in fields})
+        settings = LoraSettings(**{k: v for k, v in section.items() if k in fields})
     except TypeError as e:
         raise KilovlaError(f"{where}: lora section: {e}") from None
+    problems = [f"{k} must be {t}, not {getattr(settings, k)!r}"
+                for k, t, ok in (("rank", "a positive integer", lambda v: isinstance(v, int) and v > 0),
+                                 ("alpha", "a positive number or null", lambda v: v is None or isinstance(v, (int, float))),
+                                 ("dropout", "a number", lambda v: isinstance(v, (int, float))),
+                                 ("full", "a list of module names", lambda v: isinstance(v, list)))
+                if not ok(getattr(settings, k))]
+    problems = problems or settings.check()
+    if problems:
+        raise KilovlaError(f"{where}: lora section: {'; '.join(problems)}")
+    return settings
 
 
 def build_base(section: dict, where: str) -> torch.nn.Module:
@@ -180,13 +194,16 @@ def build_base(section: dict, where: str) -> torch.nn.Module:
     from kilovla.models.checkpoints import load_checkpoint
     from kilovla.models.presets import build_model
 
-    base = section.get("base") or {}
+    base = section.get("base")
+    if not isinstance(base, dict) or not isinstance(base.get("preset"), str):
+        raise KilovlaError(f"{where}: lora.base must name the adapters' base (its preset, and init_from or seed)")
     if base.get("init_from"):
+        path = Path(str(base["init_from"].get("path", ""))).expanduser()
+        if not path.exists():
+            raise KilovlaError(f"{where}: the adapters' base {path} (lora.base.init_from) is missing: put it back, "
+                               "or use the run's final (merged) checkpoint")
         model = build_model(base["preset"], device="meta", **base.get("overrides", {}))
-        try:
-            load_checkpoint(model, base["init_from"]["path"], base["init_from"].get("layout", "auto"))
-        except FileNotFoundError:
-            raise KilovlaError(f"{where}: the adapters' base {base['init_from']['path']} is missing") from None
+        load_checkpoint(model, path, base["init_from"].get("layout", "auto"))
         return model
     device = base.get("device", "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -206,10 +223,27 @@ def load_adapters(model: torch.nn.Module, section: dict, path, where: str) -> to
     if not path.is_file():
         raise KilovlaError(f"{path}: missing; policy.json says the folder holds LoRA adapters")
     weights = read_safetensors(path)
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    if set(weights) != trainable:
-        raise KilovlaError(f"{path}: does not fit the adapters policy.json describes "
-                           f"({len(set(weights) - trainable)} unexpected, {len(trainable - set(weights))} missing tensors)")
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(weights) != set(trainable):
+        raise KilovlaError(f"{path}: does not fit the adapters policy.json describes ({len(set(weights) - set(trainable))} "
+                           f"unexpected, {len(set(trainable) - set(weights))} missing tensors)")
+    wrong = [f"{k} {tuple(v.shape)} (expected {tuple(trainable[k].shape)})" for k, v in weights.items()
+             if v.shape != trainable[k].shape]
+    if wrong:
+        raise KilovlaError(f"{path}: does not fit the adapters policy.json describes: {', '.join(wrong[:3])}")
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise KilovlaError(f"{path}: non-finite values in {len(bad)} tensor(s), e.g. {bad[0]}")
     model.load_state_dict(weights, strict=False)
     model.requires_grad_(False)
     return model
+
+
+def merged_model(model: torch.nn.Module, section: dict, preset: str, overrides: dict) -> torch.nn.Module:
+    """The plain model (kilovla keys) computing what `model`, the base with its adapters, computes:
+    W + scaling * B @ A in every adapted linear. What eval, serve, rl and quantize load."""
+    from kilovla.models.presets import build_model
+
+    plain = build_model(preset, device="meta", **overrides)
+    plain.load_state_dict(merge_state(model.state_dict(), settings_from(section, "lora")), assign=True)
+    return plain

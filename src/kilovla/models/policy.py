@@ -94,10 +94,13 @@ def load_checkpoint_policy(folder: str | Path, device: str = "cpu", ema: bool = 
     except (json.JSONDecodeError, TypeError, AttributeError) as e:
         raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
     if meta.lora and not meta.lora.get("merged"):  # a LoRA run's checkpoint: its adapters on their base
-        from kilovla.models.lora import ADAPTER_EMA_FILE, ADAPTER_FILE, build_base, load_adapters
+        from kilovla.models.lora import ADAPTER_EMA_FILE, ADAPTER_FILE, build_base, load_adapters, merged_model
 
         adapters = folder / (ADAPTER_EMA_FILE if ema else ADAPTER_FILE)
         model = load_adapters(build_base(meta.lora, str(meta_path)), meta.lora, adapters, str(meta_path))
+        # merged here, so every consumer (eval, serve, rl, quantize) gets a plain model and writes plain folders
+        model = merged_model(model, meta.lora, meta.preset, meta.overrides)
+        meta = dataclasses.replace(meta, lora={**meta.lora, "merged": True})
     elif quantization is None:
         model = build_model(meta.preset, device="meta", **meta.overrides)
         load_checkpoint(model, folder / "ema.safetensors" if ema else folder)  # or model.safetensors, or FSDP shards

@@ -76,8 +76,9 @@ def read_source(source: str | Path) -> PolicyMeta:
     if "quantization_config" in fields:
         raise KilovlaError(f"{source}: already quantized (policy.json has a quantization_config); "
                            "quantize the unquantized policy it came from")
-    if not (source / "model.safetensors").is_file() and not (source / "state").is_dir():
-        raise KilovlaError(f"{source}: no weights (needs model.safetensors, or an FSDP checkpoint's state/ shards)")
+    if not any((source / name).exists() for name in ("model.safetensors", "state", "adapter.safetensors")):
+        raise KilovlaError(f"{source}: no weights (needs model.safetensors, an FSDP checkpoint's state/ shards, or a "
+                           "LoRA run's adapter.safetensors)")
     try:
         return PolicyMeta(**fields)
     except TypeError as e:
@@ -163,7 +164,7 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     select_layers(build_model(meta.preset, device="meta", **meta.overrides), config.include, config.exclude, config.scope)
     if dataset is not None:
         check_dataset(dataset, meta)
-    if ema and not (source / "ema.safetensors").is_file():
+    if ema and not any((source / name).is_file() for name in ("ema.safetensors", "adapter_ema.safetensors")):
         raise KilovlaError(f"--ema: {source / 'ema.safetensors'} is missing; only runs with ema_decay write EMA weights")
     device = resolve_device(device)
 

@@ -269,9 +269,13 @@ def check_resume_lora(folder: Path, saved: dict | None, mine: dict) -> None:
     if not saved:
         raise KilovlaError(f"{folder}: not a LoRA checkpoint (policy.json has no lora section): resume it without "
                            "--policy.lora.rank, or start a new run_dir")
-    for key in ("rank", "alpha", "targets", "full", "fingerprint"):
-        if saved.get(key) != mine.get(key):
-            raise KilovlaError(f"{folder}: its LoRA {key} is {saved.get(key)!r}, this run's {mine.get(key)!r}"
+    def value(section, key):  # alpha unset is alpha = rank
+        v = section.get(key)
+        return section.get("rank") if key == "alpha" and v is None else v
+
+    for key in ("rank", "alpha", "dropout", "targets", "full", "fingerprint"):
+        if value(saved, key) != value(mine, key):
+            raise KilovlaError(f"{folder}: its LoRA {key} is {value(saved, key)!r}, this run's {value(mine, key)!r}"
                                + (" (the base weights differ: another init_from or seed)" if key == "fingerprint" else ""))
 
 

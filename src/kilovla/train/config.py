@@ -136,6 +136,9 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
     problems += _mesh_problems(cfg, world_size)
     if cfg.policy.lora.enabled and cfg.expert_only:
         problems.append("policy.lora.rank and expert_only are two ways to choose what trains: pick one")
+    if cfg.policy.lora.enabled and (cfg.freeze_vision is not None or cfg.freeze_vlm is not None):
+        problems.append("with policy.lora the base is frozen whole and the adapters choose what trains: drop "
+                        "freeze_vision / freeze_vlm (policy.lora.vision and .llm add adapters there)")
     if problems:
         raise KilovlaError("; ".join(problems))
     if cfg.parallel.static_graph and cfg.parallel.strategy == "ddp" and world_size > 1:

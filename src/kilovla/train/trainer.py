@@ -319,10 +319,12 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
         mc = self.model_cfg
         asked = f" ({mc.attention_backend})" if mc.packing and self.backend != mc.attention_backend else ""
-        mesh = f", tp={world.tp} x dp={world.dp_size}" if world.tp > 1 else ""
+        mesh = f", pp={world.pp} x dp={world.dp_size} x tp={world.tp}" if world.mesh is not None else ""
+        lora = (f", LoRA rank {self.lora.rank} ({self.n_trainable / 1e6:.2f} M parameters trained)"
+                if self.lora is not None else "")
         line = (f"kilovla train: {cfg.policy.preset}, {world.size} rank(s)"
                 f"{f' ({cfg.parallel.strategy}{mesh})' if world.size > 1 else ''}, attention {self.backend}{asked}, "
-                f"{'bf16' if self.bf16 else 'fp32'}, from step {self.step}"
+                f"{'bf16' if self.bf16 else 'fp32'}{lora}, from step {self.step}"
                 f"{', frames from the frame cache' if self.frames_from_cache else ''}")
         log.info("%s", line)
         print(line, flush=True)

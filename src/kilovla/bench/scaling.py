@@ -81,5 +81,8 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, console=None)
                                 note=f"2 ranks, {SAMPLES_PER_ROW * 8} samples a step: DDP (2 replicas, 4 rows each) vs "
                                      f"{how}, {mesh['rows_per_rank']:g} rows per replica; step {ddp['step_time_s']:.2f} s "
                                      f"vs {mesh['step_time_s']:.2f} s"))
-    extra = {"runs": {f"{s}_rows_{r}": v for (s, r), v in results.items()}, "world_size": 2}
+    from kilovla.bench.scaling_model import table
+
+    extra = {"runs": {f"{s}_rows_{r}": v for (s, r), v in results.items()}, "world_size": 2,
+             "scaling_model": table()}  # estimates for 8-1024 GPUs (bench/scaling_model.py), not measured
     return write_suite("scaling", rows, quick=quick, out_dir=out_dir, extra=extra, console=console)

@@ -16,13 +16,14 @@ PACKED = ["--policy.overrides.packing=true"]  # the varlen path: rows of samples
 
 @pytest.fixture(scope="module")
 def packed_references(dataset, tmp_path_factory):
-    """One-process runs on the packed (varlen) path, per family, made on first use."""
+    """One-process runs on the packed (varlen) path, per family (and model overrides), made on first use."""
     runs = {}
 
-    def get(family):
-        if family not in runs:
-            runs[family] = _trained(dataset, tmp_path_factory.mktemp("packed") / "run", family, extra=PACKED)
-        return runs[family]
+    def get(family, extra=()):
+        key = (family, tuple(extra))
+        if key not in runs:
+            runs[key] = _trained(dataset, tmp_path_factory.mktemp("packed") / "run", family, extra=[*PACKED, *extra])
+        return runs[key]
 
     return get
 
@@ -64,15 +65,19 @@ def test_tp2_by_dp2_gives_the_one_process_gradients(dataset, references, packed_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,mesh,packed", [("pi05-tiny", ["--parallel.pp=2"], True),
-                                                ("pi0-tiny", ["--parallel.pp=2", "--parallel.tp=2"], False)])
+                                                ("pi0-tiny", ["--parallel.pp=2", "--parallel.tp=2"], False),
+                                                ("groot-tiny", ["--parallel.pp=2"], True)])
 def test_pipeline_stages_give_the_one_process_gradients(dataset, references, packed_references, tmp_path, family,
                                                         mesh, packed):
     """PP=2 x DP=2 and TP=2 x PP=2: 1F1B over several rows per replica (rows of different lengths:
-    each stage takes the shapes it receives from the row), one layer per stage, pi0.5's time MLP on
-    both stages (its gradient summed over them)."""
-    run = _trained(dataset, tmp_path / "mesh", family, nproc=4, extra=[*mesh, *(PACKED if packed else [])])
-    _assert_same_gradients((packed_references if packed else references)(family), run,
-                           tp=2 if "--parallel.tp=2" in mesh else 1)
+    each stage takes the shapes it receives from the row), one layer per stage, pi0.5's time MLP and
+    GR00T's timestep encoder on both stages (their gradients summed over them); GR00T's VL features
+    travel beside the DiT tokens and their gradient back into the backbone."""
+    # GR00T: 4 DiT blocks, so the second stage has a cross-attention block (the VL features' gradient crosses)
+    model = ["--policy.overrides.dit.depth=4"] if family.startswith("groot") else []
+    run = _trained(dataset, tmp_path / "mesh", family, nproc=4, extra=[*mesh, *model, *(PACKED if packed else [])])
+    one = packed_references(family, model) if packed else references(family)
+    _assert_same_gradients(one, run, tp=2 if "--parallel.tp=2" in mesh else 1)
 
 
 MESHES = {"one": (1, []), "tp2": (4, ["--parallel.tp=2"]), "pp2": (4, ["--parallel.pp=2"])}
@@ -109,7 +114,7 @@ def _config(*args):
     (["--parallel.tp=2", "--ema_decay=0.99"], 4, r"ema_decay with parallel.tp is not supported yet"),
     (["--parallel.tp=2", "--policy.lora.rank=4"], 4, r"policy.lora with parallel.tp is not supported yet"),
     (["--parallel.pp=4"], 4, r"parallel.pp=4 does not divide the model's 2 layers"),
-    (["--parallel.pp=2", "--policy.preset=groot-tiny"], 4, r"pipeline stages exist for pi0 / pi0.5 only"),
+    (["--parallel.pp=4", "--policy.preset=groot-tiny"], 4, r"parallel.pp=4 does not divide the model's 2 layers"),
     (["--parallel.pp=2", "--parallel.strategy=fsdp"], 4, r"parallel.pp with parallel.strategy=fsdp"),
     (["--parallel.pp=2", "--eval.every=2"], 4, r"eval.every with parallel.pp is not supported yet"),
     (["--parallel.pp=2", "--parallel.tp=2"], 6, r"parallel.tp=2 x parallel.pp=2 does not divide the world size 6"),

@@ -442,34 +442,73 @@ class GrootModel(nn.Module):
 
     def encode(self, batch: PaddedBatch | PackedBatch) -> _VL:
         backend = self._backend(batch.state.device)
-        if isinstance(batch, PaddedBatch) and self.config.packing:
-            batch = batch.pack(self.config.enabled_cameras)
+        batch = self._as_run(batch)
         return self._vl_packed(batch, backend) if isinstance(batch, PackedBatch) else self._vl_padded(batch, backend)
+
+    def _as_run(self, batch):
+        return batch.pack(self.config.enabled_cameras) if isinstance(batch, PaddedBatch) and self.config.packing else batch
+
+    def _vl_layout(self, batch: PaddedBatch | PackedBatch) -> _VL:
+        """What `encode` returns, without running the backbone: zeros of the VL features' shape with
+        their mask or lengths, for a later pipeline stage (it receives the features)."""
+        cfg, batch = self.config, self._as_run(batch)
+        w, p = cfg.llm.width, cfg.vision.tokens
+        if isinstance(batch, PackedBatch):
+            b = batch.batch_size
+            if cfg.image_token_id is None:
+                img, text = batch.state.new_zeros(len(batch.images), p, w), batch.state.new_zeros(len(batch.tokens), w)
+                x, lengths, _ = pack_prefix(img, batch.image_sample, text, batch.token_sample, b)
+            else:
+                x, lengths = batch.state.new_zeros(len(batch.tokens), w), torch.bincount(batch.token_sample, minlength=b)
+            return _VL(x, lengths=lengths)
+        batch = batch.select_cameras(cfg.enabled_cameras)
+        if cfg.language_padding == "longest":
+            batch = batch.trim_language()
+        text = batch.state.new_zeros(*batch.tokens.shape, w)
+        if cfg.image_token_id is None:
+            img = batch.state.new_zeros(batch.images.shape[0] * batch.images.shape[1], p, w)
+            x, valid = padded_prefix(img, batch.image_masks, text, batch.token_mask)
+        else:
+            x, valid = text, batch.token_mask
+        return _VL(x, mask=valid)
 
     # -- action head -------------------------------------------------------------------------------
     def velocity(self, vl: _VL, state, x_t, t, embodiment) -> torch.Tensor:
         """DiT prediction of d x / d t for noisy actions x_t at flow time t (GR00T's convention)."""
+        x, temb = self._dit_inputs(state, x_t, t, embodiment)
+        x = self._dit_blocks(range(self.config.dit.depth), x, temb, vl)
+        return self._decode(x, temb, x_t.shape[1], embodiment)
+
+    def _dit_inputs(self, state, x_t, t, embodiment, embed: bool = True):
+        """The DiT's tokens [state | future | actions] (B, 1 + F + H, D) and its time embedding;
+        `embed=False` (a later pipeline stage): zeros in place of the tokens, which it receives."""
         cfg, head = self.config, self.action_head
         b, horizon = x_t.shape[:2]
         t_disc = (t * cfg.dit.timestep_buckets).long()
+        temb = head.model.timestep_encoder(t_disc)
+        if not embed:
+            return x_t.new_zeros(b, cfg.action_head_tokens, cfg.dit.width), temb
         state_emb = head.state_encoder(state[:, None], embodiment)
         actions = head.action_encoder(x_t, t_disc, embodiment) + head.position_embedding.weight[:horizon][None]
         future = head.future_tokens.weight[None].expand(b, -1, -1)
-        x = torch.cat([state_emb, future, actions], dim=1)  # (B, 49, D)
-        temb = head.model.timestep_encoder(t_disc)
+        return torch.cat([state_emb, future, actions], dim=1), temb  # (B, 49, D)
+
+    def _dit_blocks(self, blocks: range, x, temb, vl: _VL):
+        """DiT blocks `blocks` over x: odd ones self-attention among a sample's action-head tokens
+        (never padded), even ones cross-attention to the VL tokens."""
+        head, (b, n) = self.action_head, x.shape[:2]
         backend = self._backend(x.device)
-        n = x.shape[1]
         if vl.lengths is None:
-            cross_mask = additive(vl.mask[:, None, :].expand(b, n, -1))
-            cross_spec = None
+            cross_mask, cross_spec = additive(vl.mask[:, None, :].expand(b, n, -1)), None
         else:
-            cross_mask = None
-            cross_spec = VarlenSpec.from_lengths(torch.full_like(vl.lengths, n), vl.lengths)
-        for i, block in enumerate(head.model.transformer_blocks):
-            if i % 2:  # self-attention among the 49 action-head tokens of a sample (never padded)
-                x = block(x, temb)
-            else:  # cross-attention to the VL tokens
-                x = block(x, temb, vl.x, spec=cross_spec, mask=cross_mask, backend=backend)
+            cross_mask, cross_spec = None, VarlenSpec.from_lengths(torch.full_like(vl.lengths, n), vl.lengths)
+        for i in blocks:
+            block = head.model.transformer_blocks[i]
+            x = block(x, temb) if i % 2 else block(x, temb, vl.x, spec=cross_spec, mask=cross_mask, backend=backend)
+        return x
+
+    def _decode(self, x, temb, horizon: int, embodiment) -> torch.Tensor:
+        head = self.action_head
         shift, scale = head.model.proj_out_1(F.silu(temb)).chunk(2, dim=-1)
         x = head.model.norm_out(x[:, -horizon:]) * (1 + scale[:, None]) + shift[:, None]  # per token: decode actions only
         return head.action_decoder(head.model.proj_out_2(x), embodiment)
@@ -490,11 +529,34 @@ class GrootModel(nn.Module):
         actions = batch.actions
         if actions.shape[1] != self.config.action_horizon:
             raise KilovlaError(f"GR00T predicts {self.config.action_horizon}-step chunks; the batch has {actions.shape[1]}")
+        return self.forward_stage(batch, noise, time)
+
+    def forward_stage(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None,
+                      time: torch.Tensor | None = None, layers: range | None = None, receive=None):
+        """`forward` over the DiT blocks `layers` only: one pipeline stage's share (train/pipeline.py;
+        the first stage also runs the backbone and the VL self-attention). A later stage passes
+        `receive(vl, x) -> (vl, x)`, given zeros of the VL features' and the DiT tokens' shapes (both
+        follow from the batch); returns the loss dict after the last block, else (vl features, x)."""
+        if batch.actions is None:
+            raise KilovlaError("training needs actions in the batch")
+        actions = batch.actions
+        if actions.shape[1] != self.config.action_horizon:
+            raise KilovlaError(f"GR00T predicts {self.config.action_horizon}-step chunks; the batch has {actions.shape[1]}")
+        depth = self.config.dit.depth
+        layers = range(depth) if layers is None else layers
         noise = torch.randn_like(actions) if noise is None else noise
         t = self.sample_time(actions.shape[0], actions.device) if time is None else time
         x_t = (1 - t[:, None, None]) * noise + t[:, None, None] * actions
         target = actions - noise
-        v = self.velocity(self.encode(batch), batch.state, x_t, t, self._embodiment(batch))
+        emb = self._embodiment(batch)
+        vl = self.encode(batch) if receive is None else self._vl_layout(batch)
+        x, temb = self._dit_inputs(batch.state, x_t, t, emb, embed=receive is None)
+        if receive is not None:
+            vl.x, x = receive(vl.x, x)
+        x = self._dit_blocks(layers, x, temb, vl)
+        if layers.stop < depth:
+            return vl.x, x
+        v = self._decode(x, temb, x_t.shape[1], emb)
         return flow_loss(v, target, loss_weight(batch, target))
 
     def velocity_field(self, batch: PaddedBatch | PackedBatch):

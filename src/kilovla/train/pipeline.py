@@ -1,14 +1,23 @@
 """Pipeline parallelism: the decoder layers split into stages over the mesh's "pp" dimension, run
 with a 1F1B schedule whose micro-batches are a replica's packed rows of the step.
 
-    stage 0:    ViT, projector, token embeddings, suffix embedding, layers [0, d/pp)
-    stage s:    layers [s*d/pp, (s+1)*d/pp)
-    last stage: ..., the expert's final norm, action_out_proj, the loss
+    pi0 / pi0.5 (the paired LM / expert layers; two streams travel, prefix and suffix):
+        stage 0:    ViT, projector, token embeddings, suffix embedding, layers [0, d/pp)
+        stage s:    layers [s*d/pp, (s+1)*d/pp)
+        last stage: ..., the expert's final norm, action_out_proj, the loss
+    GR00T N1.5 (the DiT's blocks; the VL features travel beside the DiT tokens, as every other
+    block cross-attends to them):
+        stage 0:    the Eagle backbone, the VL self-attention, the state / action encoders, blocks [0, d/pp)
+        stage s:    blocks [s*d/pp, (s+1)*d/pp)
+        last stage: ..., the output projections, the action decoder, the loss
+    The backbone stays on stage 0 whole (frozen in N1.5's recipe, so forward only): GR00T's stages
+    split the trained part evenly, not the memory.
 
 `keep_stage(model, stage, pp)` drops from a rank's model what its stage does not run (state-dict
 keys and all), so a stage holds 1/pp of the layers. What every stage runs itself is kept on every
-stage and stays identical: pi0.5's time MLP (its adaRMS condition enters every expert layer), whose
-gradient is summed over the stages (`sum_shared_gradients`) before the optimizer step.
+stage and stays identical: pi0.5's time MLP (its adaRMS condition enters every expert layer) and
+GR00T's timestep encoder, whose gradients are summed over the stages (`sum_shared_gradients`)
+before the optimizer step.
 
 Shapes: packed rows differ in length from step to step, but every stage of a replica reads the
 same rows, so each stage computes the shapes of what it receives from the row itself
@@ -32,20 +41,22 @@ from torch import nn
 from kilovla.errors import KilovlaError
 
 
-def stage_layers(depth: int, pp: int, stage: int) -> range:
-    per = depth // pp
+def depth(model_cfg) -> int:
+    """The layers pipeline stages split: pi0's paired LM / expert layers, GR00T's DiT blocks."""
+    from kilovla.models.groot import GrootConfig
+
+    return model_cfg.dit.depth if isinstance(model_cfg, GrootConfig) else model_cfg.lm.depth
+
+
+def stage_layers(model_cfg, pp: int, stage: int) -> range:
+    per = depth(model_cfg) // pp
     return range(stage * per, (stage + 1) * per)
 
 
 def pp_problems(model_cfg, pp: int) -> list[str]:
     """What keeps a model config from `pp` stages, from the config alone (checked before any work)."""
-    from kilovla.models.pi05 import Pi05Config
-
-    if not isinstance(model_cfg, Pi05Config):
-        return [f"parallel.pp={pp}: pipeline stages exist for pi0 / pi0.5 only; GR00T N1.5 takes parallel.tp "
-                "or parallel.strategy"]
-    if model_cfg.lm.depth % pp:
-        return [f"parallel.pp={pp} does not divide the model's {model_cfg.lm.depth} layers"]
+    if depth(model_cfg) % pp:
+        return [f"parallel.pp={pp} does not divide the model's {depth(model_cfg)} layers"]
     return []
 
 
@@ -57,14 +68,16 @@ class _Dropped(nn.Module):
 
 
 def keep_stage(model: nn.Module, stage: int, pp: int) -> list[str]:
-    """Drop what `stage` of `pp` does not run from a pi0 / pi0.5 model, in place; returns the names of
-    the parameters every stage keeps (their gradients are summed over the stages)."""
+    """Drop what `stage` of `pp` does not run from the model, in place; returns the names of the
+    parameters every stage keeps (their gradients are summed over the stages)."""
+    from kilovla.models.groot import GrootModel
     from kilovla.models.pi05 import Pi05Model
 
+    if isinstance(model, GrootModel):
+        return _keep_groot_stage(model, stage, pp)
     if not isinstance(model, Pi05Model):
         raise KilovlaError(f"no pipeline plan for {type(model).__name__}")
-    cfg = model.config
-    own = stage_layers(cfg.lm.depth, pp, stage)
+    own = stage_layers(model.config, pp, stage)
     for layers in (model.vlm.language_model.layers, model.expert.layers):
         for i in range(len(layers)):
             if i not in own:
@@ -82,7 +95,25 @@ def keep_stage(model: nn.Module, stage: int, pp: int) -> list[str]:
         model.vlm.language_model.norm = _Dropped()
     model.pipeline_stage = (stage, pp)
     shared = [n for n, _ in model.named_parameters() if n.startswith(("time_mlp_in.", "time_mlp_out."))]
-    return shared if pp > 1 else []
+    return shared
+
+
+def _keep_groot_stage(model: nn.Module, stage: int, pp: int) -> list[str]:
+    head = model.action_head
+    own = stage_layers(model.config, pp, stage)
+    blocks = head.model.transformer_blocks
+    for i in range(len(blocks)):
+        if i not in own:
+            blocks[i] = _Dropped()
+    if stage > 0:  # the backbone, the VL self-attention and the DiT's input encoders run on the first stage
+        model.backbone = _Dropped()
+        for name in ("vlln", "vl_self_attention", "state_encoder", "action_encoder", "future_tokens",
+                     "position_embedding"):
+            setattr(head, name, _Dropped())
+    if stage < pp - 1:  # the output projections and the decoder on the last
+        head.model.proj_out_1, head.model.proj_out_2, head.action_decoder = _Dropped(), _Dropped(), _Dropped()
+    model.pipeline_stage = (stage, pp)
+    return [n for n, _ in model.named_parameters() if n.startswith("action_head.model.timestep_encoder.")]
 
 
 def sum_shared_gradients(model: nn.Module, shared: list[str], world) -> None:

@@ -141,7 +141,7 @@ class Trainer:
         self.shared, self.schedule = [], None
         if world.pp > 1:  # this rank's stage keeps its own layers only
             self.shared = pipeline.keep_stage(self.model, world.pp_rank, world.pp)
-            self.stage_layers = pipeline.stage_layers(self.model_cfg.lm.depth, world.pp, world.pp_rank)
+            self.stage_layers = pipeline.stage_layers(self.model_cfg, world.pp, world.pp_rank)
             self.schedule = pipeline.Schedule(world)
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and world.device.type == "cuda")
         p = cfg.parallel

@@ -123,3 +123,14 @@ def test_meshes_that_cannot_work_are_refused_before_any_work(args, world, messag
     with pytest.raises(KilovlaError, match=message):
         validate_config(_config(*args), world)
 
+
+
+def test_the_scaling_model_counts_the_published_shapes():
+    from kilovla.bench.scaling_model import estimate, shape
+
+    pi05 = shape("pi05-3b")
+    assert 3.3e9 < pi05.params < 3.4e9 and pi05.layers == 18  # the 3.35 B parameters
+    # weak scaling: more GPUs, more samples a second; DDP holds 16 bytes a parameter on every GPU
+    assert estimate(pi05, 64)["samples_per_s"] > 4 * estimate(pi05, 8)["samples_per_s"]
+    assert estimate(pi05, 8)["memory_gb"] > 16 * pi05.params / 1e9
+    assert estimate(pi05, 8, fsdp=True)["memory_gb"] < estimate(pi05, 8)["memory_gb"] / 4

@@ -67,6 +67,10 @@ class World:
     def _dim(self, name: str) -> int:
         return 1 if self.mesh is None else self.mesh[name].size()
 
+    def dim_size(self, name: str) -> int:
+        """Ranks along one mesh dimension ("dp", "tp", "pp"); without a mesh every rank is a replica."""
+        return self.dp_size if name == "dp" else self._dim(name)
+
     @property
     def tp(self) -> int:
         return self._dim("tp")
@@ -94,7 +98,8 @@ class World:
         return self.rank // (self.tp * self.dp_size)
 
     def group(self, name: str):
-        """The process group of one mesh dimension through this rank ("dp", "tp", "pp")."""
+        """The process group of one mesh dimension through this rank ("dp", "tp", "pp"); None (the
+        whole world) without a mesh, where only "dp" has more than one rank."""
         return None if self.mesh is None else self.mesh[name].get_group()
 
     @property
@@ -311,7 +316,7 @@ class Watchdog:
 def all_reduce_sum(value: float, world: World, over: str | None = None) -> float:
     """The sum of `value` over all ranks, or over one mesh dimension through this rank (`over`: "dp"
     sums over the model replicas, whose ranks hold different rows; "pp" over a replica's stages)."""
-    if world.size == 1 or (over is not None and world._dim(over) == 1):
+    if world.size == 1 or (over is not None and world.dim_size(over) == 1):
         return value
     t = torch.tensor([value], dtype=torch.float64, device=world.device)
     dist.all_reduce(t, group=world.group(over) if over else None)

@@ -46,6 +46,7 @@ def _assert_same_gradients(one, mesh, world_size=4, tp=1):
         assert _relative_error(_gradients(one, step), _gradients(mesh, step)) < 1e-4, f"step {step}"
     for a, b in zip(_metrics(one), records):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)  # what clipping scales by
     # AdamW divides by the root of the second moment: a parameter with a near-zero gradient moves by
     # ~lr whatever its size, so weights agree less tightly than the gradients that made them.
     assert _max_diff(_weights(one, 4), _weights(mesh, 4)) < 1e-4

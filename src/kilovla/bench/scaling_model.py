@@ -4,19 +4,24 @@ DDP, FSDP and a 3D layout (TP within a node x PP x FSDP on the rest), from the m
     python -m kilovla.bench.scaling_model        # the table README shows
 
 What is counted, not assumed: each part's parameters (the models are built on the meta device),
-the FLOPs of a sample per layer (6 x parameters x tokens, plus attention's 12 x tokens x keys x
-width, over the LIBERO layout: 2 cameras of 256 tokens, 48 language tokens, a 50-action chunk) and
-the bytes of every message (gradients in fp32, parameters gathered in bf16, activations in bf16).
+the FLOPs of a sample per layer (8 x parameters x tokens with gradient checkpointing's recomputed
+forward, plus attention's 16 x tokens x keys x width, over the LIBERO layout: 2 cameras of 256
+tokens, 48 language tokens, a 50-action chunk) and the bytes of every message (gradients in fp32,
+parameters gathered in bf16, TP's activations in bf16, pipeline sends in fp32 as train/pipeline.py
+sends them).
 
 What is assumed, and can be changed below: an H200's dense bf16 rate at 40 % MFU; 8 GPUs a node on
 NVLink (450 GB/s a GPU each way), 50 GB/s a GPU between nodes (400 Gb/s InfiniBand); ring
 collectives (2(n-1)/n of the bytes for an all-reduce, (n-1)/n for a gather or a scatter) at the
 slowest link they cross; DDP's and FSDP's traffic overlapped with the backward pass up to 80 % of its
-length, tensor parallelism's all-reduces on the critical path (4 per layer, forward and backward),
-pipeline bubbles of (stages - 1) / (micro-batches + stages - 1); 32 samples a GPU per step (weak
-scaling), micro-batches of 8 samples. Memory: weights, gradients and two AdamW moments in fp32
-(16 bytes a parameter) divided by the degree they are sharded over, plus one layer's activations
-per sample in flight (gradient checkpointing); a layout over 80 % of 141 GB does not fit.
+length, tensor parallelism's all-reduces on the critical path (6 per layer: forward, recomputed
+forward, backward), pipeline bubbles of (stages - 1) / (micro-batches + stages - 1); 32 samples a GPU
+per step (weak scaling), micro-batches of 8 samples. Memory: weights, gradients and two AdamW moments
+in fp32 (16 bytes a parameter) divided by the degree they are sharded over; under FSDP one layer
+gathered whole in bf16 beside them; the layer-boundary activations (bf16, checkpointed, not split by
+tp: no sequence parallelism) of every micro-batch in flight (1F1B keeps up to `stages` on the first
+stage); a layout over 80 % of 141 GB does not fit. The layouts are ones `kilovla train` runs (PP
+with DDP on the data dimension, its stages dividing the layers).
 
 No GPU was measured for these figures: they estimate, for planning, what the rows of `kilovla bench
 scaling` measure on the ranks at hand.
@@ -62,8 +67,8 @@ def shape(name: str, **overrides) -> Shape:
     prefix = CAMERAS * IMAGE_TOKENS + LANGUAGE_TOKENS
     lm_layer, expert_layer = count(lm.layers[0]), count(expert.layers[0])
     attn_width = cfg.lm.heads * cfg.lm.head_dim
-    flops = 6 * (count(vit) * CAMERAS * IMAGE_TOKENS + cfg.lm.depth * (lm_layer * prefix + expert_layer * CHUNK))
-    flops += 12 * cfg.lm.depth * attn_width * (prefix * prefix + CHUNK * (prefix + CHUNK))
+    flops = 8 * (count(vit) * CAMERAS * IMAGE_TOKENS + cfg.lm.depth * (lm_layer * prefix + expert_layer * CHUNK))
+    flops += 16 * cfg.lm.depth * attn_width * (prefix * prefix + CHUNK * (prefix + CHUNK))
     return Shape(name, count(model), cfg.lm.depth, lm_layer + expert_layer, flops,
                  2 * (prefix * cfg.lm.width + CHUNK * cfg.expert.width))
 
@@ -82,11 +87,11 @@ def estimate(s: Shape, gpus: int, tp: int = 1, pp: int = 1, fsdp: bool = False) 
     micro = max(1, int(per_replica // MICRO_BATCH))
     bubble = (pp - 1) / (micro + pp - 1)
     step = compute / (1 - bubble)
-    # tensor parallelism: 4 all-reduces of a micro-batch's activations per layer of the stage, on NVLink
-    tp_comm = 4 * (s.layers / pp) * micro * _ring(tp, s.activation_bytes * MICRO_BATCH, 2, NVLINK)
-    # pipeline: a micro-batch's activations forward and their gradients back, at each stage boundary
+    # tensor parallelism: 6 all-reduces of a micro-batch's activations per layer of the stage, on NVLink
+    tp_comm = 6 * (s.layers / pp) * micro * _ring(tp, s.activation_bytes * MICRO_BATCH, 2, NVLINK)
+    # pipeline: a micro-batch's activations forward and their gradients back, at each stage boundary (fp32)
     pp_link = NETWORK if tp * pp > NODE else NVLINK
-    pp_comm = 2 * micro * s.activation_bytes * MICRO_BATCH / pp_link if pp > 1 else 0.0
+    pp_comm = 2 * micro * 2 * s.activation_bytes * MICRO_BATCH / pp_link if pp > 1 else 0.0
     # data parallel: its groups cross nodes once there is more than one node
     dp_link = NETWORK if gpus > NODE else NVLINK
     stage_params = s.params / pp
@@ -96,14 +101,16 @@ def estimate(s: Shape, gpus: int, tp: int = 1, pp: int = 1, fsdp: bool = False) 
         dp_comm = _ring(dp, 4 * stage_params / tp, 2, dp_link)
     exposed_dp = max(0.0, dp_comm - OVERLAP * compute * 2 / 3)
     step += tp_comm + pp_comm + exposed_dp
-    memory = 16 * stage_params / tp / (dp if fsdp else 1) + s.activation_bytes * MICRO_BATCH * (s.layers / pp) / tp
+    in_flight = min(pp, micro)  # 1F1B: micro-batches whose backward is still to come, on the first stage
+    memory = (16 * stage_params / tp / (dp if fsdp else 1) + (2 * s.layer_params / tp if fsdp else 0)
+              + s.activation_bytes * MICRO_BATCH * in_flight * (s.layers / pp))
     return {"step_s": step, "samples_per_s": samples / step, "memory_gb": memory / 1e9,
             "fits": memory <= GPU_MEMORY, "comm_s": tp_comm + pp_comm + exposed_dp, "bubble": bubble}
 
 
-LAYOUTS = {  # (name, tp, pp, fsdp) per model: 3D puts TP in a node and as few stages as fit
+LAYOUTS = {  # (name, tp, pp, fsdp) per model: 3D puts TP in a node and as few stages as fit (46 layers: 2)
     "pi05-3b": [("DDP", 1, 1, False), ("FSDP", 1, 1, True), ("3D: TP=2 x FSDP", 2, 1, True)],
-    "pi0-30b": [("DDP", 1, 1, False), ("FSDP", 1, 1, True), ("3D: TP=8 x PP=4 x FSDP", 8, 4, True)],
+    "pi0-30b": [("DDP", 1, 1, False), ("FSDP", 1, 1, True), ("3D: TP=8 x PP=2 x DDP", 8, 2, False)],
 }
 GPUS = (8, 64, 256, 1024)
 
@@ -127,7 +134,7 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         fits = "" if r["fits"] else " (does not fit)"
         lines.append(f"| {r['model']} ({r['params_b']:.1f} B) | {r['layout']} | {r['gpus']} | {r['step_s']:.2f} | "
-                     f"{r['samples_per_s']:.0f} | {r['memory_gb']:.0f}{fits} | {r['comm_s']:.2f} |")
+                     f"{r['samples_per_s']:.0f} | {r['memory_gb']:.1f}{fits} | {r['comm_s']:.2f} |")
     return "\n".join(lines)
 
 

@@ -357,7 +357,8 @@ def _sharded_dims(t: torch.Tensor) -> tuple[str, ...]:
     if not hasattr(t, "placements"):
         return ()
     names = t.device_mesh.mesh_dim_names
-    return tuple(names[i] for i, p in enumerate(t.placements) if p.is_shard())
+    # not replicated nor partial: split, counting FSDP-over-TP's _StridedShard (whose is_shard() is False)
+    return tuple(names[i] for i, p in enumerate(t.placements) if not (p.is_replicate() or p.is_partial()))
 
 
 def mesh_clip_gradients(params: list[torch.Tensor], max_norm: float, world: World,

@@ -26,8 +26,11 @@ A step with fewer rows than stages runs as well, with a longer bubble (1F1B's wa
 min(pp - stage - 1, rows)).
 
 `Schedule` runs one step's rows on one rank: warm-up forwards, then one forward and one backward in
-turn, then the remaining backwards. Sends are non-blocking (kept alive until the step ends) and
-receives blocking, so a stage never waits on a send and the schedule cannot deadlock.
+turn, then the remaining backwards. A send is held back until the rank next receives, and goes out
+with that receive in one `batch_isend_irecv` (Megatron's send-forward-receive-backward): in the
+steady state neighbouring stages send to each other at the same time, which on NCCL (one stream per
+pair, sends that wait for their receive) would deadlock as two separate calls; on gloo too, each
+direction between two ranks carries one kind of message, in order.
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ class Schedule:
         self.next = world.rank + step if self.stage < self.pp - 1 else None
 
     def run(self, rows: int, forward: Callable) -> None:
-        self._sends, self._saved = [], {}
+        self._pending, self._inflight, self._saved = [], [], {}
         warmup = min(self.pp - self.stage - 1, rows)
         for i in range(warmup):
             self._forward(i, forward)
@@ -150,22 +153,37 @@ class Schedule:
             self._backward(i)
         for i in range(rows - warmup, rows):
             self._backward(i)
-        for handle, _ in self._sends:
+        self._exchange()  # what is still held back
+        for handle, _ in self._inflight:
             handle.wait()
-        self._sends, self._saved = [], {}
+        self._pending, self._inflight, self._saved = [], [], {}
 
     def _send(self, tensors, dst: int) -> None:
-        for t in tensors:
-            t = t.detach().to(torch.float32).contiguous()
-            self._sends.append((dist.isend(t, dst), t))  # the tensor stays alive until the send completes
+        self._pending += [(t.detach().to(torch.float32).contiguous(), dst) for t in tensors]
+
+    def _exchange(self, like: torch.Tensor | None = None, src: int | None = None) -> torch.Tensor | None:
+        """The held-back sends and (given `like`) one receive from `src`, as one batch; waits for the
+        receive only (a sent tensor stays referenced until the step's end)."""
+        ops = [dist.P2POp(dist.isend, t, dst) for t, dst in self._pending]
+        buf = None
+        if like is not None:
+            buf = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+            ops.append(dist.P2POp(dist.irecv, buf, src))
+        if not ops:
+            return None
+        handles = dist.batch_isend_irecv(ops)
+        self._inflight += list(zip(handles[: len(self._pending)], self._pending))
+        self._pending = []
+        if buf is not None:
+            handles[-1].wait()
+        return buf
 
     def _forward(self, i: int, forward: Callable) -> None:
         inputs = []
 
         def receive(*templates):
             for tmpl in templates:
-                t = torch.empty(tmpl.shape, dtype=torch.float32, device=tmpl.device)
-                dist.recv(t, self.prev)
+                t = self._exchange(tmpl, self.prev)
                 inputs.append(t.to(tmpl.dtype).detach().requires_grad_())
             return tuple(inputs)
 
@@ -179,11 +197,7 @@ class Schedule:
         if self.next is None:  # the last stage: `out` is the row's scaled loss
             out.backward()
         else:
-            grads = []
-            for t in out:
-                g = torch.empty(t.shape, dtype=torch.float32, device=t.device)
-                dist.recv(g, self.next)
-                grads.append(g.to(t.dtype))
+            grads = [self._exchange(t, self.next).to(t.dtype) for t in out]
             pairs = [(t, g) for t, g in zip(out, grads) if t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

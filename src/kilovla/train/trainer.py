@@ -152,6 +152,9 @@ class Trainer:
         self.trainable, self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.steps)
         self.trainable_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in self.trainable)  # a sharded (DTensor) parameter reports its full size
+        if world.pp > 1:  # a stage holds its own layers: the model's count is the stages' sum (shared ones once)
+            shared = sum(p.numel() for n, p in self.model.named_parameters() if n in self.shared and p.requires_grad)
+            self.n_trainable = int(distributed.all_reduce_sum(self.n_trainable - shared, world, over="pp")) + shared
         self.ema = build_ema(self.model, cfg.ema_decay)
         self.step = 0
         if resume_from is not None:

@@ -17,6 +17,7 @@ level of work, after torchtitan's `train.py`:
 
     trainer = Trainer(cfg, world, resume_from)   # model, processor, lake, plan, parallel, optimizer, EMA, resume
     trainer.forward_backward(row, ...)           # one packed row: loss, backward (reduced on the step's last row)
+    trainer.pipeline_forward_backward(rows, ...) # or, on a pipeline stage, the step's rows as 1F1B micro-batches
     trainer.train_step(rows)                     # a rank's rows of one step, then clip + optimizer + EMA
     trainer.train()                              # the loop: metrics, checkpoints, evaluation, faults
     trainer.state_dict() / load_state_dict()     # step and plan position (checkpoint.py holds the tensors)

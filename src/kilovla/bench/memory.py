@@ -128,8 +128,7 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, console=None)
     runs, rank = {}, QUICK_LORA_RANK if quick else LORA_RANK
     for preset, mode in RUNS:
         name = QUICK_PRESETS[preset] if quick else preset
-        bound = _bound(name)
-        if mode == "full" and bound["peak_mb"] * 2**20 > 0.8 * limit:
+        if mode == "full" and (bound := _bound(name))["peak_mb"] * 2**20 > 0.8 * limit:
             runs[(preset, mode)] = bound
             note(f"memory: {name} full fine-tuning needs >= {bound['peak_mb']:.0f} MiB (computed): not run")
             continue
@@ -165,7 +164,7 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, console=None)
     target = {"pi05_lora_within_1.25x_base": p_lora["peak_mb"] <= 1.25 * p_lora["base_weight_mb"],
               "pi05_lora_below_expert_only": p_lora["peak_mb"] < peak("pi05-3b", "expert_only"),
               "groot_lora_within_1.25x_base": g_lora["peak_mb"] <= 1.25 * g_lora["base_weight_mb"]}
-    extra = {"runs": [{**r} for r in runs.values()], "target": target, "lora_rank": rank,
+    extra = {"runs": list(runs.values()), "target": target, "lora_rank": rank,
              "machine_memory_mb": limit / 2**20}
     return write_suite("memory", rows, quick=quick, out_dir=out_dir, extra=extra, console=console)
 

@@ -399,18 +399,26 @@ class GrootModel(nn.Module):
                                f"{images.shape[0]} images of {images.shape[1]} tokens")
         return text.masked_scatter(slots[..., None], images.to(text.dtype))
 
-    def _vl_padded(self, batch: PaddedBatch, backend: str) -> _VL:
+    def _vl_padded(self, batch: PaddedBatch, backend: str, run: bool = True) -> _VL:
+        """`run=False` (a later pipeline stage): zeros of the VL features' shape with their mask, the
+        backbone not run (the stage receives the features)."""
         cfg = self.config
         batch = batch.select_cameras(cfg.enabled_cameras)
         if cfg.language_padding == "longest":
             batch = batch.trim_language()
-        img = self._embed_images(batch.images.flatten(0, 1))
-        text = self.eagle.language_model.model.embed_tokens(batch.tokens)
+        if run:
+            img = self._embed_images(batch.images.flatten(0, 1))
+            text = self.eagle.language_model.model.embed_tokens(batch.tokens)
+        else:
+            img = batch.state.new_zeros(batch.images.shape[0] * batch.images.shape[1], cfg.vision.tokens, cfg.llm.width)
+            text = batch.state.new_zeros(*batch.tokens.shape, cfg.llm.width)
         if cfg.image_token_id is None:
             x, valid = padded_prefix(img, batch.image_masks, text, batch.token_mask)
         else:
             present = img.view(*batch.image_masks.shape, *img.shape[1:])[batch.image_masks]
             x, valid = self._place_images(text, batch.tokens, batch.token_mask, present), batch.token_mask
+        if not run:
+            return _VL(x, mask=valid)
         positions = valid.long().cumsum(1) - 1
         n = valid.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
@@ -422,17 +430,24 @@ class GrootModel(nn.Module):
             x = block(x, mask=keys, backend=backend)
         return _VL(x, mask=valid)
 
-    def _vl_packed(self, batch: PackedBatch, backend: str) -> _VL:
-        b = batch.batch_size
-        img = self._embed_images(batch.images) if len(batch.images) else batch.state.new_zeros(0, 1, self.config.llm.width)
-        text = self.eagle.language_model.model.embed_tokens(batch.tokens)
-        if self.config.image_token_id is None:
+    def _vl_packed(self, batch: PackedBatch, backend: str, run: bool = True) -> _VL:
+        """`run=False`: the shapes and lengths only, as `_vl_padded`."""
+        cfg, b = self.config, batch.batch_size
+        if run:
+            img = self._embed_images(batch.images) if len(batch.images) else batch.state.new_zeros(0, 1, cfg.llm.width)
+            text = self.eagle.language_model.model.embed_tokens(batch.tokens)
+        else:
+            img = batch.state.new_zeros(len(batch.images), cfg.vision.tokens, cfg.llm.width)
+            text = batch.state.new_zeros(len(batch.tokens), cfg.llm.width)
+        if cfg.image_token_id is None:
             x, lengths, positions = pack_prefix(img, batch.image_sample, text, batch.token_sample, b)
         else:
             x = self._place_images(text, batch.tokens, None, img)
             lengths = torch.bincount(batch.token_sample, minlength=b)
             positions = torch.arange(len(x), device=x.device) - torch.repeat_interleave(lengths.cumsum(0) - lengths,
                                                                                        lengths)
+        if not run:
+            return _VL(x, lengths=lengths)
         x = self._llm(x, positions, VarlenSpec.from_lengths(lengths, lengths, causal=True), None, backend)
         x = self.action_head.vlln(x)
         spec = VarlenSpec.from_lengths(lengths, lengths)
@@ -440,37 +455,14 @@ class GrootModel(nn.Module):
             x = block(x, spec=spec, backend=backend)
         return _VL(x, lengths=lengths)
 
-    def encode(self, batch: PaddedBatch | PackedBatch) -> _VL:
+    def encode(self, batch: PaddedBatch | PackedBatch, run: bool = True) -> _VL:
+        """The VL features; `run=False`: their shape (zeros) and mask or lengths only."""
         backend = self._backend(batch.state.device)
-        batch = self._as_run(batch)
-        return self._vl_packed(batch, backend) if isinstance(batch, PackedBatch) else self._vl_padded(batch, backend)
-
-    def _as_run(self, batch):
-        return batch.pack(self.config.enabled_cameras) if isinstance(batch, PaddedBatch) and self.config.packing else batch
-
-    def _vl_layout(self, batch: PaddedBatch | PackedBatch) -> _VL:
-        """What `encode` returns, without running the backbone: zeros of the VL features' shape with
-        their mask or lengths, for a later pipeline stage (it receives the features)."""
-        cfg, batch = self.config, self._as_run(batch)
-        w, p = cfg.llm.width, cfg.vision.tokens
+        if isinstance(batch, PaddedBatch) and self.config.packing:
+            batch = batch.pack(self.config.enabled_cameras)
         if isinstance(batch, PackedBatch):
-            b = batch.batch_size
-            if cfg.image_token_id is None:
-                img, text = batch.state.new_zeros(len(batch.images), p, w), batch.state.new_zeros(len(batch.tokens), w)
-                x, lengths, _ = pack_prefix(img, batch.image_sample, text, batch.token_sample, b)
-            else:
-                x, lengths = batch.state.new_zeros(len(batch.tokens), w), torch.bincount(batch.token_sample, minlength=b)
-            return _VL(x, lengths=lengths)
-        batch = batch.select_cameras(cfg.enabled_cameras)
-        if cfg.language_padding == "longest":
-            batch = batch.trim_language()
-        text = batch.state.new_zeros(*batch.tokens.shape, w)
-        if cfg.image_token_id is None:
-            img = batch.state.new_zeros(batch.images.shape[0] * batch.images.shape[1], p, w)
-            x, valid = padded_prefix(img, batch.image_masks, text, batch.token_mask)
-        else:
-            x, valid = text, batch.token_mask
-        return _VL(x, mask=valid)
+            return self._vl_packed(batch, backend, run)
+        return self._vl_padded(batch, backend, run)
 
     # -- action head -------------------------------------------------------------------------------
     def velocity(self, vl: _VL, state, x_t, t, embodiment) -> torch.Tensor:
@@ -549,7 +541,7 @@ class GrootModel(nn.Module):
         x_t = (1 - t[:, None, None]) * noise + t[:, None, None] * actions
         target = actions - noise
         emb = self._embodiment(batch)
-        vl = self.encode(batch) if receive is None else self._vl_layout(batch)
+        vl = self.encode(batch, run=receive is None)
         x, temb = self._dit_inputs(batch.state, x_t, t, emb, embed=receive is None)
         if receive is not None:
             vl.x, x = receive(vl.x, x)

@@ -310,7 +310,9 @@ class Pi05Model(nn.Module):
         return attention
 
     def _padded_streams(self, batch: PaddedBatch, x_t: torch.Tensor, t: torch.Tensor, embed: bool = True):
-        """The padded reference path's streams, attention and `finish` (see `_streams`)."""
+        """The padded reference path's two streams at the first layer, its attention and `finish(out) -> v`
+        (the expert's normed output -> velocities (B, H, A)); `embed=False` (a later pipeline stage):
+        zeros of the streams' shapes in place of their embeddings (see `forward_stage`)."""
         x_pre, mask, positions, n = self._padded_layout(batch, x_t.shape[1], embed)
         suffix, cond = self.embed_suffix(batch.state, x_t, t, embed)
         pre = _Stream(x_pre, positions[:, :n])
@@ -325,7 +327,7 @@ class Pi05Model(nn.Module):
 
     # -- packed path ----------------------------------------------------------------------------------
     def _packed_streams(self, batch: PackedBatch, x_t: torch.Tensor, t: torch.Tensor, embed: bool = True):
-        """The packed path's streams, attention and `finish` (see `_streams`): every sample's tokens
+        """The packed path's streams, attention and `finish`, as `_padded_streams`: every sample's tokens
         laid end to end, no padding."""
         cfg = self.config
         b, horizon = batch.batch_size, x_t.shape[1]
@@ -359,11 +361,6 @@ class Pi05Model(nn.Module):
             return v
 
         return pre, suf, attention, finish
-
-    def forward_packed(self, batch: PackedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Velocity prediction (B, H, A) with every sample's tokens laid end to end, no padding."""
-        pre, suf, attention, finish = self._packed_streams(batch, x_t, t)
-        return finish(self._layers(pre, suf, attention)[0])
 
     def _varlen_attention(self, pre_len: torch.Tensor, suf_len: torch.Tensor, suf_slot: torch.Tensor, dev):
         """Index plans for the varlen calls of one packed batch (built once, used by every layer)."""

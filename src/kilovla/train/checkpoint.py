@@ -72,7 +72,7 @@ def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, 
     folder = Path(folder)
     root = folder.parent
     sharded = distributed.is_sharded(model)
-    staged = getattr(model, "pipeline_stage", None) is not None
+    staged = distributed.is_pipeline_stage(model)
     tmp = root / f".{folder.name}.tmp"  # the same name on every rank: they all write into it
     what = f"checkpoint {folder.name}"
     try:
@@ -246,7 +246,7 @@ def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world, ada
         set_model_state_dict(model, state["model"], options=only)
         set_optimizer_state_dict(model, optimizer, state["optim"])
     else:
-        staged = getattr(model, "pipeline_stage", None) is not None
+        staged = distributed.is_pipeline_stage(model)
         # FSDP: rank 0 reads and broadcasts; a pipeline stage reads the file itself and keeps its own keys
         broadcast = distributed.is_sharded(model) and not staged
         reader = world.is_main or not broadcast

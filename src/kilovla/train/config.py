@@ -58,7 +58,7 @@ class BatchConfig:
 class ParallelConfig:
     strategy: str = "ddp"  # or fsdp (one FSDP2 unit per transformer layer); with tp, on the data dimension
     tp: int = 1  # tensor-parallel degree: ranks that share one model replica (train/tensor_parallel.py)
-    pp: int = 1  # pipeline stages over the decoder layers, 1F1B (train/pipeline.py); pi0 / pi0.5
+    pp: int = 1  # pipeline stages over pi0's decoder layers or GR00T's DiT blocks, 1F1B (train/pipeline.py)
     bucket_cap_mb: int = 25
     gradient_as_bucket_view: bool = True
     static_graph: bool = False  # refused on several ranks: breaks accumulation over rows (see validate_config)

@@ -218,6 +218,11 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def is_pipeline_stage(model: nn.Module) -> bool:
+    """A model that holds one pipeline stage's share of the layers (train/pipeline.py `keep_stage`)."""
+    return getattr(model, "pipeline_stage", None) is not None
+
+
 def is_sharded(model: nn.Module) -> bool:
     """FSDP2, tensor parallelism (the parameters are DTensors) or a pipeline stage (a share of the
     parameters): saved and loaded by their shards."""
@@ -225,8 +230,7 @@ def is_sharded(model: nn.Module) -> bool:
         from torch.distributed.tensor import DTensor
     except ImportError:
         return False
-    return (is_fsdp(model) or getattr(model, "pipeline_stage", None) is not None
-            or any(isinstance(p, DTensor) for p in model.parameters()))
+    return is_fsdp(model) or is_pipeline_stage(model) or any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -119,12 +119,11 @@ def _keep_groot_stage(model: nn.Module, stage: int, pp: int) -> list[str]:
     return [n for n, _ in model.named_parameters() if n.startswith("action_head.model.timestep_encoder.")]
 
 
-def sum_shared_gradients(model: nn.Module, shared: list[str], world) -> None:
-    """The gradient of a parameter every stage keeps is the sum of the stages' parts."""
+def sum_shared_gradients(shared: list[torch.Tensor], world) -> None:
+    """The gradient of a parameter every stage keeps (`shared`) is the sum of the stages' parts."""
     from kilovla.train.distributed import all_reduce_flat
 
-    params = dict(model.named_parameters())
-    grads = [params[n].grad for n in shared if params[n].grad is not None]
+    grads = [p.grad for p in shared if p.grad is not None]
     if grads:
         all_reduce_flat(grads, world.group("pp"))
 

@@ -55,18 +55,17 @@ def _sum_gradient_hook(group):
     return hook
 
 
-def decoder_layers(model: nn.Module) -> list[tuple[nn.Module, int, int]]:
-    """(layer, query heads, key/value heads) of each layer tensor parallelism shards."""
+def decoder_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """(layer, key/value heads) of each layer tensor parallelism shards."""
     from kilovla.models.groot import GrootModel
     from kilovla.models.pi05 import Pi05Model
 
     if isinstance(model, Pi05Model):
         c = model.config
-        return ([(layer, c.lm.heads, c.lm.kv_heads) for layer in model.vlm.language_model.layers]
-                + [(layer, c.expert.heads, c.expert.kv_heads) for layer in model.expert.layers])
+        return ([(layer, c.lm.kv_heads) for layer in model.vlm.language_model.layers]
+                + [(layer, c.expert.kv_heads) for layer in model.expert.layers])
     if isinstance(model, GrootModel):
-        heads = model.config.dit.heads
-        return [(block, heads, heads) for block in model.action_head.model.transformer_blocks]
+        return [(block, model.config.dit.heads) for block in model.action_head.model.transformer_blocks]
     raise KilovlaError(f"no tensor-parallel plan for {type(model).__name__}")
 
 
@@ -92,8 +91,7 @@ def tp_problems(model_cfg, tp: int) -> list[str]:
     return [f"parallel.tp={tp} does not divide {p}" for p in problems]
 
 
-_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "to_q", "to_k", "to_v", "proj_in")
-_ROWWISE = ("o_proj", "down_proj", "to_out", "proj_out")
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "to_q", "to_k", "to_v", "proj_in")  # the rest: row-wise
 
 
 def _plan_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -116,7 +114,7 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     if problems:
         raise KilovlaError("; ".join(problems))
     group = tp_mesh.get_group()
-    for layer, _, kv in decoder_layers(model):
+    for layer, kv in decoder_layers(model):
         if not any(True for _ in layer.parameters()):  # another pipeline stage's layer
             continue
         plan, hooked = {}, []

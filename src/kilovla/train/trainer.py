@@ -153,8 +153,11 @@ class Trainer:
         self.trainable, self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.steps)
         self.trainable_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in self.trainable)  # a sharded (DTensor) parameter reports its full size
+        # the parameters every pipeline stage holds alike (their gradients summed over the stages)
+        self.shared_params = [p for n, p in self.model.named_parameters() if n in self.shared]
+        self.shared_ids = frozenset(id(p) for p in self.shared_params)
         if world.pp > 1:  # a stage holds its own layers: the model's count is the stages' sum (shared ones once)
-            shared = sum(p.numel() for n, p in self.model.named_parameters() if n in self.shared and p.requires_grad)
+            shared = sum(p.numel() for p in self.shared_params if p.requires_grad)
             self.n_trainable = int(distributed.all_reduce_sum(self.n_trainable - shared, world, over="pp")) + shared
         self.ema = build_ema(self.model, cfg.ema_decay)
         self.step = 0
@@ -269,14 +272,14 @@ class Trainer:
                 break
         if self.schedule is not None:
             self.pipeline_forward_backward(step_rows, totals)
-            pipeline.sum_shared_gradients(self.model, self.shared, world)
+            pipeline.sum_shared_gradients(self.shared_params, world)
         self.step = row["step"] + 1
         if world.mesh is not None and not distributed.is_fsdp(self.model):  # ddp on the data dimension
             distributed.data_parallel_reduce(self.trainable, world)
         _dump_gradients(self.model, self.trainable_names, self.step, world)
         if world.mesh is not None:
-            shared = frozenset(id(p) for n, p in self.model.named_parameters() if n in self.shared)
-            grad_norm = distributed.mesh_clip_gradients(self.trainable, cfg.optim.clip_grad_norm, world, shared)
+            grad_norm = distributed.mesh_clip_gradients(self.trainable, cfg.optim.clip_grad_norm, world,
+                                                        self.shared_ids)
         else:
             grad_norm = clip_gradients(self.trainable, cfg.optim.clip_grad_norm)
         self.optimizer.step()

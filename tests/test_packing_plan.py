@@ -39,6 +39,22 @@ def test_min_rows_fills_clustered_lengths_where_best_fit_leaves_gaps():
     assert max(lengths[r].sum() for r in ours) <= 16384
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_min_rows_meets_the_lower_bound_where_greedy_orders_need_a_row_more(seed):
+    # ~99 % full rows at the bound: best-fit and worst-fit decreasing both end one row over it here
+    from kilovla.data.packing import _worst_fit_min_rows, pack_exact_fill
+
+    lengths = _lengths(2048, seed)
+    bound = -(-int(lengths.sum()) // 16384)
+    best = pack_best_fit(lengths, 16384)
+    assert len(best) == bound + 1 and _worst_fit_min_rows(lengths, 16384, bound, len(best)) is None
+    for rows in (pack_min_rows(lengths, 16384), pack_exact_fill(lengths, 16384)):
+        assert len(rows) == bound
+        assert sorted(np.concatenate(rows).tolist()) == list(range(2048))
+        assert max(lengths[r].sum() for r in rows) <= 16384
+    assert padding_fraction([lengths[r].sum() for r in pack_min_rows(lengths, 16384)], 16384) < 0.011
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_min_rows_never_needs_more_rows_than_best_fit(seed):
     lengths = _lengths(700, seed)

@@ -66,3 +66,41 @@ def test_the_decode_limit_decodes_every_frame_in_order(lerobot_fixture, backend)
     assert frames == 2 * min(50, total) and seconds > 0
     frames, _ = sequential_decode(paths[:1], backend, max_frames=10_000)
     assert frames == total
+
+
+def test_decodes_per_sample_counts_each_gop_from_its_keyframe(tmp_path):
+    from kilovla.bench.data import _keyframe_of, decodes_per_sample
+    from kilovla.data.lake import DataLake, LakeSource, TokenLayout
+    from kilovla.data.plan import GlobalBatchPlan, PlanConfig
+    from kilovla.data.synthetic import make_synthetic_dataset
+
+    root = make_synthetic_dataset(tmp_path / "ds", episodes=2, frames=(11, 13), fps=10, resolution=(32, 32),
+                                  cameras=("front",))
+    request = {"observation.images.front": [-0.1, 0.0]}  # frames t-1 and t
+    lake = DataLake([LakeSource(root=str(root), delta_timestamps=request, frame_cache=None)],
+                    TokenLayout(tokens_per_camera=16, action_horizon=1))
+    path = str(next(root.glob("videos/*/*/*.mp4")))
+    key = _keyframe_of(path)
+    assert key.tolist() == (np.arange(len(key)) - np.arange(len(key)) % 2).tolist()  # the writer's gop=2
+    plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=0, global_batch_size=len(lake), token_budget=4096))
+    assert len(plan.rank_rows(0, 0, 1)) == 1  # one row asks for every frame in order: each decoded once
+    assert decodes_per_sample(lake, plan.rank_rows(0, 0, 1)) == pytest.approx(1.0)
+    rows = [np.array([g]) for g in range(len(lake))]  # one sample a request: random access
+    # expected, with keyframes at even frames: each row's distinct frames in order, a frame continuing its
+    # GOP after the previous one costs the gap, else it decodes from its keyframe
+    ds = lake.datasets[0]
+    expected = 0
+    for row in rows:
+        frames = set()
+        for g in row:
+            rec = ds.positions_to_rows(np.array([g]))[0]
+            ep = ds.episode_of_rows(np.array([rec]))[0]
+            first = ds.meta.episodes.row_from[ep]
+            t = rec - first + round(ds.meta.episodes.video_from_s["observation.images.front"][ep] * 10)
+            frames |= {max(t - 1, t - (rec - first)), t}  # t-1 clamps to the episode's first frame
+        at = None
+        for f in sorted(frames):
+            expected += f - at if at is not None and f - f % 2 == at - at % 2 else f % 2 + 1
+            at = f
+    assert decodes_per_sample(lake, rows) == pytest.approx(expected / len(lake))
+    assert 2 < decodes_per_sample(lake, rows) < 3

@@ -355,6 +355,54 @@ def _check_identical(video: DataLake, cached: DataLake, ids: np.ndarray) -> None
             raise AssertionError(f"frames of {key} from the cache differ from the decoded ones")
 
 
+class _RequestRecorder:
+    """Stands in for a dataset's decoder pool: records each (video, timestamps) request, returns black
+    frames of the right shape (nothing decoded)."""
+
+    def __init__(self, height: int, width: int):
+        self.shape, self.requests = (height, width, 3), []
+
+    def read_many(self, requests, tolerance_s=None):
+        self.requests += requests
+        return [np.zeros((len(np.unique(t)), *self.shape), np.uint8)[np.unique(t, return_inverse=True)[1]]
+                for _, t in requests]
+
+
+def _keyframe_of(path: str) -> np.ndarray:
+    """Per frame of a video (presentation order), the index of the keyframe at or before it (demuxed only)."""
+    import av
+
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        packets = sorted((p.pts, p.is_keyframe) for p in container.demux(stream) if p.pts is not None)
+    key = np.array([k for _, k in packets], bool)
+    return np.maximum.accumulate(np.where(key, np.arange(len(key)), 0))
+
+
+def decodes_per_sample(lake: DataLake, rows: list[np.ndarray]) -> float:
+    """Frames a decoder must decode (a delta frame needs its GOP from the keyframe; frames of one request
+    further on in the same GOP continue without a seek) per sample, for the plan's `rows` as the loader
+    requests them: what bounds random-access loading, whichever loader runs it."""
+    ds = lake.datasets[0]
+    feat = ds.meta.features[ds.meta.video_keys[0]]
+    recorder = _RequestRecorder(feat.shape[0], feat.shape[1])
+    pool, ds._pool = ds._pool, recorder
+    try:
+        for row in rows:
+            lake.get_batch(row)
+    finally:
+        ds._pool = pool
+    keys: dict[str, np.ndarray] = {}
+    decodes = 0
+    for path, timestamps in recorder.requests:
+        key = keys.setdefault(path, _keyframe_of(path))
+        at = None
+        for f in np.unique(np.round(np.asarray(timestamps) * ds.meta.fps).astype(np.int64)):
+            decodes += f - at if at is not None and key[f] == key[at] else f - key[f] + 1
+            at = f
+    return decodes / sum(len(r) for r in rows)
+
+
 def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool = True,
                 console=None) -> tuple[list[Row], dict]:
     from rich.progress import Progress
@@ -452,6 +500,9 @@ def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool =
         m["getitem"].append(len(chunk) / (time.perf_counter() - t0))
     med = {k: statistics.median(v) for k, v in m.items()}
     limit = med["limit"] * workers / frames_per_sample
+    measured_rows = [r for s in range(1, 1 + repeats * (steps + 1)) for r in plan.rank_rows(s, 0, 1)]
+    decodes = decodes_per_sample(lake, measured_rows) if probe.video_keys else 0.0
+    random_limit = med["limit"] * workers / decodes if decodes else None
 
     cams = ", ".join(c.split(".")[-1] for c in probe.video_keys)
     feat = probe.features[probe.video_keys[0]] if probe.video_keys else None
@@ -464,7 +515,9 @@ def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool =
                     limit=round(limit, 1),
                     note=f"{workers} workers each; {base_what} vs plan rows ({backend}); {what}; limit: "
                          f"{med['limit']:.0f} frames/s/core in order x {workers} cores / {frames_per_sample} "
-                         f"frames per sample; median of {repeats}"),
+                         f"frames per sample; random access decodes {decodes:.2f} frames per sample (keyframes, "
+                         f"GOP starts): bound {random_limit or 0:.0f} samples/s, ours at "
+                         f"{med['ours'] / (random_limit or float('inf')):.0%} of it; median of {repeats}"),
         Row.compare("getitem_samples_per_s", "samples/s", med["naive"], med["getitem"], higher_is_better=True,
                     note=f"items in random order, 1 process; naive per-sample open+seek+decode (PyAV) vs "
                          f"LeRobotDataset.__getitem__ ({backend}); {len(positions)} samples"),
@@ -486,6 +539,8 @@ def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool =
     extra = {"dataset": str(root), "delta_timestamps": request, "global_batch_size": batch, "soak_samples": done,
              "decode_backend": backend, "workers": workers, "frame_cache": str(cache_dir),
              "inprocess_samples_per_s": round(med["inproc"], 1),
+             "decodes_per_sample": round(decodes, 3),
+             "random_access_limit_samples_per_s": None if random_limit is None else round(random_limit, 1),
              "cache_workers_samples_per_s": round(med["cache_workers"], 1),
              "samples_per_s_runs": {k: [round(x, 1) for x in v] for k, v in m.items()}}
     return rows, extra

@@ -65,6 +65,43 @@ def test_worker_rows_arrive_as_the_same_numpy_arrays(lake, monkeypatch):
                     np.testing.assert_array_equal(b[key], value, err_msg=key)
 
 
+def _assert_same_rows(want, got):
+    assert len(got) == len(want)
+    for a, b in zip(want, got):
+        assert set(a) == set(b)
+        for key, value in a.items():
+            if isinstance(value, np.ndarray) and value.dtype != object:
+                np.testing.assert_array_equal(b[key], value, err_msg=key)
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_worker_rows_come_through_a_ring_of_shared_slots_many_times_over(lake, monkeypatch, fits):
+    # 2 workers x prefetch 2: 4 rows in flight, 6 slots, ~20 rows: every slot is rewritten several times
+    # while other rows are still in flight; a row that does not fit its slot leaves as tensors
+    from kilovla.data import loader as loader_mod
+
+    taken = []
+    original = loader_mod._SharedSlots.take
+    monkeypatch.setattr(loader_mod._SharedSlots, "take", lambda self, b: taken.append(b["_slot"][0]) or original(self, b))
+    if not fits:
+        monkeypatch.setattr(loader_mod, "_slot_capacity", lambda lake, rows: (1 << 20) + 64)
+        monkeypatch.setattr(loader_mod, "SHARED_MEMORY_MIN_BYTES", 1024)
+        monkeypatch.setattr(loader_mod._SharedSlots, "__init__", _tiny_slots(loader_mod._SharedSlots.__init__))
+    want = list(InProcessLoader(lake, _plan(lake), steps=6))
+    got = list(TorchLoader(lake, _plan(lake), steps=6, num_workers=2, pin_memory=False))
+    _assert_same_rows(want, got)
+    if fits:
+        assert len(taken) == len(want) > 3 * 6 and set(taken) == set(range(6))
+    else:
+        assert taken == []
+
+
+def _tiny_slots(init):
+    def tiny(self, in_flight, capacity):
+        init(self, in_flight, 4096)  # smaller than any row's frames
+    return tiny
+
+
 def test_resuming_from_a_state_dict_continues_the_same_sequence(lake):
     straight = _summary(InProcessLoader(lake, _plan(lake), steps=4))
     first = _plan(lake)

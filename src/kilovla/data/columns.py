@@ -84,9 +84,9 @@ class ColumnStore(Mapping):
     worker or a Ray actor maps the files again instead of receiving a copy."""
 
     def __init__(self, arrays: dict[str, np.ndarray], runs: tuple[np.ndarray, np.ndarray], path: Path | None = None,
-                 mapped: dict | None = None, maps: dict[str, tuple[mmap.mmap, int]] | None = None):
+                 mapped: dict | None = None, maps: dict[str, tuple[mmap.mmap, int, int]] | None = None):
         self._arrays, self.runs, self.path, self.mapped = dict(arrays), runs, path, dict(mapped or {})
-        # name -> (the mmap under its array, the offset of its data): what `prefetch_pages` advises
+        # name -> (the mmap under its array, the offset of its data, bytes a row): what `prefetch_pages` advises
         self._maps = dict(maps or {})
 
     def __getitem__(self, key: str) -> np.ndarray:
@@ -181,7 +181,7 @@ def map_column_caches(caches: list[tuple], prefetch: bool = True) -> list[Column
         arrays = {k: _npy_array(path / f"{k}.npy", files[k], dtype, (frames, *_row_shape(shape)))
                   for k, (dtype, shape) in mapped.items()}
         stores.append(ColumnStore({k: a for k, (a, _) in arrays.items()}, runs, path, mapped,
-                                  {k: (files[k], offset) for k, (_, offset) in arrays.items()}))
+                                  {k: (files[k], offset, a.strides[0]) for k, (a, offset) in arrays.items()}))
     return stores
 
 
@@ -193,29 +193,30 @@ def prefetch_pages(reads) -> int:
     >>> prefetch_pages([(store, "action", np.array([0, 1, 5000]))])  # doctest: +SKIP
     2  # rows 0-1 share a page; one range for each page run, per file
     """
-    maps, offsets, row_bytes, rows = [], [], [], []
+    files, rows = [], []
     for store, key, r in reads:
         mapped = store._maps.get(key)
         if mapped is not None and r.size:
-            maps.append(mapped[0])
-            offsets.append(mapped[1])
-            row_bytes.append(store[key].strides[0])
+            files.append(mapped)
             rows.append(r.ravel())
-    if not maps:
+    if not files:
         return 0
     counts = [len(r) for r in rows]
-    size = np.repeat(np.array(row_bytes, dtype=np.int64), counts)
-    start = np.repeat(np.array(offsets, dtype=np.int64), counts) + np.concatenate(rows).astype(np.int64) * size
-    tag = np.repeat(np.arange(len(maps), dtype=np.int64) << _MAP_SHIFT, counts)  # the files' pages never merge
+    size = np.repeat(np.array([f[2] for f in files], dtype=np.int64), counts)
+    start = np.repeat(np.array([f[1] for f in files], dtype=np.int64), counts) + np.concatenate(rows) * size
+    tag = np.repeat(np.arange(len(files), dtype=np.int64) << _MAP_SHIFT, counts)  # the files' pages never merge
     first, last = tag + start // mmap.PAGESIZE, tag + (start + size - 1) // mmap.PAGESIZE
     order = np.argsort(first, kind="stable")
     first, last = first[order], np.maximum.accumulate(last[order])
     begins = np.flatnonzero(np.r_[True, first[1:] > last[:-1] + 1])  # a run of pages starts where a gap is
-    ends = np.r_[begins[1:] - 1, len(first) - 1]
-    mask = (1 << _MAP_SHIFT) - 1
-    for lo, hi in zip(first[begins].tolist(), last[ends].tolist()):
-        maps[lo >> _MAP_SHIFT].madvise(mmap.MADV_WILLNEED, (lo & mask) * mmap.PAGESIZE, (hi - lo + 1) * mmap.PAGESIZE)
-    return len(begins)
+    lo, hi = first[begins], last[np.r_[begins[1:] - 1, len(first) - 1]]
+    which = (lo >> _MAP_SHIFT).tolist()
+    offsets = ((lo & ((1 << _MAP_SHIFT) - 1)) * mmap.PAGESIZE).tolist()
+    lengths = ((hi - lo + 1) * mmap.PAGESIZE).tolist()
+    maps, willneed = [f[0] for f in files], mmap.MADV_WILLNEED
+    for i, offset, length in zip(which, offsets, lengths):
+        maps[i].madvise(willneed, offset, length)
+    return len(lo)
 
 
 _MAP_SHIFT = 40  # pages of one file < 2^40 (4 PB)

@@ -131,9 +131,10 @@ def _check_frames(meta: DatasetMeta, columns: dict[str, np.ndarray]) -> list[Pro
     problems = []
     if "frame_index" in first:
         row = first["frame_index"]
-        problems.append(Problem(meta.files.path(eps.data_file[_episode_of(eps, row)]),
+        ep = _episode_of(eps, row)
+        problems.append(Problem(meta.files.path(eps.data_file[ep]),
                                 f"frame_index at row {row} is {columns['frame_index'][row]}, expected "
-                                f"{row - eps.row_from[_episode_of(eps, row)]} (must restart at 0 in every episode)"))
+                                f"{row - eps.row_from[ep]} (must restart at 0 in every episode)"))
     if "timestamp" in first:
         row = first["timestamp"]
         ep = _episode_of(eps, row)

@@ -48,6 +48,14 @@ def test_cached_frames_are_bit_identical_to_decoded_ones(cached):
     assert cache._pool is None  # nothing was decoded
 
 
+def test_the_open_cache_holds_nothing_per_frame(cached):
+    root, out = cached
+    ds = LeRobotDataset(root, frame_cache=out)
+    held = [v for v in vars(ds.frame_cache).values() if isinstance(v, np.ndarray)]
+    assert sum(a.size for a in held) <= ds.meta.episodes.length.size  # row -> episode by search, not a table
+    assert len(ds) > 2 * ds.num_episodes
+
+
 def test_cached_items_equal_decoded_items_for_other_delta_settings(cached):
     root, out = cached
     other = {"observation.images.front": [0.0, 0.3], "observation.images.wrist": [-0.5, 0.0]}

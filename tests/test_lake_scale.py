@@ -7,7 +7,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kilovla.data.columns import ColumnStore, dataset_cache_dir, open_columns
+from kilovla.data.columns import ColumnStore, dataset_cache_dir, open_columns, prefetch_pages
 from kilovla.data.lake import DataLake, LakeSource, TokenLayout
 from kilovla.data.lengths import RunLengths
 from kilovla.data.lerobot import LeRobotDataset
@@ -210,6 +210,94 @@ def test_episode_subsets_map_positions_by_episode_offsets(tiny_root):
     np.testing.assert_array_equal(per_position, part.task_of(np.arange(len(part))))
     lake = DataLake([LakeSource(root=str(tiny_root), episodes=(1, 3))], TokenLayout(tokens_per_camera=4))
     assert len(lake.lengths) == len(part) and len(lake.lengths.starts) <= 2 * 2
+
+
+# -- reading from a cold page cache ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def numeric_lake(tmp_path_factory):
+    """Two datasets shaped like the lake bench's (100k frames: column files of 98-782 pages) and their index."""
+    from kilovla.bench import lake as bench_lake
+    from kilovla.data.lake_index import LakeIndex
+
+    base = tmp_path_factory.mktemp("numeric-lake")
+    roots = [bench_lake.write_numeric_dataset(base / f"ds{i}", 100_000, seed=i) for i in range(2)]
+    LakeIndex.open(roots, base / "index")
+    return roots, base / "index"
+
+
+def _column_files(roots):
+    return sorted(f for r in roots for f in dataset_cache_dir("columns", r).glob("*.npy"))
+
+
+def _evict_or_skip(files):
+    from kilovla.bench.lake import evict_page_cache, memory_backed, resident_pages
+
+    if memory_backed(files[0]):
+        pytest.skip("tmpfs: the files' pages are their storage, a cold read cannot be made here")
+    evict_page_cache(files)
+    assert not any(resident_pages(f).any() for f in files)
+
+
+def _resident(path, want: set, timeout_s: float = 10.0) -> set:
+    """The file's resident pages, once `want` are all in (MADV_WILLNEED returns before its reads finish)."""
+    import time
+
+    from kilovla.bench.lake import resident_pages
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = set(np.flatnonzero(resident_pages(path)).tolist())
+        if want <= got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
+def _pages(path, rows, row_bytes: int) -> set:
+    """Pages of a .npy file that rows [r, r + 1) occupy, the data's offset read from its header."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        np.lib.format.read_array_header_1_0(f) if version == (1, 0) else np.lib.format.read_array_header_2_0(f)
+        offset = f.tell()
+    start = offset + np.asarray(rows, dtype=np.int64).ravel() * row_bytes
+    return set((start // mmap.PAGESIZE).tolist()) | set(((start + row_bytes - 1) // mmap.PAGESIZE).tolist())
+
+
+def test_a_prefetch_asks_for_exactly_the_pages_of_the_rows(numeric_lake):
+    roots, _ = numeric_lake
+    files = _column_files(roots[:1])
+    _evict_or_skip(files)
+    store = open_columns(DatasetMeta(roots[0]))  # maps: each header page asked for, then read
+    index_rows = np.array([5103, 5104, 60000])  # int64 after a 128-byte header: pages 9 | 10 ... 117
+    action_rows = np.array([726])  # 28-byte rows: bytes 20456-20483, across pages 4 and 5
+    assert prefetch_pages([(store, "index", index_rows), (store, "action", action_rows)]) == 3
+    index_npy, action_npy = store.path / "index.npy", store.path / "action.npy"
+    assert _resident(index_npy, {0, 9, 10, 117}) == {0, 9, 10, 117}
+    assert _resident(action_npy, {0, 4, 5}) == {0, 4, 5}
+    np.testing.assert_array_equal(store["index"][index_rows], index_rows)
+
+
+def test_a_cold_open_reads_the_headers_and_the_batch_not_the_columns(numeric_lake):
+    from kilovla.data.lake_index import LakeIndex
+
+    roots, index = numeric_lake
+    files = _column_files(roots)
+    _evict_or_skip(files)
+    sources = [LakeSource(root=str(r), delta_timestamps={"action": [i / 10 for i in range(10)]}) for r in roots]
+    lake = DataLake(sources, TokenLayout(tokens_per_camera=0), index=LakeIndex.open(roots, index))
+    plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=0, global_batch_size=64, token_budget=1024))
+    ids = np.concatenate(plan.rank_rows(0, 0, 4))
+    batch = lake.get_batch(ids)
+    which = lake.dataset_of(ids)
+    for d, ds in enumerate(lake.datasets):
+        where = ds.locate(ids[which == d] - lake.offsets[d])
+        for key, column in ds.columns.items():
+            path = ds.columns.path / f"{key}.npy"
+            rows = where.query_rows.get(key, where.rows)
+            want = {0} | _pages(path, rows, column.strides[0])  # the header, the rows read: nothing around them
+            assert _resident(path, want) == want, (d, key)
+    plain = DataLake(sources, TokenLayout(tokens_per_camera=0), index=LakeIndex.open(roots, index), prefetch=False)
+    for key, values in plain.get_batch(ids).items():
+        np.testing.assert_array_equal(batch[key], values, err_msg=key)
 
 
 # -- the lake index --------------------------------------------------------------------------------

@@ -95,3 +95,41 @@ def test_a_missing_video_stops_train_before_config_yaml(tiny_copy, tmp_path):
     (tiny_copy / "videos/observation.images.front/chunk-000/file-000.mp4").unlink()
     assert main(["train", f"--run_dir={tmp_path / 'run'}", "--steps=1", f"--dataset.roots=[{tiny_copy}]"]) == 2
     assert not (tmp_path / "run").exists()
+
+
+def test_validate_reads_the_frames_through_the_column_cache(tiny_copy, monkeypatch):
+    from kilovla.data.columns import dataset_cache_dir
+    from kilovla.data.meta import DatasetMeta
+
+    def no_copy(*a, **k):
+        raise AssertionError("read the numeric columns into memory")
+
+    monkeypatch.setattr(DatasetMeta, "load_columns", no_copy)
+    assert _messages(tiny_copy) == []
+    assert (dataset_cache_dir("columns", tiny_copy) / "manifest.json").is_file()
+
+
+def test_frame_data_the_cache_refuses_is_named_as_the_reader_names_it(tiny_copy):
+    from kilovla.data.columns import dataset_cache_dir
+
+    rewrite_parquet(tiny_copy / DATA, lambda t: t.slice(0, len(t) - 3))
+    [msg] = _messages(tiny_copy)
+    assert msg.endswith("data: column 'observation.state' has 84 rows, episodes need 87"), msg
+    cache = dataset_cache_dir("columns", tiny_copy)
+    assert not cache.exists() and not list(cache.parent.glob(f".{cache.name}*.tmp"))  # nothing half-written
+
+
+@pytest.mark.parametrize("column", ["frame_index", "timestamp", "task_index"])
+def test_each_check_names_its_first_bad_row_whatever_the_block_size(tiny_copy, monkeypatch, column):
+    from kilovla.data import validate
+
+    row = 41  # in the third block of 16 rows, episode 1 or 2
+    def bad(t):
+        values = np.asarray(t.column(column)).copy()
+        values[row:] = {"frame_index": 0, "timestamp": 99.0, "task_index": 7}[column]
+        return set_column(t, column, values)
+
+    rewrite_parquet(tiny_copy / DATA, bad)
+    whole = _messages(tiny_copy)
+    monkeypatch.setattr(validate, "CHECK_ROWS", 16)
+    assert _messages(tiny_copy) == whole and len(whole) == 1 and f"at row {row}" in whole[0]

@@ -6,7 +6,11 @@ and measures, each in fresh processes:
 
 - open: from nothing to the first global batch computed (1024 ranks) and one rank's samples fetched,
   with 4 processes opening the same lake at once; and their private memory then (USS, psutil: pages no
-  other process shares), the median process reported;
+  other process shares), the median process reported. Warm: every file of the lake read once just
+  before. Cold: every file of the lake (column caches, the index, the datasets) evicted from the page
+  cache first (posix_fadvise DONTNEED, no root needed; mincore checks what stays resident), with the
+  columns' prefetch (ours) and without it (baseline: a page fault at a time, each read around by the
+  kernel), interleaved, COLD_REPEATS of each;
 - the lake index of 1000 datasets built serially (baseline) and by a local process pool (ours), from no
   column caches;
 - a batch of 256 random samples fetched (with a 10-step action window; random over the lake, so at
@@ -24,7 +28,9 @@ sample plus a per-sample length array) is measured at 10^8 and extrapolated to 1
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -51,6 +57,7 @@ SIZES = (10**6, 10**7, 10**8)
 BASELINE_SIZES = (10**6, 10**7)  # the in-memory lake: ~3 GB a process at 10^7
 QUICK_SIZES = (2 * 10**5, 10**6)
 PLAN_SAMPLES, PLAN_EPISODES = 10**9, 2 * 10**6
+COLD_REPEATS = 2
 
 
 def write_numeric_dataset(root: Path, frames: int, seed: int) -> Path:
@@ -129,7 +136,7 @@ def _old_plan_memory(lake) -> list[np.ndarray]:
     return held
 
 
-def child(mode: str, roots_file: str, index: str | None, rank: int) -> dict:
+def child(mode: str, roots_file: str, index: str | None, rank: int, prefetch: bool = True) -> dict:
     """One process opening the lake (the measurements of `run`); prints its JSON."""
     import psutil
 
@@ -140,7 +147,8 @@ def child(mode: str, roots_file: str, index: str | None, rank: int) -> dict:
     roots = json.loads(Path(roots_file).read_text())
     t0 = time.perf_counter()
     lake_index = LakeIndex.open(roots, index) if index else None
-    lake = DataLake(_sources(roots, mode), TokenLayout(tokens_per_camera=0, max_language_tokens=48), index=lake_index)
+    lake = DataLake(_sources(roots, mode), TokenLayout(tokens_per_camera=0, max_language_tokens=48), index=lake_index,
+                    prefetch=prefetch)
     held = _old_plan_memory(lake) if mode == "baseline" else []
     plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=0, global_batch_size=min(GLOBAL_BATCH, len(lake)),
                                                       token_budget=8192))
@@ -158,15 +166,19 @@ def child(mode: str, roots_file: str, index: str | None, rank: int) -> dict:
         lake.get_batch(ids)
         times.append(time.perf_counter() - t)
     del held
-    return {"open_s": open_s, "uss_mb": uss, "fetch_ms": statistics.median(times) * 1e3, "frames": len(lake)}
+    return {"open_s": open_s, "uss_mb": uss, "fetch_ms": statistics.median(times) * 1e3,
+            "first_fetch_ms": times[0] * 1e3, "frames": len(lake)}
 
 
-def _processes(mode: str, roots: list[Path], scratch: Path, index: Path | None, n: int = PROCESSES) -> dict:
+def _processes(mode: str, roots: list[Path], scratch: Path, index: Path | None, n: int = PROCESSES,
+               prefetch: bool = True) -> dict:
     roots_file = scratch / f"roots-{mode}-{len(roots)}.json"
     roots_file.write_text(json.dumps([str(r) for r in roots]))
     cmd = [sys.executable, "-m", "kilovla.bench.lake", mode, str(roots_file), str(index) if index else "-"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([*cmd, str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    load = os.getloadavg()[0]
+    procs = [subprocess.Popen([*cmd, str(rank), "prefetch" if prefetch else "no-prefetch"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
              for rank in range(n)]
     results = []
     for p in procs:
@@ -174,7 +186,99 @@ def _processes(mode: str, roots: list[Path], scratch: Path, index: Path | None, 
         if p.returncode != 0:
             raise RuntimeError(f"bench lake: a {mode} process failed:\n{err[-2000:]}")
         results.append(json.loads(out.strip().splitlines()[-1]))
-    return {k: statistics.median(r[k] for r in results) for k in ("open_s", "uss_mb", "fetch_ms", "frames")}
+    keys = ("open_s", "uss_mb", "fetch_ms", "first_fetch_ms", "frames")
+    return {**{k: statistics.median(r[k] for r in results) for k in keys}, "load_before": round(load, 2)}
+
+
+def lake_files(roots: list[Path], index: Path | None) -> list[Path]:
+    """Every file an open of the lake may read: each dataset's column cache and folder, the index's files."""
+    from kilovla.data.columns import dataset_cache_dir
+
+    folders = [dataset_cache_dir("columns", r) for r in roots] + [Path(r) for r in roots]
+    files = [f for d in folders if d.is_dir() for f in d.rglob("*") if f.is_file()]
+    if index is not None:
+        files += [f for f in index.parent.glob(f"{index.name}.*") if f.is_file()]
+    return files
+
+
+def evict_page_cache(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache (pages some process has mapped and touched stay)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # dirty pages (a file just written) are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def memory_backed(path: Path) -> bool:
+    """Whether `path` lies on a file system whose pages are its storage (tmpfs, ramfs): nothing to evict."""
+    path, best, fstype = os.path.realpath(path), "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                mount, kind = line.split()[1:3]
+                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                    best, fstype = mount, kind
+    except OSError:
+        return False
+    return fstype in ("tmpfs", "ramfs")
+
+
+def warm_page_cache(files: list[Path]) -> None:
+    """Read the files once, so the page cache holds them (as it does after a first epoch)."""
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(1 << 22):
+                pass
+
+
+def resident_pages(path: Path) -> np.ndarray:
+    """Which pages of the file are in the page cache (mincore), a bool per page; reads none of them."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return np.zeros(0, dtype=bool)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
+
+
+def resident_fraction(files: list[Path]) -> float:
+    total = sum(os.path.getsize(f) for f in files)
+    held = sum(int(resident_pages(f).sum()) * mmap.PAGESIZE for f in files)
+    return min(1.0, held / total) if total else 0.0
+
+
+def _cold_opens(roots: list[Path], scratch: Path, index: Path, files: list[Path]) -> dict:
+    """COLD_REPEATS cold opens without the prefetch (baseline) and with it (ours), interleaved, each from an
+    evicted page cache; medians, and how much of the lake was still resident after each eviction."""
+    runs: dict[str, list[dict]] = {"no_prefetch": [], "prefetch": []}
+    for _ in range(COLD_REPEATS):
+        for name in runs:
+            evict_page_cache(files)
+            left = resident_fraction(files)
+            got = _processes("ours", roots, scratch, index, prefetch=name == "prefetch")
+            runs[name].append({**got, "resident_after_eviction": round(left, 4)})
+    return {name: {k: statistics.median(r[k] for r in rs) if k != "load_before" else [r[k] for r in rs]
+                   for k in rs[0]} for name, rs in runs.items()}
 
 
 def _clear_caches(roots: list[Path]) -> None:
@@ -271,15 +375,23 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, scratch: str 
         note(f"lake: {sizes[-1]:.0e} frames need ~{sizes[-1] * 160 / 1e9:.0f} GB; {free / 1e9:.0f} GB free: skipped")
         sizes = sizes[:-1]
     scratch.mkdir(parents=True, exist_ok=True)
-    ours, base = {}, {}
+    load_at_start = round(os.getloadavg()[0], 2)
+    ours, base, cold, plain = {}, {}, {}, {}
     for frames in sizes:
         roots = lake_roots(scratch, frames, progress=note)
         index = scratch / f"index-{frames}"
         from kilovla.data.lake_index import LakeIndex
 
         LakeIndex.open(roots, index)  # built once (and the column caches with it); the processes open it
+        files = lake_files(roots, index)
+        cold[frames] = _cold_opens(roots, scratch, index, files)
+        note(f"lake {frames:.0e}: cold {cold[frames]}")
+        # warm: the column caches and the index (and the parquet files the baseline reads) read just before
+        warm_page_cache([f for f in files if frames in base_sizes or f.suffix != ".parquet"])
         ours[frames] = _processes("ours", roots, scratch, index)
         note(f"lake {frames:.0e}: ours {ours[frames]}")
+        plain[frames] = _processes("ours", roots, scratch, index, prefetch=False)
+        note(f"lake {frames:.0e}: ours without the prefetch {plain[frames]}")
         if frames in base_sizes:
             base[frames] = _processes("baseline", roots, scratch, None)
             note(f"lake {frames:.0e}: baseline {base[frames]}")
@@ -292,12 +404,23 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, scratch: str 
         Row.compare(f"lake_open_s_{tag}", "s", base[btop]["open_s"] * scale, ours[top]["open_s"], higher_is_better=False,
                     limit=10.0, note=f"{len(lake_roots(scratch, top))} datasets, {PROCESSES} processes at once, median; "
                     f"open -> first global batch at {RANKS} ranks + one rank's samples; {extrap}"),
+        Row.compare(f"lake_open_s_{tag}_cold", "s", cold[top]["no_prefetch"]["open_s"], cold[top]["prefetch"]["open_s"],
+                    higher_is_better=False, limit=10.0,
+                    note=f"as lake_open_s_{tag}, from a page cache the lake was evicted from (resident after: "
+                         f"{100 * cold[top]['prefetch']['resident_after_eviction']:.2f} %); baseline: the same code "
+                         f"without the columns' prefetch (DataLake(prefetch=False)); median of {COLD_REPEATS}, "
+                         f"interleaved; read_ahead_kb {_read_ahead_kb(scratch)}; first fetch after the open: "
+                         f"{cold[top]['prefetch']['first_fetch_ms']:.0f} ms (baseline "
+                         f"{cold[top]['no_prefetch']['first_fetch_ms']:.0f} ms)"),
         Row.compare(f"lake_uss_mb_{tag}", "MiB", base[btop]["uss_mb"] * scale, ours[top]["uss_mb"],
                     higher_is_better=False, limit=300.0,
                     note=f"private memory (USS) per process, {PROCESSES} processes, median; {extrap}"),
         Row.compare(f"sample_fetch_ms_{tag}", "ms", base[btop]["fetch_ms"], ours[top]["fetch_ms"], higher_is_better=False,
-                    note=f"{FETCH} random samples with a 10-step action window; baseline (in-memory columns) at "
-                         f"{btop:.0e} frames"),
+                    note=f"{FETCH} random samples with a 10-step action window, page cache warm; baseline "
+                         f"(in-memory columns) at {btop:.0e} frames; ours without the prefetch: "
+                         f"{plain[top]['fetch_ms']:.1f} ms; from a cold page cache: {cold[top]['prefetch']['fetch_ms']:.0f} "
+                         f"ms (without the prefetch {cold[top]['no_prefetch']['fetch_ms']:.0f} ms, its open having read "
+                         f"the columns around every header)"),
     ]
     roots = lake_roots(scratch, top)
     serial = _index_build(roots, scratch / "index-build", "serial")
@@ -328,10 +451,27 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, scratch: str 
         "USS GiB, baseline extrap.": ([bx[-1], xs[-1]], [base[bx[-1]]["uss_mb"] / 1024, base[bx[-1]]["uss_mb"] * scale / 1024]),
     }, "seconds / GiB per process")
     extra = {"lake_by_size": {str(k): v for k, v in ours.items()}, "baseline_by_size": {str(k): v for k, v in base.items()},
-             "plot": "lake_scaling.png"}
+             "cold_by_size": {str(k): v for k, v in cold.items()},
+             "warm_no_prefetch_by_size": {str(k): v for k, v in plain.items()}, "load_average_at_start": load_at_start,
+             "read_ahead_kb": _read_ahead_kb(scratch), "plot": "lake_scaling.png"}
     return write_suite("lake", rows, quick=quick, out_dir=out, extra=extra)
 
 
+def _read_ahead_kb(folder: Path) -> int | None:
+    """The kernel's read-around of the disk holding `folder` (what one cold page fault reads), if known."""
+    try:
+        dev = os.stat(folder).st_dev
+    except OSError:
+        return None
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (block / "queue", block / ".." / "queue"):  # a disk, or a partition of one
+        try:
+            return int((queue / "read_ahead_kb").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 if __name__ == "__main__":
-    mode, roots_file, index, rank = sys.argv[1:5]
-    print(json.dumps(child(mode, roots_file, None if index == "-" else index, int(rank))))
+    mode, roots_file, index, rank, prefetch = sys.argv[1:6]
+    print(json.dumps(child(mode, roots_file, None if index == "-" else index, int(rank), prefetch == "prefetch")))

@@ -468,20 +468,21 @@ def _remove_orphans(out: Path, known: set[str], used: set[str], cameras: list[st
 
 # -- reading ---------------------------------------------------------------------------------------
 class FrameCache:
-    """A validated cache, read by dataset row. Open parts are memory maps held in a small LRU.
+    """A validated cache, read by dataset row. Open parts are memory maps held in a small LRU. Row ->
+    episode is a search over the episodes' first rows (`row_from`, ascending): nothing per frame is held.
 
     >>> cache = open_frame_cache("~/.cache/kilovla/frames/ds-1a2b3c", meta, columns)  # doctest: +SKIP
     >>> cache.read("observation.images.front", np.array([10, 11, 500])).shape  # doctest: +SKIP
     (3, 224, 224, 3)
     """
 
-    def __init__(self, path: Path, manifest: dict, row_episode: np.ndarray, max_open: int = 256):
+    def __init__(self, path: Path, manifest: dict, row_from: np.ndarray, max_open: int = 256):
         self.path = path
         self.manifest = manifest
         self.cameras = list(manifest["cameras"])
         self.shapes = {c: tuple(v["shape"]) for c, v in manifest["cameras"].items()}
         self._parts = {(p["camera"], p["episode"]): p for p in manifest["parts"]}
-        self._row_episode = row_episode
+        self._row_from = np.asarray(row_from, dtype=np.int64)
         self.max_open = max_open
         self._open: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
         self.frames_read = 0
@@ -517,7 +518,7 @@ class FrameCache:
         rows = np.asarray(rows, dtype=np.int64)
         flat = rows.ravel()
         out = np.empty((len(flat), *self.shapes[camera]), dtype=np.uint8)
-        episodes = self._row_episode[flat]
+        episodes = np.searchsorted(self._row_from, flat, side="right") - 1
         order = np.argsort(episodes, kind="stable")
         bounds = np.flatnonzero(np.diff(episodes[order])) + 1
         for idx in np.split(order, bounds):
@@ -605,8 +606,7 @@ def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str]) 
             _check_part_header(f, (part["length"], *meta.features[camera].shape), rebuild)
     if touched:
         _refresh_video_stamps(mpath, manifest, touched)
-    row_episode = np.repeat(np.arange(len(meta.episodes)), meta.episodes.length)
-    return FrameCache(path, manifest, row_episode)
+    return FrameCache(path, manifest, meta.episodes.row_from)
 
 
 def _check_part_header(f: Path, shape: tuple[int, ...], rebuild: str) -> None:

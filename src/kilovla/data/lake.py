@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kilovla.data.columns import prefetch_pages
 from kilovla.data.lake_index import LakeIndex
 from kilovla.data.lengths import RunLengths
 from kilovla.data.lerobot import LeRobotDataset
@@ -80,9 +81,12 @@ class DataLake:
 
     def __init__(self, sources: Sequence[LakeSource | str | Path], layout: TokenLayout | None = None,
                  count_tokens: Callable[[str], int] = byte_token_count, video_backend: str = "auto",
-                 index: str | Path | LakeIndex | None = None):
+                 index: str | Path | LakeIndex | None = None, prefetch: bool = True):
         """index: open the datasets from a lake index (`lake_index`: one file instead of each dataset's
-        meta/; "auto" at its default place, built or brought up to date first) or None (read each)."""
+        meta/; "auto" at its default place, built or brought up to date first) or None (read each).
+        prefetch: the pages of the mapped columns a batch reads, in every dataset it spans, asked for all
+        at once before any is read (and so the maps' headers at open; `columns.prefetch_pages`); False:
+        one page fault at a time, each read around by the kernel."""
         if not sources:
             raise KilovlaError("a data lake needs at least one dataset")
         self.sources = [s if isinstance(s, LakeSource) else LakeSource(root=str(s)) for s in sources]
@@ -93,13 +97,15 @@ class DataLake:
         if index is not None and not isinstance(index, LakeIndex):
             index = LakeIndex.open([s.root for s in self.sources], None if index == "auto" else index)
         self.index = index
-        indexed = index.datasets() if index is not None else [None] * len(self.sources)
+        self.prefetch = prefetch
+        indexed = index.datasets(prefetch) if index is not None else [None] * len(self.sources)
         for entry in indexed:
             if entry is not None and entry.meta is None:
                 raise KilovlaError(f"{entry.root}: cannot be read ({entry.problems[0]})")
         self.datasets = [LeRobotDataset(s.root, delta_timestamps=s.delta_timestamps, episodes=s.episodes,
                                         video_backend=video_backend, frame_cache=s.frame_cache,
-                                        column_cache=s.column_cache, meta=e and e.meta, columns=e and e.columns)
+                                        column_cache=s.column_cache, meta=e and e.meta, columns=e and e.columns,
+                                        prefetch=prefetch)
                          for s, e in zip(self.sources, indexed)]
         sizes = np.array([len(d) for d in self.datasets], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])
@@ -131,7 +137,10 @@ class DataLake:
         ids = np.asarray(ids, dtype=np.int64)
         which = self.dataset_of(ids)
         groups = [(d, np.flatnonzero(which == d)) for d in np.unique(which)]
-        parts = [(pos, self.datasets[d].get_batch(ids[pos] - self.offsets[d])) for d, pos in groups]
+        located = [(self.datasets[d], self.datasets[d].locate(ids[pos] - self.offsets[d])) for d, pos in groups]
+        if self.prefetch:  # every dataset's pages in one queue, before the first read waits on any
+            prefetch_pages([r for ds, where in located for r in ds.column_reads(where)])
+        parts = [(pos, ds.read(where)) for (_, pos), (ds, where) in zip(groups, located)]
         if len(parts) == 1:
             out = parts[0][1]
         else:

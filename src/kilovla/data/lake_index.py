@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kilovla.data.columns import ColumnStore, cache_base, map_columns, open_columns
+from kilovla.data.columns import ColumnStore, cache_base, map_column_caches, open_columns
 from kilovla.data.meta import DatasetMeta, Episodes
 from kilovla.errors import DatasetError, KilovlaError
 
@@ -188,24 +188,25 @@ class LakeIndex:
             _write(path, [e for e, _ in entries], [a for _, a in entries])
         return cls([e for e, _ in entries], [a for _, a in entries], path, len(todo))
 
-    def datasets(self) -> list[IndexedDataset]:
+    def datasets(self, prefetch: bool = True) -> list[IndexedDataset]:
+        """Each dataset's metadata and mapped columns (made on the first call). `prefetch`: every column
+        file's header page asked for at once before any is read (`columns.map_column_caches`)."""
         if self._datasets is None:
-            self._datasets = self._make_datasets()
+            self._datasets = self._make_datasets(prefetch)
         return self._datasets
 
-    def _make_datasets(self) -> list[IndexedDataset]:
+    def _make_datasets(self, prefetch: bool) -> list[IndexedDataset]:
+        metas = [_meta_from(e, a) if "info" in e else None for e, a in zip(self.entries, self.arrays)]
+        mappable = [i for i, (e, m) in enumerate(zip(self.entries, metas))
+                    if m is not None and e["columns"] is not None and os.path.isdir(e["columns"])]
+        stores = dict(zip(mappable, map_column_caches(
+            [(self.entries[i]["columns"], self.entries[i]["mapped"], metas[i].total_frames,
+              (self.arrays[i]["runs_start"], self.arrays[i]["runs_task"])) for i in mappable], prefetch)))
         out = []
-        for entry, arrays in zip(self.entries, self.arrays):
-            if "info" not in entry:
-                out.append(IndexedDataset(entry["root"], entry["problems"], None, None))
-                continue
-            meta = _meta_from(entry, arrays)
-            runs = (arrays["runs_start"], arrays["runs_task"])
-            columns = None
-            if entry["columns"] is not None and os.path.isdir(entry["columns"]):
-                columns = map_columns(entry["columns"], entry["mapped"], meta.total_frames, runs)
-                if entry["string_columns"]:  # no .npy form: read from the parquet files
-                    columns.add(meta.load_columns(entry["string_columns"]))
+        for i, (entry, meta) in enumerate(zip(self.entries, metas)):
+            columns = stores.get(i)
+            if columns is not None and entry["string_columns"]:  # no .npy form: read from the parquet files
+                columns.add(meta.load_columns(entry["string_columns"]))
             out.append(IndexedDataset(entry["root"], entry["problems"], meta, columns))
         return out
 

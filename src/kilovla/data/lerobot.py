@@ -13,15 +13,28 @@ over the episodes' offsets: nothing per frame is held in private memory.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kilovla.data import windows
-from kilovla.data.columns import ColumnStore, open_columns
+from kilovla.data.columns import ColumnStore, open_columns, prefetch_pages
 from kilovla.data.frame_cache import resolve_frame_cache
 from kilovla.data.meta import DatasetMeta, Feature
 from kilovla.errors import DatasetError, KilovlaError
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRows:
+    """Where a batch's samples lie in one dataset (`LeRobotDataset.locate`): their rows and episodes, and
+    per windowed key the (B, K) rows of the window and which of them are padding."""
+
+    rows: np.ndarray
+    episodes: np.ndarray
+    query_rows: dict[str, np.ndarray]
+    is_pad: dict[str, np.ndarray]
+    video_keys: list[str]
 
 
 class LeRobotDataset:
@@ -48,14 +61,17 @@ class LeRobotDataset:
             (the default column cache, written on first open), a folder, or None (read into memory).
         meta, columns: the dataset's metadata and columns as a lake index holds them (`lake_index`):
             nothing under meta/ is read then.
+        prefetch: ask for every page of the mapped columns a batch reads before reading it
+            (`columns.prefetch_pages`); False: a page fault at a time, each read around by the kernel.
     """
 
     def __init__(self, root: str | Path, delta_timestamps: dict[str, list[float]] | None = None,
                  episodes: list[int] | None = None, tolerance_s: float = 1e-4, video_backend: str = "auto",
                  image_transforms=None, decode_threads: int = 2, frame_cache: str | Path | None = "auto",
                  column_cache: str | Path | None = "auto", meta: DatasetMeta | None = None,
-                 columns: ColumnStore | None = None):
+                 columns: ColumnStore | None = None, prefetch: bool = True):
         self.meta = meta if meta is not None else DatasetMeta(root)
+        self.prefetch = prefetch
         self.root = self.meta.root
         self.fps = self.meta.fps
         self.tolerance_s = tolerance_s
@@ -70,7 +86,7 @@ class LeRobotDataset:
                 raise KilovlaError(f"delta_timestamps keys {unknown} are not features of {self.root} "
                                    f"(features: {sorted(self.meta.features)})")
             self.delta_indices = windows.delta_indices(delta_timestamps, self.fps)
-        self.columns = columns if columns is not None else open_columns(self.meta, column_cache)
+        self.columns = columns if columns is not None else open_columns(self.meta, column_cache, prefetch)
         eps = self.meta.episodes
         self.episode_ids = np.arange(len(eps)) if episodes is None else np.asarray(sorted(set(episodes)), dtype=np.int64)
         if np.any((self.episode_ids < 0) | (self.episode_ids >= len(eps))):
@@ -146,21 +162,36 @@ class LeRobotDataset:
         Same values as LeRobot's items (camera frames before the /255 float conversion); keys with a
         time window have a K axis (cameras drop it when K == 1, as LeRobot does), plus `<key>_is_pad`.
         """
+        where = self.locate(positions, video_keys)
+        if self.prefetch:
+            prefetch_pages(self.column_reads(where))
+        return self.read(where)
+
+    def locate(self, positions, video_keys: list[str] | None = None) -> BatchRows:
+        """Where the samples at `positions` lie: rows, episodes and each windowed key's rows."""
         rows = self.positions_to_rows(positions)
         ep = self.episode_of_rows(rows)
         eps = self.meta.episodes
-        ep_from, ep_to = eps.row_from[ep], eps.row_to[ep]
-        deltas = self.delta_indices or {}
-        out: dict[str, np.ndarray] = {}
-        query_rows: dict[str, np.ndarray] = {}
-        for key, offsets in deltas.items():
-            qrows, is_pad = windows.window_rows(rows, ep_from, ep_to, offsets)
-            query_rows[key] = qrows
-            out[f"{key}_is_pad"] = is_pad
+        query_rows, is_pad = {}, {}
+        for key, offsets in (self.delta_indices or {}).items():
+            query_rows[key], is_pad[key] = windows.window_rows(rows, eps.row_from[ep], eps.row_to[ep], offsets)
+        return BatchRows(rows, ep, query_rows, is_pad, video_keys or self.meta.video_keys)
+
+    def column_reads(self, where: BatchRows) -> list[tuple[ColumnStore, str, np.ndarray]]:
+        """(store, column, rows) of every column read `read(where)` makes (what `prefetch_pages` takes)."""
+        reads = [(self.columns, key, where.query_rows.get(key, where.rows)) for key in self.columns]
+        if self.meta.video_keys and self.frame_cache is None:  # decoding: the timestamps of every frame asked for
+            reads += [(self.columns, "timestamp", where.query_rows.get(key, where.rows)) for key in where.video_keys]
+        return reads
+
+    def read(self, where: BatchRows) -> dict[str, np.ndarray]:
+        """The samples `where` locates (see `get_batch`)."""
+        rows = where.rows
+        out: dict[str, np.ndarray] = {f"{key}_is_pad": pad for key, pad in where.is_pad.items()}
         for key, col in self.columns.items():
-            out[key] = col[query_rows[key]] if key in query_rows else col[rows]
+            out[key] = col[where.query_rows[key]] if key in where.query_rows else col[rows]
         if self.meta.video_keys:
-            out.update(self._decode(rows, ep, query_rows, video_keys or self.meta.video_keys))
+            out.update(self._decode(rows, where.episodes, where.query_rows, where.video_keys))
         out["task"] = np.array([self.meta.tasks[t] for t in self.columns["task_index"][rows]], dtype=object)
         return out
 

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kilovla.data.columns import open_columns
 from kilovla.data.meta import DEFAULT_VIDEO_PATH, DatasetMeta
 from kilovla.data.stats import STAT_NAMES
 from kilovla.data.video import VideoDecoderPool, probe_video
 from kilovla.errors import DatasetError, KilovlaError
 
 TIMESTAMP_TOLERANCE_S = 1e-4
+CHECK_ROWS = 1 << 20  # rows checked at a time: memory stays flat however long the dataset
 
 
 @dataclass(frozen=True)
@@ -37,10 +39,17 @@ class Problem:
 def validate_dataset(root: str, deep: bool = False, stats: bool = True, meta: DatasetMeta | None = None,
                      columns=None) -> list[Problem]:
     """`stats=False` leaves meta/stats.json out (what `kilovla data stats` is about to rewrite). `meta` and
-    `columns` (e.g. a column cache's maps) when the caller has them already."""
+    `columns` (e.g. a column cache's maps) when the caller has them already; else the columns are mapped
+    from the column cache (`columns.open_columns`: written on first use, as training does; in memory,
+    with one warning, where no cache can be written). Frame data the cache refuses is read into memory
+    instead, so the finding is the reader's (the cache stops at its first problem, in its own words)."""
     try:
         meta = meta or DatasetMeta(root)
-        columns = meta.load_columns() if columns is None else columns
+        if columns is None:
+            try:
+                columns = open_columns(meta)
+            except DatasetError:
+                columns = meta.load_columns()
     except DatasetError as e:
         return [Problem(e.path, e.problem)]
     problems: list[Problem] = []
@@ -99,35 +108,48 @@ def _check_declared(meta: DatasetMeta) -> list[Problem]:
 
 
 def _check_frames(meta: DatasetMeta, columns: dict[str, np.ndarray]) -> list[Problem]:
+    """frame_index, timestamp and task_index, CHECK_ROWS rows at a time; each check names its first bad row."""
     eps = meta.episodes
+    first: dict[str, int] = {}  # check -> its first bad row
+    for lo in range(0, meta.total_frames, CHECK_ROWS):
+        hi = min(lo + CHECK_ROWS, meta.total_frames)
+        rows = np.arange(lo, hi)
+        expected_frame = rows - eps.row_from[np.searchsorted(eps.row_from, rows, side="right") - 1]
+        bad = {}
+        if "frame_index" in columns:
+            bad["frame_index"] = np.asarray(columns["frame_index"][lo:hi]) != expected_frame
+        ts = np.asarray(columns["timestamp"][lo:hi], dtype=np.float64)
+        bad["timestamp"] = np.abs(ts - expected_frame / meta.fps) > TIMESTAMP_TOLERANCE_S
+        if "task_index" in columns:
+            task = np.asarray(columns["task_index"][lo:hi])
+            bad["task_index"] = (task < 0) | (task >= len(meta.tasks))
+        for check, mask in bad.items():
+            if check not in first and mask.any():
+                first[check] = lo + int(np.argmax(mask))
+        if len(first) == len(bad):
+            break
     problems = []
-    starts = np.repeat(eps.row_from, eps.length)
-    expected_frame = np.arange(meta.total_frames) - starts
-    first_bad_episode = {}
-    if "frame_index" in columns and not np.array_equal(columns["frame_index"], expected_frame):
-        row = int(np.argmax(columns["frame_index"] != expected_frame))
-        first_bad_episode["frame_index"] = row
-        problems.append(Problem(meta.files.path(eps.data_file[_episode_of(eps, row)]),
-                                f"frame_index at row {row} is {columns['frame_index'][row]}, expected "
-                                f"{expected_frame[row]} (must restart at 0 in every episode)"))
-    ts = columns["timestamp"].astype(np.float64)
-    drift = np.abs(ts - expected_frame / meta.fps)
-    if drift.max() > TIMESTAMP_TOLERANCE_S:
-        row = int(np.argmax(drift > TIMESTAMP_TOLERANCE_S))
+    if "frame_index" in first:
+        row = first["frame_index"]
         ep = _episode_of(eps, row)
-        steps = np.diff(ts[eps.row_from[ep]:eps.row_to[ep]])
+        problems.append(Problem(meta.files.path(eps.data_file[ep]),
+                                f"frame_index at row {row} is {columns['frame_index'][row]}, expected "
+                                f"{row - eps.row_from[ep]} (must restart at 0 in every episode)"))
+    if "timestamp" in first:
+        row = first["timestamp"]
+        ep = _episode_of(eps, row)
+        ts = np.asarray(columns["timestamp"][eps.row_from[ep]:eps.row_to[ep]], dtype=np.float64)
+        steps = np.diff(ts)
         step = f"{np.median(steps):.6g} s" if len(steps) else "n/a"
         problems.append(Problem(meta.files.path(eps.data_file[ep]),
-                                f"timestamp at row {row} (episode {ep}) is {ts[row]:.6g}, expected "
-                                f"{expected_frame[row] / meta.fps:.6g}: the table steps by {step} but "
+                                f"timestamp at row {row} (episode {ep}) is {float(columns['timestamp'][row]):.6g}, "
+                                f"expected {(row - eps.row_from[ep]) / meta.fps:.6g}: the table steps by {step} but "
                                 f"info.json fps={meta.fps} means {1 / meta.fps:.6g} s"))
-    if "task_index" in columns:
-        bad = (columns["task_index"] < 0) | (columns["task_index"] >= len(meta.tasks))
-        if bad.any():
-            row = int(np.argmax(bad))
-            problems.append(Problem(meta.files.path(eps.data_file[_episode_of(eps, row)]),
-                                    f"task_index {columns['task_index'][row]} at row {row} is not in "
-                                    f"meta/tasks (0..{len(meta.tasks) - 1})"))
+    if "task_index" in first:
+        row = first["task_index"]
+        problems.append(Problem(meta.files.path(eps.data_file[_episode_of(eps, row)]),
+                                f"task_index {columns['task_index'][row]} at row {row} is not in "
+                                f"meta/tasks (0..{len(meta.tasks) - 1})"))
     return problems
 
 

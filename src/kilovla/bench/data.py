@@ -364,8 +364,7 @@ class _RequestRecorder:
 
     def read_many(self, requests, tolerance_s=None):
         self.requests += requests
-        return [np.zeros((len(np.unique(t)), *self.shape), np.uint8)[np.unique(t, return_inverse=True)[1]]
-                for _, t in requests]
+        return [np.zeros((len(t), *self.shape), np.uint8) for _, t in requests]
 
 
 def _keyframe_of(path: str) -> np.ndarray:

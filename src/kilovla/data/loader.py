@@ -206,17 +206,16 @@ class _SharedSlots:
         """Move the row's large arrays into slot k's buffer (in place in `batch`); False if they do not fit."""
         large = [key for key, v in batch.items() if isinstance(v, np.ndarray) and v.dtype != object
                  and v.nbytes >= SHARED_MEMORY_MIN_BYTES]
-        if sum(-(-batch[key].nbytes // 64) * 64 for key in large) > self.capacity:
+        if sum(_aligned(batch[key].nbytes) for key in large) > self.capacity:
             return False
         slot = k % len(self.buffers)
         buffer, offset = self.buffers[slot].numpy(), 0
         placed = {}
         for key in large:
-            v = np.ascontiguousarray(batch[key])
+            v = np.ascontiguousarray(batch.pop(key))
             buffer[offset:offset + v.nbytes] = v.reshape(-1).view(np.uint8)
-            placed[key] = (offset, v.shape, v.dtype.str)
-            offset += -(-v.nbytes // 64) * 64
-            del batch[key]
+            placed[key] = (offset, v.nbytes, v.shape, v.dtype.str)
+            offset += _aligned(v.nbytes)
         batch["_slot"] = (slot, placed)
         return True
 
@@ -224,10 +223,14 @@ class _SharedSlots:
         """The row with its arrays copied out of their slot (the slot is free again once this returns)."""
         slot, placed = batch.pop("_slot")
         buffer = self.buffers[slot].numpy()
-        for key, (offset, shape, dtype) in placed.items():
-            size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            batch[key] = buffer[offset:offset + size].view(dtype).reshape(shape).copy()
+        for key, (offset, nbytes, shape, dtype) in placed.items():
+            batch[key] = buffer[offset:offset + nbytes].view(dtype).reshape(shape).copy()
         return batch
+
+
+def _aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to 64: each array of a slot starts on a cache line."""
+    return -(-nbytes // 64) * 64
 
 
 def _slot_capacity(lake: DataLake, rows: list[np.ndarray]) -> int:

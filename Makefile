@@ -53,7 +53,8 @@ $(LIBERO_OFFICIAL):
 demo: system venv
 	$(BIN)/kilovla demo
 
-# Everything but the gpu marker: the slow tests (LIBERO) take well under a minute here.
+# Everything but the gpu marker, slow tests included (LIBERO, the Ray RL runs, the RL canary): ~24 minutes
+# on CI (2 cores); plain `pytest` (not slow, not gpu) takes ~9.
 # KILOVLA_REQUIRE_TORCHCODEC: both video decoders are tested; a torchcodec that fails to load fails.
 test: system venv $(LIBERO_OFFICIAL)
 	@# pytest exits 5 when it collects no test: that is a broken suite here, not a pass.

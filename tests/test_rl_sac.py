@@ -168,12 +168,18 @@ def test_an_rl_folder_round_trips_through_the_checkpoint_and_every_loader(policy
     from kilovla.safe_load import load_torch
 
     torch.manual_seed(0)
-    agent, learner = _learner(policy_dir, 20, warmup_transitions=16, batch_size=16, utd=1.0, critic_warmup_updates=4)
+    # a bound and a std that are nobody's default: a loader that falls back to a default acts differently
+    sac = dict(warmup_transitions=16, batch_size=16, utd=1.0, critic_warmup_updates=4, res_scale=0.55, init_std=0.45)
+    agent, learner = _learner(policy_dir, 20, **sac)
     rng = np.random.default_rng(0)
     learner.consume(_bandit_segments(agent, 20, rng, 0.25))
     learner.consume(_bandit_segments(agent, 20, rng, 0.25))
+    with torch.no_grad():  # a few updates barely move the mean; make the correction large and input-dependent
+        torch.nn.init.normal_(agent.actor.mean.weight, std=0.2, generator=torch.Generator().manual_seed(1))
+        agent.actor.mean.bias.fill_(0.4)
     folder = _write_like_the_runner(learner, policy_dir, tmp_path / "ck")
     policy = load_checkpoint_policy(folder)
+    assert policy.model.actor.spec == agent.actor.spec
     obs = _obs(2)
     torch.manual_seed(5)
     got = policy.select_action(obs)
@@ -184,13 +190,14 @@ def test_an_rl_folder_round_trips_through_the_checkpoint_and_every_loader(policy
         base = agent.vla.sample_actions(batch, noise)
         field, features = agent.vla.velocity_field(batch)
         want = base.clone()
-        want[:, :4, :4] += agent.actor.deterministic(features, batch.state, base[:, :4, :4])
+        correction = agent.actor.deterministic(features, batch.state, base[:, :4, :4])
+        want[:, :4, :4] += correction
+    assert correction.abs().mean() > 0.2 and correction.std() > 0.1  # the residual acts, and differs per dim
     np.testing.assert_allclose(got, policy.processor.unnormalize_actions(want.numpy()), atol=1e-5)
     # resume: a fresh learner from the folder continues with the same buffer, optimizers and counters
     state = load_torch(folder / "learner.pt")
     state["replay"] = read_safetensors(folder / "replay.safetensors")
-    _, resumed = _learner(str(folder), 20, seed=123, warmup_transitions=16, batch_size=16, utd=1.0,
-                          critic_warmup_updates=4)
+    _, resumed = _learner(str(folder), 20, seed=123, **sac)
     resumed.load_state_dict(state)
     segs = _bandit_segments(agent, 20, np.random.default_rng(3), 0.25)
     a, b = learner.consume(segs), resumed.consume(segs)

@@ -74,31 +74,58 @@ def _assert_same_rows(want, got):
                 np.testing.assert_array_equal(b[key], value, err_msg=key)
 
 
-@pytest.mark.parametrize("fits", [True, False])
-def test_worker_rows_come_through_a_ring_of_shared_slots_many_times_over(lake, monkeypatch, fits):
-    # 2 workers x prefetch 2: 4 rows in flight, 6 slots, ~20 rows: every slot is rewritten several times
-    # while other rows are still in flight; a row that does not fit its slot leaves as tensors
+def _taking(monkeypatch):
+    """Record the slot and the placed arrays of every row the main process takes out of a slot."""
     from kilovla.data import loader as loader_mod
 
     taken = []
     original = loader_mod._SharedSlots.take
-    monkeypatch.setattr(loader_mod._SharedSlots, "take", lambda self, b: taken.append(b["_slot"][0]) or original(self, b))
-    if not fits:
-        monkeypatch.setattr(loader_mod, "_slot_capacity", lambda lake, rows: (1 << 20) + 64)
-        monkeypatch.setattr(loader_mod, "SHARED_MEMORY_MIN_BYTES", 1024)
-        monkeypatch.setattr(loader_mod._SharedSlots, "__init__", _tiny_slots(loader_mod._SharedSlots.__init__))
+    monkeypatch.setattr(loader_mod._SharedSlots, "take",
+                        lambda self, b: taken.append((b["_slot"][0], bool(b["_slot"][1]))) or original(self, b))
+    return taken
+
+
+def _copied(row):
+    return {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in row.items()}
+
+
+def test_worker_rows_come_through_shared_slots_reused_once_the_consumer_drops_a_row(lake, monkeypatch):
+    # 2 workers x prefetch 2: 4 rows in flight, 7 slots, ~20 rows; a consumer that keeps a copy of each
+    # row and drops the row itself frees its slot, so every row comes through one and each is reused
+    taken = _taking(monkeypatch)
+    want = list(InProcessLoader(lake, _plan(lake), steps=6))
+    got = [_copied(row) for row in TorchLoader(lake, _plan(lake), steps=6, num_workers=2, pin_memory=False)]
+    _assert_same_rows(want, got)
+    assert len(taken) == len(want) > 3 * 7 and all(placed for _, placed in taken)
+    assert {slot for slot, _ in taken} == set(range(7))
+
+
+def test_rows_a_consumer_holds_are_never_overwritten(lake, monkeypatch):
+    # Rows are views of their slot: holding every row of 6 steps keeps all 7 slots taken, and the rows
+    # after them leave the workers as tensors instead of overwriting a held one
+    taken = _taking(monkeypatch)
     want = list(InProcessLoader(lake, _plan(lake), steps=6))
     got = list(TorchLoader(lake, _plan(lake), steps=6, num_workers=2, pin_memory=False))
     _assert_same_rows(want, got)
-    if fits:
-        assert len(taken) == len(want) > 3 * 6 and set(taken) == set(range(6))
-    else:
-        assert taken == []
+    assert sorted(slot for slot, _ in taken) == list(range(7)) and len(want) > 7
+
+
+def test_a_row_that_does_not_fit_its_slot_leaves_as_tensors_and_frees_the_slot(lake, monkeypatch):
+    from kilovla.data import loader as loader_mod
+
+    taken = _taking(monkeypatch)
+    monkeypatch.setattr(loader_mod, "_slot_capacity", lambda lake, rows: (1 << 20) + 64)
+    monkeypatch.setattr(loader_mod, "SHARED_MEMORY_MIN_BYTES", 1024)
+    monkeypatch.setattr(loader_mod._SharedSlots, "__init__", _tiny_slots(loader_mod._SharedSlots.__init__))
+    want = list(InProcessLoader(lake, _plan(lake), steps=6))
+    got = list(TorchLoader(lake, _plan(lake), steps=6, num_workers=2, pin_memory=False))
+    _assert_same_rows(want, got)
+    assert len(taken) == len(want) and not any(placed for _, placed in taken)
 
 
 def _tiny_slots(init):
-    def tiny(self, in_flight, capacity):
-        init(self, in_flight, 4096)  # smaller than any row's frames
+    def tiny(self, count, capacity):
+        init(self, count, 4096)  # smaller than any row's frames
     return tiny
 
 

@@ -16,15 +16,20 @@ uint8 HWC) plus the packing metadata the model needs::
      "position_ids": (T,) int64,                      # restart at 0 for every sample
      "action": (n, H, D), "action_is_pad": (n, H), "observation.images.front": (n, K, h, w, 3), ...}
 
+From `TorchLoader` the large arrays are views of a shared-memory slot, which is reused only once
+the row's arrays are all garbage: keep a row as long as needed, or copy what outlives it.
+
 `plan.step` advances when the last row of a step has been yielded, so `plan.state_dict()` taken
 between steps resumes exactly there.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -170,61 +175,68 @@ def _to_numpy(batch: dict) -> dict:
 
 
 class _RowDataset:
-    """Map-style dataset whose keys are plan rows: (row number, step, row, rows_in_step, sample ids).
+    """Map-style dataset whose keys are plan rows: (slot, step, row, rows_in_step, sample ids).
 
-    With `slots`, a worker writes a row's large arrays into the row's shared-memory slot and sends
-    only where they lie; otherwise (or when they do not fit) they leave as tensors, which torch
-    copies into a fresh shared-memory segment per row (~20 ms for a 13 MB row of 224 px frames, as
-    long as decoding the row's frames)."""
+    With a slot, a worker writes a row's large arrays into that shared-memory slot and sends only
+    where they lie; otherwise (or when they do not fit) they leave as tensors, which torch copies
+    into a fresh shared-memory segment per row (~20 ms for a 13 MB row of 224 px frames, as long as
+    decoding the row's frames)."""
 
     def __init__(self, lake: DataLake, slots: _SharedSlots | None = None):
         self.lake, self.slots = lake, slots
 
     def __getitem__(self, key):
-        k, step, j, n, ids = key
+        slot, step, j, n, ids = key
         batch = _stamp(fetch_row(self.lake, np.asarray(ids)), step, j, n)
-        if self.slots is not None and self.slots.put(k, batch):
+        if slot is not None and self.slots.put(slot, batch):
             return batch
         return _to_tensors(batch)
 
 
 class _SharedSlots:
-    """A ring of shared-memory buffers, one per row in flight, made before the workers start.
+    """Shared-memory buffers for the rows in flight, made before the workers start.
 
-    Row k goes to slot k % len(slots). The DataLoader hands out at most `in_flight` rows beyond the
-    one being consumed, and the main process copies a row out of its slot before asking for the
-    next, so a slot is written again only after its row has been copied (len(slots) > in_flight).
+    The sampler (main process) gives each row a free slot when it hands the row to a worker; the
+    worker writes the row's large arrays into it and sends only where they lie; the main process
+    delivers views of the slot, no copy. A slot is free again when the last of its row's arrays is
+    garbage (the consumer dropped the row, or copied what it keeps), never before: a consumer that
+    holds many rows gets the later ones through torch's own per-row segments instead (`acquire`
+    says None), slower but never overwritten.
     """
 
-    def __init__(self, in_flight: int, capacity: int):
+    def __init__(self, count: int, capacity: int):
         import torch
 
-        self.buffers = [torch.empty(capacity, dtype=torch.uint8).share_memory_() for _ in range(in_flight + 2)]
+        self.buffers = [torch.empty(capacity, dtype=torch.uint8).share_memory_() for _ in range(count)]
         self.capacity = capacity
+        self.free = collections.deque(range(count))  # main process only
 
-    def put(self, k: int, batch: dict) -> bool:
-        """Move the row's large arrays into slot k's buffer (in place in `batch`); False if they do not fit."""
+    def acquire(self) -> int | None:
+        return self.free.popleft() if self.free else None
+
+    def put(self, slot: int, batch: dict) -> bool:
+        """Move the row's large arrays into `slot` (in place in `batch`); False if they do not fit, and the
+        slot comes back unused."""
         large = [key for key, v in batch.items() if isinstance(v, np.ndarray) and v.dtype != object
                  and v.nbytes >= SHARED_MEMORY_MIN_BYTES]
-        if sum(_aligned(batch[key].nbytes) for key in large) > self.capacity:
-            return False
-        slot = k % len(self.buffers)
-        buffer, offset = self.buffers[slot].numpy(), 0
         placed = {}
-        for key in large:
-            v = np.ascontiguousarray(batch.pop(key))
-            buffer[offset:offset + v.nbytes] = v.reshape(-1).view(np.uint8)
-            placed[key] = (offset, v.nbytes, v.shape, v.dtype.str)
-            offset += _aligned(v.nbytes)
+        if sum(_aligned(batch[key].nbytes) for key in large) <= self.capacity:
+            buffer, offset = self.buffers[slot].numpy(), 0
+            for key in large:
+                v = np.ascontiguousarray(batch.pop(key))
+                buffer[offset:offset + v.nbytes] = v.reshape(-1).view(np.uint8)
+                placed[key] = (offset, v.nbytes, v.shape, v.dtype.str)
+                offset += _aligned(v.nbytes)
         batch["_slot"] = (slot, placed)
-        return True
+        return bool(placed) or not large
 
     def take(self, batch: dict) -> dict:
-        """The row with its arrays copied out of their slot (the slot is free again once this returns)."""
+        """The row with its arrays as views of its slot; the slot is freed when the last view is gone."""
         slot, placed = batch.pop("_slot")
-        buffer = self.buffers[slot].numpy()
+        base = self.buffers[slot].numpy()  # a fresh array object: every view below keeps it alive
+        weakref.finalize(base, self.free.append, slot)
         for key, (offset, nbytes, shape, dtype) in placed.items():
-            batch[key] = buffer[offset:offset + nbytes].view(dtype).reshape(shape).copy()
+            batch[key] = base[offset:offset + nbytes].view(dtype).reshape(shape)
         return batch
 
 
@@ -249,13 +261,14 @@ def _slot_capacity(lake: DataLake, rows: list[np.ndarray]) -> int:
 
 
 class _PlanSampler:
-    """The plan's rows, numbered in delivery order (the number picks a row's shared slot)."""
+    """The plan's rows, each with the shared slot it goes to (None: no slot free, or no slots)."""
 
-    def __init__(self, plan, rank, world_size, start, stop):
-        self.args = (plan, rank, world_size, start, stop)
+    def __init__(self, plan, rank, world_size, start, stop, slots: _SharedSlots | None):
+        self.args, self.slots = (plan, rank, world_size, start, stop), slots
 
     def __iter__(self):
-        return ((k, *row) for k, row in enumerate(_plan_rows(*self.args)))
+        for row in _plan_rows(*self.args):
+            yield (None if self.slots is None else self.slots.acquire(), *row)
 
 
 def _no_collate(batch):
@@ -287,7 +300,7 @@ class TorchLoader(_Loader):
         slots = self._slots()
         loader = torch.utils.data.DataLoader(
             _RowDataset(self.lake, slots), batch_size=None, collate_fn=_no_collate,
-            sampler=_PlanSampler(self.plan, self.rank, self.world_size, self.plan.step, self._stop()),
+            sampler=_PlanSampler(self.plan, self.rank, self.world_size, self.plan.step, self._stop(), slots),
             num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
             multiprocessing_context=self._start_method() if self.num_workers else None,
             pin_memory=False, in_order=True,
@@ -312,7 +325,8 @@ class TorchLoader(_Loader):
         if capacity <= 1 << 20:
             return None
         try:
-            return _SharedSlots(self.num_workers * self.prefetch_factor, capacity)
+            # rows in flight + the one just delivered + the one the consumer still holds + 1 spare
+            return _SharedSlots(self.num_workers * self.prefetch_factor + 3, capacity)
         except (RuntimeError, OSError) as e:
             log.warning("TorchLoader: no shared-memory slots (%s); rows leave the workers as tensors", e)
             return None

@@ -16,8 +16,10 @@ uint8 HWC) plus the packing metadata the model needs::
      "position_ids": (T,) int64,                      # restart at 0 for every sample
      "action": (n, H, D), "action_is_pad": (n, H), "observation.images.front": (n, K, h, w, 3), ...}
 
-From `TorchLoader` the large arrays are views of a shared-memory slot, which is reused only once
-the row's arrays are all garbage: keep a row as long as needed, or copy what outlives it.
+From `TorchLoader` without pinned memory (CPU hosts) the large arrays are views of a shared-memory
+slot, which is reused only once the row's arrays are all garbage: keep a row as long as needed, or
+copy what outlives it (a kept slice holds its whole slot). With pinned memory (the default where
+CUDA is available) every row is copied into pinned tensors and its slot is free at once.
 
 `plan.step` advances when the last row of a step has been yielded, so `plan.state_dict()` taken
 between steps resumes exactly there.
@@ -209,7 +211,7 @@ class _SharedSlots:
 
         self.buffers = [torch.empty(capacity, dtype=torch.uint8).share_memory_() for _ in range(count)]
         self.capacity = capacity
-        self.free = collections.deque(range(count))  # main process only
+        self.free = collections.deque(range(count))  # this process's: the sampler pops, any thread's finalizer appends
 
     def acquire(self) -> int | None:
         return self.free.popleft() if self.free else None
@@ -227,7 +229,7 @@ class _SharedSlots:
                 buffer[offset:offset + v.nbytes] = v.reshape(-1).view(np.uint8)
                 placed[key] = (offset, v.nbytes, v.shape, v.dtype.str)
                 offset += _aligned(v.nbytes)
-        batch["_slot"] = (slot, placed)
+        batch["_slot"] = (slot, placed)  # nothing placed: `take` hands the slot straight back
         return bool(placed) or not large
 
     def take(self, batch: dict) -> dict:

@@ -3,6 +3,7 @@ links chunk transitions across segments, the update learns what the reward asks 
 and an RL folder is a policy folder eval, serve and quantize load."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -288,3 +289,71 @@ def test_residual_sac_settings_out_of_range_are_one_line_each():
         cfg = runner.load(None, ["--learner.algo.name=residual_sac", "--learner.batch_segments=32", flag])
         with pytest.raises(KilovlaError, match=match):
             runner._check_config(cfg)
+
+
+def test_a_residual_entry_with_a_bound_that_is_not_a_positive_finite_number_is_refused(rl_folder):
+    from kilovla.errors import KilovlaError
+    from kilovla.models.residual import ResidualSpec
+
+    saved = json.loads((rl_folder / "policy.json").read_text())["residual"]
+    assert ResidualSpec.from_json(saved, "policy.json").scale == saved["scale"]
+    for bad in (float("nan"), float("inf"), -0.5, True):
+        with pytest.raises(KilovlaError, match="residual entry has bad scale"):
+            ResidualSpec.from_json({**saved, "scale": bad}, "policy.json")
+
+
+def test_the_folder_replans_as_its_residual_was_trained_and_eval_refuses_to_run_past_it(policy_dir, tmp_path):
+    # a residual of 2 corrected actions on a base that executes 4: policy.json says 2, and an evaluation
+    # asked to execute 4 would run 2 actions a chunk uncorrected: refused before any env starts
+    from kilovla.errors import KilovlaError
+    from kilovla.eval.closed_loop import evaluate
+    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.rl.sac import SACConfig, SACLearner, load_residual_agent
+
+    assert json.loads((Path(policy_dir) / "policy.json").read_text())["n_action_steps"] == 4
+    agent = load_residual_agent(policy_dir, 2, SACConfig(), (("observation.environment_state", 39),))
+    folder = _write_like_the_runner(SACLearner(agent, 0.99, SACConfig(), segments_per_step=4), policy_dir, tmp_path / "ck")
+    policy = load_checkpoint_policy(folder)
+    assert policy.n_action_steps == policy.model.actor.spec.steps == 2
+    with pytest.raises(KilovlaError, match="residual corrects only the first 2 actions"):
+        evaluate(policy, tasks=["reach-v3"], episodes=1, n_action_steps=4, resolution=32)
+
+
+def test_resume_needs_the_actor_and_its_critics_whole_and_names_the_file(rl_folder, tmp_path):
+    import shutil
+
+    from kilovla.errors import KilovlaError
+    from kilovla.rl import runner
+
+    cfg = runner.load(None, ["--learner.algo.name=residual_sac"])
+    state = runner._learner_state(rl_folder)
+    runner._check_resume_fits(cfg, rl_folder, state)  # the folder as written resumes
+    for name in ("critic.safetensors", "residual.safetensors"):
+        for damage in ("missing", "truncated"):
+            folder = tmp_path / f"{name}-{damage}"
+            shutil.copytree(rl_folder, folder)
+            if damage == "missing":
+                (folder / name).unlink()
+            else:
+                (folder / name).write_bytes((folder / name).read_bytes()[:100])
+            with pytest.raises(KilovlaError, match=name.replace(".", r"\.")):
+                runner._check_resume_fits(cfg, folder, state)
+
+
+def test_a_run_from_an_rl_folder_takes_the_residual_settings_it_was_made_with(rl_folder, caplog):
+    from kilovla.rl import runner
+
+    meta = json.loads((rl_folder / "policy.json").read_text())
+    saved = meta["residual"]
+    cfg = runner.load(None, ["--learner.algo.name=residual_sac", f"--learner.algo.sac.res_scale={saved['scale'] + 0.25}",
+                             f"--learner.algo.sac.hidden={saved['hidden'] * 2}"])
+    with caplog.at_level("WARNING"):
+        kept = runner._with_saved_residual(cfg, meta, str(rl_folder))
+    sac = kept.learner.algo.sac
+    assert (sac.res_scale, sac.hidden, sac.init_std, sac.depth) == (saved["scale"], saved["hidden"], saved["init_std"],
+                                                                    saved["depth"])
+    assert "replace the config's" in caplog.text and f"res_scale={saved['scale']}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert runner._with_saved_residual(kept, meta, str(rl_folder)) == kept  # nothing to replace, no warning
+    assert caplog.text == ""

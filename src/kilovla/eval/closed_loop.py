@@ -81,6 +81,12 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
     if episodes < 1:
         raise KilovlaError(f"episodes must be >= 1, got {episodes}")
     n_action_steps = n_action_steps or getattr(policy, "n_action_steps", None)
+    from kilovla.models.residual import ResidualPolicyModel
+
+    model = getattr(policy, "model", None)
+    if isinstance(model, ResidualPolicyModel) and n_action_steps and n_action_steps > model.actor.spec.steps:
+        raise KilovlaError(f"n_action_steps {n_action_steps}: the policy's residual corrects only the first "
+                           f"{model.actor.spec.steps} actions of a chunk; evaluate with {model.actor.spec.steps} or fewer")
     out = Path(out_dir) if out_dir is not None else None
     kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {})}
     per_task: dict[str, dict] = {}

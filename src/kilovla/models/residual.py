@@ -64,9 +64,10 @@ class ResidualSpec:
         kinds = {"steps": int, "action_dim": int, "features": int, "state_dim": int, "hidden": int, "depth": int,
                  "scale": (int, float), "init_std": (int, float), "shared": bool}
         bad = [k for k, kind in kinds.items() if not isinstance(getattr(spec, k), kind)
-               or (kind is int and isinstance(getattr(spec, k), bool)) or (kind is not bool and getattr(spec, k) <= 0)]
+               or (kind is not bool and isinstance(getattr(spec, k), bool))
+               or (kind is not bool and not 0 < getattr(spec, k) < math.inf)]
         if bad:
-            raise KilovlaError(f"{where}: residual entry has bad {', '.join(bad)} (positive numbers; shared true/false)")
+            raise KilovlaError(f"{where}: residual entry has bad {', '.join(bad)} (positive finite numbers; shared true/false)")
         return spec
 
 

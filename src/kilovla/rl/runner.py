@@ -160,11 +160,11 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     if meta.get("quantization_config"):
         raise KilovlaError(f"{policy_dir}: a quantized policy cannot be trained; start from the unquantized folder")
     _check_policy_fits_env(cfg, policy_dir, meta)
-    cfg = _with_policy_resolution(cfg, meta, policy_dir)
+    cfg = _with_saved_residual(_with_policy_resolution(cfg, meta, policy_dir), meta, policy_dir)
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     state.setdefault("started_from", str(Path(policy_dir).resolve()))  # the KL's reference, whatever the cwd later
-    _check_algorithm_fits(cfg, policy_dir, meta, n_action_steps)
+    _check_algorithm_fits(cfg, policy_dir, meta, n_action_steps, resuming=folder is not None)
     ppo = cfg.learner.algo.name == "ppo"
     if ppo and cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
             and not (Path(state["started_from"]) / "policy.json").is_file():
@@ -234,6 +234,14 @@ def _check_resume_fits(cfg: RLConfig, folder: Path, state: dict) -> None:
     if written in ("residual_sac", "filtered_bc") and (rest is None or "replay" not in state):
         raise KilovlaError(f"{folder}: no replay buffer (replay.safetensors and learner.pt's replay_rest) to resume "
                            f"{written} with")
+    if written == "residual_sac":  # nothing is rebuilt on resume: the actor, its critics and their targets
+        from kilovla.models.checkpoints import read_safetensors
+
+        for name in ("residual.safetensors", "critic.safetensors"):
+            if not (folder / name).is_file():
+                raise KilovlaError(f"{folder / name}: missing; a residual_sac run resumes with its actor, critics and "
+                                   f"targets (start a new run_dir with --policy {folder} for fresh critics)")
+            read_safetensors(folder / name)  # a damaged file is named here, before Ray starts
     if rest is not None and rest.get("capacity") is not None:  # written since the capacity was recorded
         section = "sac" if written == "residual_sac" else "filtered_bc"
         capacity = getattr(algo, section).replay_size
@@ -369,7 +377,7 @@ def _check_sac(cfg: RLConfig) -> None:
             raise KilovlaError(f"{where} = {value} is out of range{hint}")
 
 
-def _check_algorithm_fits(cfg: RLConfig, policy_dir: str, meta: dict, n_action_steps: int) -> None:
+def _check_algorithm_fits(cfg: RLConfig, policy_dir: str, meta: dict, n_action_steps: int, resuming: bool) -> None:
     """A residual folder trains on with residual SAC; PPO trains a plain VLA (it would drop the residual). A
     residual folder's actor is loaded here, before Ray, so a missing or mismatched file is one line."""
     if not meta.get("residual"):
@@ -384,6 +392,8 @@ def _check_algorithm_fits(cfg: RLConfig, policy_dir: str, meta: dict, n_action_s
     if spec.steps != n_action_steps:
         raise KilovlaError(f"{policy_dir}: its residual corrects {spec.steps} actions per chunk; rollout.n_action_steps "
                            f"asks for {n_action_steps}")
+    if not resuming and not (Path(policy_dir) / "critic.safetensors").is_file():
+        log.warning("%s/critic.safetensors: missing; the residual trains on with fresh critics", policy_dir)
 
 
 def _privileged(cfg: RLConfig) -> tuple:
@@ -426,6 +436,29 @@ def _with_policy_resolution(cfg: RLConfig, meta: dict, policy_dir: str) -> RLCon
         log.warning("rendering at %d px (env.resolution), but %s was trained on %dx%d frames", cfg.env.resolution,
                     policy_dir, *size)
     return cfg
+
+
+# learner.algo.sac fields an RL folder's residual fixes (policy.json `residual` name -> SACConfig name)
+SAVED_RESIDUAL_FIELDS = {"scale": "res_scale", "init_std": "init_std", "hidden": "hidden", "depth": "depth",
+                         "shared": "shared"}
+
+
+def _with_saved_residual(cfg: RLConfig, meta: dict, policy_dir: str) -> RLConfig:
+    """A residual_sac run from an RL folder (or resuming one) trains the folder's residual as it was made: the
+    saved bound, widths and std replace the config's (one warning where they differ), so config.yaml records
+    what the run uses."""
+    saved, sac = meta.get("residual"), cfg.learner.algo.sac
+    if cfg.learner.algo.name != "residual_sac" or not isinstance(saved, dict):
+        return cfg
+    kept = {ours: saved[theirs] for theirs, ours in SAVED_RESIDUAL_FIELDS.items() if theirs in saved}
+    changed = {k: v for k, v in kept.items() if getattr(sac, k) != v}
+    if not changed:
+        return cfg
+    log.warning("%s: its residual was made with %s; those replace the config's (%s)", policy_dir,
+                ", ".join(f"{k}={v}" for k, v in changed.items()),
+                ", ".join(f"{k}={getattr(sac, k)}" for k in changed))
+    algo = dataclasses.replace(cfg.learner.algo, sac=dataclasses.replace(sac, **changed))
+    return dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, algo=algo))
 
 
 def _check_policy_fits_env(cfg: RLConfig, policy_dir: str, meta: dict) -> None:

@@ -160,11 +160,12 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     if meta.get("quantization_config"):
         raise KilovlaError(f"{policy_dir}: a quantized policy cannot be trained; start from the unquantized folder")
     _check_policy_fits_env(cfg, policy_dir, meta)
-    cfg = _with_saved_residual(_with_policy_resolution(cfg, meta, policy_dir), meta, policy_dir)
+    cfg = _with_policy_resolution(cfg, meta, policy_dir)
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     state.setdefault("started_from", str(Path(policy_dir).resolve()))  # the KL's reference, whatever the cwd later
     _check_algorithm_fits(cfg, policy_dir, meta, n_action_steps, resuming=folder is not None)
+    cfg = _with_saved_residual(cfg, meta, policy_dir)  # after the check: the saved entry is valid by then
     ppo = cfg.learner.algo.name == "ppo"
     if ppo and cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
             and not (Path(state["started_from"]) / "policy.json").is_file():

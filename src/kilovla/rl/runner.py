@@ -36,6 +36,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,6 +51,9 @@ from kilovla.rl.core.flow import FlowSDE
 from kilovla.rl.learner import AlgoConfig
 from kilovla.train import checkpoint as ckpt
 from kilovla.train.metrics import MetricsLogger
+
+if TYPE_CHECKING:
+    from kilovla.models.residual import ResidualSpec
 
 log = logging.getLogger(__name__)
 # Training episodes use seeds far from the evaluation seeds, disjoint per run seed, worker and env slot:
@@ -164,8 +168,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
     state.setdefault("started_from", str(Path(policy_dir).resolve()))  # the KL's reference, whatever the cwd later
-    _check_algorithm_fits(cfg, policy_dir, meta, n_action_steps, resuming=folder is not None)
-    cfg = _with_saved_residual(cfg, meta, policy_dir)  # after the check: the saved entry is valid by then
+    saved = _check_algorithm_fits(cfg, policy_dir, meta, n_action_steps, resuming=folder is not None)
+    cfg = _with_saved_residual(cfg, saved, policy_dir)
     ppo = cfg.learner.algo.name == "ppo"
     if ppo and cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
             and not (Path(state["started_from"]) / "policy.json").is_file():
@@ -378,11 +382,13 @@ def _check_sac(cfg: RLConfig) -> None:
             raise KilovlaError(f"{where} = {value} is out of range{hint}")
 
 
-def _check_algorithm_fits(cfg: RLConfig, policy_dir: str, meta: dict, n_action_steps: int, resuming: bool) -> None:
+def _check_algorithm_fits(cfg: RLConfig, policy_dir: str, meta: dict, n_action_steps: int,
+                          resuming: bool) -> ResidualSpec | None:
     """A residual folder trains on with residual SAC; PPO trains a plain VLA (it would drop the residual). A
-    residual folder's actor is loaded here, before Ray, so a missing or mismatched file is one line."""
+    residual folder's actor is loaded here, before Ray, so a missing or mismatched file is one line; returns
+    its spec (None for a folder without a residual)."""
     if not meta.get("residual"):
-        return
+        return None
     if cfg.learner.algo.name != "residual_sac":
         raise KilovlaError(f"{policy_dir}: holds a residual actor (residual SAC); learner.algo.name={cfg.learner.algo.name} "
                            f"trains the VLA itself and would drop it: continue with residual_sac, or start from the "
@@ -395,6 +401,7 @@ def _check_algorithm_fits(cfg: RLConfig, policy_dir: str, meta: dict, n_action_s
                            f"asks for {n_action_steps}")
     if not resuming and not (Path(policy_dir) / "critic.safetensors").is_file():
         log.warning("%s/critic.safetensors: missing; the residual trains on with fresh critics", policy_dir)
+    return spec
 
 
 def _privileged(cfg: RLConfig) -> tuple:
@@ -439,19 +446,15 @@ def _with_policy_resolution(cfg: RLConfig, meta: dict, policy_dir: str) -> RLCon
     return cfg
 
 
-# learner.algo.sac fields an RL folder's residual fixes (policy.json `residual` name -> SACConfig name)
-SAVED_RESIDUAL_FIELDS = {"scale": "res_scale", "init_std": "init_std", "hidden": "hidden", "depth": "depth",
-                         "shared": "shared"}
-
-
-def _with_saved_residual(cfg: RLConfig, meta: dict, policy_dir: str) -> RLConfig:
-    """A residual_sac run from an RL folder (or resuming one) trains the folder's residual as it was made: the
-    saved bound, widths and std replace the config's (one warning where they differ), so config.yaml records
-    what the run uses."""
-    saved, sac = meta.get("residual"), cfg.learner.algo.sac
-    if cfg.learner.algo.name != "residual_sac" or not isinstance(saved, dict):
+def _with_saved_residual(cfg: RLConfig, saved: ResidualSpec | None, policy_dir: str) -> RLConfig:
+    """A run from an RL folder (or resuming one) trains the folder's residual (`saved`, as loaded) as it was
+    made: its bound, widths and std replace the config's (one warning where they differ), so config.yaml
+    records what the run uses."""
+    if saved is None:
         return cfg
-    kept = {ours: saved[theirs] for theirs, ours in SAVED_RESIDUAL_FIELDS.items() if theirs in saved}
+    sac = cfg.learner.algo.sac
+    kept = {"res_scale": saved.scale, "init_std": saved.init_std, "hidden": saved.hidden, "depth": saved.depth,
+            "shared": saved.shared}
     changed = {k: v for k, v in kept.items() if getattr(sac, k) != v}
     if not changed:
         return cfg

@@ -11,6 +11,8 @@
         config.yaml          the resolved training config
         stats.json           the dataset's normalisation stats
     run_dir/checkpoints/latest     the name of the newest complete checkpoint
+    run_dir/checkpoints/pinned     branch points (`branch_at`), one name a line: never pruned
+    run_dir/checkpoints/abandoned-20261203T193000Z/   the later checkpoints a branch left behind
 
 A LoRA run (`--policy.lora.rank`, models/lora.py) writes its trainable tensors only: adapter.safetensors
 (and adapter_ema.safetensors) in place of model.safetensors, `state/` without the frozen base, the
@@ -28,6 +30,14 @@ A checkpoint is written into a hidden temporary folder and renamed into place; a
 the same step is swapped out atomically (`exchange`), and `latest` moves only after that: a crash or
 a full disk mid-save leaves the previous checkpoint intact.
 
+Resuming from a checkpoint that is not the run's newest starts a branch (`branch_at`): the later
+checkpoints, of the run that is being replaced, move into `abandoned-<UTC time>/` (said in one
+warning), `latest` points at the resumed-from checkpoint, and that checkpoint is pinned, so `keep`
+counts the current branch only and never prunes the step it grew from:
+
+    step_2 step_3 step_4 step_5, --resume step_3 --checkpoint.keep=1, two more steps
+    -> step_3 (pinned) step_5 (new), abandoned-.../step_4 step_5 (the old branch)
+
 Resuming runs nothing a checkpoint folder holds: optimizer.pt, rng.pt and `state/` (its .metadata and
 non-tensor items) are unpickled through `kilovla.safe_load`'s allowlists of plain data, so a folder
 someone handed over can at worst be refused, in one line naming the file.
@@ -40,7 +50,9 @@ import ctypes.util
 import json
 import os
 import random
+import logging
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -53,6 +65,10 @@ from kilovla.models.lora import ADAPTER_EMA_FILE, ADAPTER_FILE, LoraSettings, me
 from kilovla.train import distributed
 
 STATE_DIR = "state"
+PINNED = "pinned"
+ABANDONED = "abandoned-"
+
+log = logging.getLogger(__name__)
 
 
 def step_of(folder: Path) -> int:
@@ -192,9 +208,52 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def prune(root: Path, keep: int) -> None:
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=step_of)
+    """Remove all but the newest `keep` checkpoints of the current branch (0: keep all); the branch
+    points in `pinned` are neither counted nor removed."""
+    pinned = pinned_names(root)
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name not in pinned), key=step_of)
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def pinned_names(root: Path) -> set[str]:
+    path = Path(root) / PINNED
+    return set(path.read_text().split()) if path.is_file() else set()
+
+
+def branch_at(root: Path, folder: Path) -> Path | None:
+    """A run resumed from `folder`, a checkpoint of this run's `root` (run_dir/checkpoints), continues
+    from it: the checkpoints after it, the branch being replaced, move into
+    `root/abandoned-<UTC time>/` (one warning names it), `latest` points at `folder`, and `folder` is
+    pinned against pruning. Returns the abandoned folder; None when `folder` is the newest checkpoint
+    (a plain resume) or lies outside `root` (another run's, which is only read).
+
+        step_2 step_3 step_4, branch_at(root, root / "step_2") -> root/abandoned-20261203T193000Z/ holding
+        step_3 step_4; root keeps step_2, `latest` and `pinned` name step_2
+    """
+    root, folder = Path(root), Path(folder)
+    if not root.is_dir() or folder.resolve().parent != root.resolve():
+        return None
+    later = sorted((p for p in root.glob("step_*") if p.is_dir() and step_of(p) > step_of(folder)), key=step_of)
+    if not later:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    away = root / f"{ABANDONED}{stamp}"
+    n = 1
+    while away.exists():  # two branches within a second
+        n += 1
+        away = root / f"{ABANDONED}{stamp}-{n}"
+    away.mkdir()
+    for p in later:
+        os.replace(p, away / p.name)
+    point_latest(root, folder)
+    pinned = {name for name in pinned_names(root) if (root / name).is_dir()} | {folder.name}
+    tmp = root / f".{PINNED}.{uuid.uuid4().hex[:8]}"
+    tmp.write_text("".join(f"{name}\n" for name in sorted(pinned)))
+    os.replace(tmp, root / PINNED)
+    log.warning("resuming from %s, not the run's newest checkpoint: its later checkpoints (%s) moved to %s",
+                folder.name, ", ".join(p.name for p in later), away)
+    return away
 
 
 def latest(root: Path) -> Path | None:

@@ -91,6 +91,8 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
             print(f"nothing to do: {folder} is at the last step ({at})", flush=True)
             return {"steps": at, "note": "nothing to do: the checkpoint is at the last step"}
     trainer = Trainer(cfg, world, resume_from=folder, on_eval=on_eval, index=index)
+    if folder is not None and world.is_main:  # the checkpoint loaded: a branch from an earlier step can start
+        ckpt.branch_at(run_dir / "checkpoints", folder)
     trainer.open_run_dir(replace=use == "replace")
     summary = trainer.train(t_start)
     # All ranks leave together: a process group torn down while a peer is still writing the summary

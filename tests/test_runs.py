@@ -1,0 +1,64 @@
+"""A run's life in its run_dir: branching from an earlier checkpoint, starting from a policy folder's
+weights and model, the settings refused before anything is written, a failed start, stale temporaries."""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kilovla.cli import main
+from kilovla.config import load_config
+from kilovla.data.synthetic import make_synthetic_dataset
+from kilovla.errors import KilovlaError
+from kilovla.train.trainer import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_synthetic_dataset(tmp_path_factory.mktemp("runs") / "ds", episodes=2, frames=(8, 10),
+                                  resolution=(32, 32), seed=4)
+
+
+def _args(dataset, run_dir, *extra):
+    return [f"--run_dir={run_dir}", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=4",
+            "--checkpoint.every=1", "--progress=false", *extra]
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def _steps(folder):
+    return sorted(p.name for p in Path(folder).iterdir() if p.name.startswith("step_"))
+
+
+# -- resuming from an earlier checkpoint: a branch --------------------------------------------------------
+
+def test_resuming_an_earlier_checkpoint_moves_the_later_ones_away_and_keeps_it(dataset, tmp_path, caplog):
+    run = tmp_path / "run"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=5", "--checkpoint.keep=3")))
+    root = run / "checkpoints"
+    assert _steps(root) == ["step_000003", "step_000004", "step_000005"]
+    with caplog.at_level(logging.WARNING, logger="kilovla.train.checkpoint"):
+        train(load_config(TrainConfig, None, _args(dataset, run, "--steps=7", "--checkpoint.keep=1")),
+              resume=str(root / "step_000003"))
+    # keep=1 counts the new branch only; the step it grew from stays, the old branch is set aside whole
+    assert _steps(root) == ["step_000003", "step_000007"]
+    assert (root / "latest").read_text() == "step_000007"
+    [away] = [p for p in root.iterdir() if p.name.startswith("abandoned-")]
+    assert _steps(away) == ["step_000004", "step_000005"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(away) in warnings[0]
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_resuming_the_newest_checkpoint_is_no_branch(dataset, tmp_path):
+    run = tmp_path / "run"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=2", "--checkpoint.keep=1")))
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=3", "--checkpoint.keep=1")), resume="auto")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000003"]

@@ -62,3 +62,50 @@ def test_resuming_the_newest_checkpoint_is_no_branch(dataset, tmp_path):
     train(load_config(TrainConfig, None, _args(dataset, run, "--steps=2", "--checkpoint.keep=1")))
     train(load_config(TrainConfig, None, _args(dataset, run, "--steps=3", "--checkpoint.keep=1")), resume="auto")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000003"]
+
+
+# -- starting from a kilovla policy folder: its model comes with it -------------------------------------
+
+@pytest.fixture(scope="module")
+def narrow_policy(dataset, tmp_path_factory):
+    """A 2-step run's last checkpoint, trained with overrides the preset does not have."""
+    run = tmp_path_factory.mktemp("narrow") / "run"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=2", "--policy.overrides.chunk_size=4",
+                                               "--policy.overrides.expert.mlp_dim=48")))
+    return run / "checkpoints" / "step_000002"
+
+
+def test_init_from_a_policy_folder_builds_the_model_its_weights_were_trained_with(dataset, narrow_policy, tmp_path):
+    run = tmp_path / "ft"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=1", f"--policy.init_from={narrow_policy}",
+                                               "--optim.lr=0", "--policy.overrides.packing=true")))
+    policy = json.loads((run / "checkpoints" / "step_000001" / "policy.json").read_text())
+    assert policy["preset"] == "pi05-tiny"
+    assert policy["overrides"] == {"chunk_size": 4, "expert": {"mlp_dim": 48}, "packing": True}
+    start, after = _weights(narrow_policy), _weights(run / "checkpoints" / "step_000001")
+    assert after["paligemma_with_expert.gemma_expert.model.layers.0.mlp.up_proj.weight"].shape == (48, 32)
+    assert start.keys() == after.keys() and all(torch.equal(start[k], after[k]) for k in start)  # lr 0: the folder's
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--policy.overrides.expert.mlp_dim=64", "policy.overrides.expert.mlp_dim=64 but policy.init_from="),
+    ("--policy.preset=pi0-tiny", "policy.preset=pi0-tiny but policy.init_from="),
+])
+def test_a_setting_that_contradicts_the_init_from_folder_is_one_line_exit_2(dataset, narrow_policy, tmp_path,
+                                                                           capsys, flag, message):
+    run = tmp_path / "ft"
+    assert main(["train", *_args(dataset, run, "--steps=1", f"--policy.init_from={narrow_policy}", flag)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert "48" in err or "pi05-tiny" in err  # the folder's value beside the run's
+    assert not run.exists()
+
+
+def test_settings_equal_to_the_init_from_folder_are_accepted(narrow_policy):
+    from kilovla.train.config import with_init_model
+
+    cfg = with_init_model(load_config(TrainConfig, None, [f"--policy.init_from={narrow_policy}",
+                                                          "--policy.preset=pi05-tiny",
+                                                          "--policy.overrides.chunk_size=4"]))
+    assert cfg.policy.preset == "pi05-tiny"
+    assert cfg.policy.overrides == {"chunk_size": 4, "expert": {"mlp_dim": 48}}

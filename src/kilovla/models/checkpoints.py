@@ -355,6 +355,28 @@ def is_sharded_policy_folder(path: str | Path) -> bool:
             and not (path / "model.safetensors.index.json").exists() and (path / "state").is_dir())
 
 
+def policy_folder_model(path: str | Path) -> tuple[str, dict] | None:
+    """The preset and model overrides a kilovla policy folder was trained with (its policy.json), which a
+    run starting from its weights builds its model from; None for a path that is not a kilovla policy
+    folder (an openpi, LeRobot or Isaac-GR00T checkpoint, a file).
+
+        runs/a/checkpoints/step_000100 -> ("pi05-tiny", {"chunk_size": 4, "lm": {"width": 96}})
+    """
+    meta = Path(path).expanduser() / "policy.json"
+    if not meta.is_file():
+        return None
+    try:
+        fields = json.loads(meta.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta}: not a policy description: {e}") from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("preset"), str):
+        return None
+    overrides = fields.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise CheckpointError(f"{meta}: overrides must be a mapping of model config fields, not {overrides!r}")
+    return fields["preset"], overrides
+
+
 def open_init_checkpoint(path: str | Path) -> Checkpoint:
     """`--policy.init_from`: a policy folder, an openpi export, a LeRobot or Isaac-GR00T folder, or a file.
     A quantized policy folder is refused: training starts from float weights."""

@@ -31,7 +31,7 @@ from kilovla.models.groot import GrootConfig, GrootModel
 from kilovla.models.presets import build_model, policy_defaults
 from kilovla.models.processor import STATS_FOR, PolicyMeta, Processor
 from kilovla.models.tokenize import find_tokenizer
-from kilovla.train.config import TrainConfig
+from kilovla.train.config import TrainConfig, with_init_model
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ def check_tokenizer_size(processor: Processor, model_cfg) -> None:
 
 def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
     """Fill what the run leaves unset from the preset's fine-tuning defaults; find the tokenizer."""
+    cfg = with_init_model(cfg)
     d, p = policy_defaults(cfg.policy.preset), cfg.policy
     pick = lambda mine, default: default if mine is None else mine  # noqa: E731
     near = [Path(p.init_from).expanduser()] if p.init_from else []

@@ -3,10 +3,13 @@ made on them before anything is built, read or written.
 
 Each section is a dataclass filled from YAML and dotted overrides (`kilovla.config.load_config`);
 unset policy fields (None) take the preset's fine-tuning defaults (`build.with_policy_defaults`).
+A kilovla policy folder given as `policy.init_from` brings the preset and model overrides its weights
+were trained with (`with_init_model`), as LeRobot's `--policy.path` brings a checkpoint's config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kilovla.errors import KilovlaError
@@ -26,7 +29,7 @@ class DatasetConfig:
 
 @dataclass
 class PolicyConfig:
-    preset: str = "pi05-tiny"
+    preset: str | None = None  # unset: the init_from policy folder's, else DEFAULT_PRESET (with_init_model)
     overrides: dict = field(default_factory=dict)  # model config fields, e.g. {"packing": true}
     camera_map: dict = field(default_factory=dict)  # empty: dataset cameras in order -> enabled model slots
     state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
@@ -113,12 +116,59 @@ class TrainConfig:
     progress: bool = True
 
 
+DEFAULT_PRESET = "pi05-tiny"
 PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{"lm": {"width": 96}} -> {"lm.width": 96}"""
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _merged(base: dict, mine: dict) -> dict:
+    out = dict(base)
+    for k, v in mine.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def with_init_model(cfg: TrainConfig) -> TrainConfig:
+    """The run's preset and model overrides: a kilovla policy folder as `policy.init_from` brings its own
+    (the model its weights fit), under the ones the run sets that it lacks; a value the run sets that
+    differs from the folder's is refused in one line. Without such a folder an unset preset is
+    DEFAULT_PRESET. Applying it twice changes nothing.
+
+        init_from trained with preset pi05-tiny, overrides {chunk_size: 4}; the run sets {packing: true}
+        -> preset pi05-tiny, overrides {chunk_size: 4, packing: true}
+        the run sets {chunk_size: 8} -> KilovlaError naming policy.overrides.chunk_size, 8 and 4
+    """
+    from kilovla.models.checkpoints import policy_folder_model
+
+    p = cfg.policy
+    folder = policy_folder_model(p.init_from) if p.init_from else None
+    if folder is None:
+        return cfg if p.preset else dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=DEFAULT_PRESET))
+    preset, overrides = folder
+    where = f"policy.init_from={p.init_from} was trained with"
+    if p.preset and p.preset != preset:
+        raise KilovlaError(f"policy.preset={p.preset} but {where} preset {preset}: drop policy.preset (the folder's "
+                           "is used) or start from weights of that preset")
+    theirs, mine = _flat(overrides), _flat(dict(p.overrides))
+    for key, value in mine.items():
+        if key in theirs and theirs[key] != value:
+            raise KilovlaError(f"policy.overrides.{key}={value!r} but {where} {key}={theirs[key]!r}: drop the "
+                               "override (the folder's is used) or start from other weights")
+    return dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=preset,
+                                                               overrides=_merged(overrides, dict(p.overrides))))
 STRATEGIES = ("ddp", "fsdp")
 
 
 def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
     """Refuse values the run cannot use, before anything is built, read or written."""
+    cfg = with_init_model(cfg)
     problems = []
     if cfg.batch.global_batch_tokens is None and cfg.batch.global_batch_size < 1:
         problems.append(f"batch.global_batch_size must be >= 1, not {cfg.batch.global_batch_size}")

@@ -39,7 +39,7 @@ OPENPI_CLIENT := openpi-client==0.1.2
 
 venv: $(BIN)/python
 	@if [ -n "$(TORCH)" ]; then $(BIN)/pip install -q "$(TORCH)"; fi
-	$(BIN)/pip install -q -e ".[dev,rl,sim,libero,serve,lora]"
+	$(BIN)/pip install -q -e ".[dev,rl,sim,libero,serve,lora,tensorboard]"
 	$(BIN)/pip install -q --no-deps "$(OPENPI_CLIENT)"
 	$(BIN)/pip install -q dm-tree pillow typing_extensions
 	@# --no-deps: torchcodec must not pull another torch; its PyPI wheel up to 0.13 is the CPU build.

@@ -109,3 +109,31 @@ def test_settings_equal_to_the_init_from_folder_are_accepted(narrow_policy):
                                                           "--policy.overrides.chunk_size=4"]))
     assert cfg.policy.preset == "pi05-tiny"
     assert cfg.policy.overrides == {"chunk_size": 4, "expert": {"mlp_dim": 48}}
+
+
+# -- TensorBoard ------------------------------------------------------------------------------------------
+
+def test_missing_tensorboard_is_a_warning_said_once(tmp_path, monkeypatch, caplog):
+    import sys
+
+    from kilovla.train import metrics
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    monkeypatch.setattr(metrics, "_told_no_tensorboard", False, raising=False)
+    with caplog.at_level(logging.INFO, logger="kilovla.train.metrics"):
+        for name in ("a", "b"):
+            metrics.MetricsLogger(tmp_path / name).close()
+    said = [r for r in caplog.records if r.name == "kilovla.train.metrics"]
+    assert [r.levelno for r in said] == [logging.WARNING]
+    assert "pip install 'kilovla[tensorboard]'" in said[0].getMessage()
+    assert not (tmp_path / "a" / "tensorboard").exists()
+
+
+def test_installed_tensorboard_gets_the_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from kilovla.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path)
+    logger.log({"step": 1, "loss": 0.5})
+    logger.close()
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())

@@ -29,6 +29,24 @@ def mfu(params: int, tokens_per_s: float, device) -> float | None:
     return None if peak is None else 6.0 * params * tokens_per_s / peak
 
 
+_told_no_tensorboard = False
+
+
+def _tensorboard_writer(folder: Path, metrics_path: Path):
+    """A SummaryWriter into `folder`, or None where tensorboard is not installed; that is said once per
+    process, at WARNING, so a user who expects the TensorBoard curves learns why there are none."""
+    global _told_no_tensorboard
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if not _told_no_tensorboard:
+            _told_no_tensorboard = True
+            log.warning("tensorboard is not installed (pip install 'kilovla[tensorboard]'; `make venv` does): "
+                        "metrics go to %s only", metrics_path)
+        return None
+    return SummaryWriter(str(folder))
+
+
 class MetricsLogger:
     """Appends to run_dir/metrics.jsonl. `resume_step`: a run continuing from the checkpoint of that
     step first drops what the interrupted run logged after it, so no step appears twice."""
@@ -41,12 +59,7 @@ class MetricsLogger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume_step is not None:
                 self._truncate_after(resume_step)
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-            except ImportError:
-                log.info("tensorboard is not installed; metrics go to %s only", self.path)
+            self._tb = _tensorboard_writer(Path(run_dir) / "tensorboard", self.path)
 
     def _truncate_after(self, step: int) -> None:
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]

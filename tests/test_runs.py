@@ -137,3 +137,27 @@ def test_installed_tensorboard_gets_the_scalars(tmp_path):
     logger.log({"step": 1, "loss": 0.5})
     logger.close()
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
+
+
+# -- counts that mean nothing ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, message", [
+    ("--steps=0", "steps must be >= 1, not 0"),
+    ("--steps=-1", "steps must be >= 1, not -1"),
+    ("--checkpoint.every=0", "checkpoint.every must be >= 1, not 0"),
+    ("--checkpoint.keep=-1", "checkpoint.keep must be >= 0, not -1"),
+    ("--loader.engine=threads", "loader.engine must be one of inprocess, torch, ray, not 'threads'"),
+    ("--loader.num_workers=-2", "loader.num_workers must be >= 0, not -2"),
+    ("--optim.warmup_steps=-1", "optim.warmup_steps must be >= 0, not -1"),
+    ("--optim.lr=-0.1", "optim.lr must be >= 0, not -0.1"),
+    ("--optim.min_lr_ratio=2", "optim.min_lr_ratio must be in [0, 1], not 2"),
+    ("--ema_decay=1.5", "ema_decay must be in [0, 1)"),
+    ("--dataset.weights=[1,2]", "dataset.weights must be one positive number per dataset.roots entry (1)"),
+    ("--batch.global_batch_size=0", "batch.global_batch_size must be >= 1, not 0"),
+])
+def test_a_count_that_means_nothing_is_refused_before_anything_is_written(dataset, tmp_path, capsys, flag, message):
+    run = tmp_path / "run"
+    assert main(["train", *_args(dataset, run, "--steps=2", flag)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not run.exists()

@@ -118,6 +118,7 @@ class TrainConfig:
 
 DEFAULT_PRESET = "pi05-tiny"
 PRECISIONS = ("auto", "fp32", "bf16")
+LOADER_ENGINES = ("inprocess", "torch", "ray")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -169,7 +170,7 @@ STRATEGIES = ("ddp", "fsdp")
 def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
     """Refuse values the run cannot use, before anything is built, read or written."""
     cfg = with_init_model(cfg)
-    problems = []
+    problems = _count_problems(cfg)
     if cfg.batch.global_batch_tokens is None and cfg.batch.global_batch_size < 1:
         problems.append(f"batch.global_batch_size must be >= 1, not {cfg.batch.global_batch_size}")
     if cfg.batch.global_batch_tokens is not None and cfg.batch.global_batch_tokens < 1:
@@ -198,6 +199,33 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
         raise KilovlaError("parallel.static_graph=true cannot be used on several ranks: a step accumulates "
                            "over several packed rows per rank (no_sync), which DDP's static graph does not "
                            "support; leave parallel.static_graph=false")
+
+
+def _count_problems(cfg: TrainConfig) -> list[str]:
+    """Counts and rates that mean nothing (a run of 0 steps, a checkpoint every 0 steps), which would
+    otherwise finish at once, divide by zero at the first step, or fail after config.yaml is written."""
+    problems = []
+    at_least = [("steps", cfg.steps, 1), ("checkpoint.every", cfg.checkpoint.every, 1),
+                ("checkpoint.keep", cfg.checkpoint.keep, 0), ("loader.num_workers", cfg.loader.num_workers, 0),
+                ("optim.warmup_steps", cfg.optim.warmup_steps, 0)]
+    if cfg.eval.every:
+        at_least.append(("eval.batch_size", cfg.eval.batch_size, 1))
+    problems += [f"{name} must be >= {low}, not {value}" for name, value, low in at_least if value < low]
+    if cfg.loader.engine not in LOADER_ENGINES:
+        problems.append(f"loader.engine must be one of {', '.join(LOADER_ENGINES)}, not {cfg.loader.engine!r}")
+    if not cfg.optim.lr >= 0:
+        problems.append(f"optim.lr must be >= 0, not {cfg.optim.lr}")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        problems.append(f"optim.min_lr_ratio must be in [0, 1], not {cfg.optim.min_lr_ratio}")
+    if cfg.ema_decay is not None and not 0 <= cfg.ema_decay < 1:
+        problems.append(f"ema_decay must be in [0, 1) (0 or unset: no EMA), not {cfg.ema_decay}")
+    if not cfg.parallel.timeout_s > 0:
+        problems.append(f"parallel.timeout_s must be > 0, not {cfg.parallel.timeout_s}")
+    weights = cfg.dataset.weights
+    if weights is not None and (len(weights) != len(cfg.dataset.roots) or not all(w > 0 for w in weights)):
+        problems.append(f"dataset.weights must be one positive number per dataset.roots entry "
+                        f"({len(cfg.dataset.roots)}), not {list(weights)}")
+    return problems
 
 
 def _mesh_problems(cfg: TrainConfig, world_size: int) -> list[str]:

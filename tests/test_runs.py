@@ -161,3 +161,19 @@ def test_a_count_that_means_nothing_is_refused_before_anything_is_written(datase
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
     assert not run.exists()
+
+
+# -- LoRA on random weights ---------------------------------------------------------------------------------
+
+def test_lora_on_random_weights_warns_once_and_on_an_init_from_does_not(dataset, narrow_policy, tmp_path, caplog):
+    pytest.importorskip("peft")
+    lora = ["--steps=1", "--policy.lora.rank=4"]
+    with caplog.at_level(logging.WARNING, logger="kilovla.train.build"):
+        train(load_config(TrainConfig, None, _args(dataset, tmp_path / "random", *lora)))
+    said = [r.getMessage() for r in caplog.records if r.name == "kilovla.train.build"]
+    assert len(said) == 1 and "LoRA on RANDOM weights" in said[0] and "--policy.lora.full" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kilovla.train.build"):
+        train(load_config(TrainConfig, None, _args(dataset, tmp_path / "ft", *lora,
+                                                   f"--policy.init_from={narrow_policy}")))
+    assert not [r for r in caplog.records if r.name == "kilovla.train.build"]

@@ -258,6 +258,12 @@ def build_lora(model: torch.nn.Module, settings, cfg: TrainConfig, start: ModelS
 
     base = {"preset": cfg.policy.preset, "overrides": dict(cfg.policy.overrides)}
     base.update({"init_from": start.record} if start.record else {"seed": cfg.seed, "device": world.device.type})
+    if start.record is None and not settings.full and world.is_main:
+        # adapters learn a correction to weights that carry something; on a random base everything they
+        # wrap stays random and frozen, which is rarely what the run means
+        log.warning("LoRA on RANDOM weights (no --policy.init_from): the base stays random and frozen, only the "
+                    "adapters train; give --policy.init_from, or name modules to train in full with "
+                    "--policy.lora.full")
     apply_lora(model, settings)
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

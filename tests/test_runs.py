@@ -177,3 +177,27 @@ def test_lora_on_random_weights_warns_once_and_on_an_init_from_does_not(dataset,
         train(load_config(TrainConfig, None, _args(dataset, tmp_path / "ft", *lora,
                                                    f"--policy.init_from={narrow_policy}")))
     assert not [r for r in caplog.records if r.name == "kilovla.train.build"]
+
+
+# -- a run that stopped before its first step -------------------------------------------------------------
+
+def test_a_run_dir_left_by_a_run_that_failed_at_step_0_is_reused_and_says_so(dataset, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("steps: 2\n")  # what a run writes before its first step
+    (run / "tensorboard").mkdir()
+    (run / "notes.txt").write_text("mine")
+    assert main(["train", *_args(dataset, run, "--steps=2")]) == 0
+    assert "stopped before its first step" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (run / "notes.txt").read_text() == "mine"
+
+
+def test_a_run_dir_with_a_logged_step_still_counts_as_a_run(dataset, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("steps: 2\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert main(["train", *_args(dataset, run, "--steps=2")]) == 2
+    assert "run_dir holds a run: pass --resume auto" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'

@@ -96,13 +96,30 @@ def clear(folder: str | Path, kind: FolderKind) -> None:
                 entry.unlink()
 
 
+def _failed_start(run_dir: Path) -> bool:
+    """A run that stopped before its first step: it wrote config.yaml (perhaps an empty metrics.jsonl and
+    tensorboard/) but no metrics row, no checkpoint and no summary, so there is nothing to continue or lose.
+    (A run still busy with its first step looks the same: two runs in one run_dir are the user's to avoid.)"""
+    metrics = run_dir / "metrics.jsonl"
+    checkpoints = run_dir / "checkpoints"
+    if not (run_dir / "config.yaml").is_file() or (run_dir / "summary.json").exists():
+        return False
+    if checkpoints.is_dir() and any(not p.name.startswith(".") for p in checkpoints.iterdir()):
+        return False
+    if metrics.is_file():
+        with metrics.open() as f:
+            return not f.read(4096).strip()
+    return True
+
+
 def claim_run_dir(run_dir: str | Path, resume: str | None, checkpoint: Path | None, main: bool = True) -> str:
     """Decide how a run uses `run_dir`, before anything is read or written: 'resume', 'fresh', or
     'replace' (the caller `clear`s the earlier run's entries right before it writes, after its own
     checks passed). Files of other kinds beside a run (a log, notes) are never touched.
 
     `resume` is the --resume flag (None, 'auto' or a folder) and `checkpoint` the folder it resolved
-    to (None: none found). A run_dir holding a run is refused without --resume; `--resume auto` on a
+    to (None: none found). A run_dir holding a run is refused without --resume, unless that run stopped
+    before its first step (`_failed_start`): then it is replaced, said in one line; `--resume auto` on a
     run_dir without a checkpoint starts fresh, replacing what the earlier run logged, and says so
     (on the `main` rank); a checkpoints/ folder with step folders but no `latest` pointer is refused
     rather than replaced."""
@@ -112,10 +129,15 @@ def claim_run_dir(run_dir: str | Path, resume: str | None, checkpoint: Path | No
     has_run = run_dir.is_dir() and any((run_dir / m).exists() for m in RUN.marker)
     if checkpoint is not None:
         inside = Path(checkpoint).resolve().is_relative_to((run_dir / "checkpoints").resolve())
-        if has_run and not inside:
+        if has_run and not inside and not _failed_start(run_dir):
             raise KilovlaError(f"{run_dir}: holds another run; resuming {checkpoint} there would mix the two: "
                                "use a new run_dir")
         return "resume"
+    if has_run and resume is None and _failed_start(run_dir):
+        if main:
+            print(f"{run_dir}: holds a run that stopped before its first step (config.yaml, no metrics, no "
+                  "checkpoint): starting over there", flush=True)
+        return "replace"
     if has_run and resume is None:
         raise KilovlaError(f"{run_dir}: run_dir holds a run: pass --resume auto or use a new run_dir")
     steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()) if has_run else []

@@ -201,3 +201,27 @@ def test_a_run_dir_with_a_logged_step_still_counts_as_a_run(dataset, tmp_path, c
     assert main(["train", *_args(dataset, run, "--steps=2")]) == 2
     assert "run_dir holds a run: pass --resume auto" in capsys.readouterr().err
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+# -- staging folders a killed writer left ------------------------------------------------------------------
+
+def test_writing_a_dataset_removes_the_staging_folders_of_dead_writers_of_that_destination(tmp_path):
+    import subprocess
+    import sys
+
+    from kilovla.staging import _host, staging_path
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)  # a pid whose process has exited
+    dest = tmp_path / "ds"
+    killed = tmp_path / f".ds.tmp-{_host()}-{dead}-0123abcd"
+    live = staging_path(dest)  # this process: a writer still at work
+    elsewhere = tmp_path / f".ds.tmp-otherhost-{dead}-0123abcd"  # another host's, on a shared filesystem
+    other_dest = tmp_path / f".other.tmp-{_host()}-{dead}-0123abcd"
+    legacy = tmp_path / ".ds.tmp-0123abcd"  # named before names carried a pid
+    for p in (killed, live, elsewhere, other_dest, legacy):
+        (p / "data").mkdir(parents=True)
+    make_synthetic_dataset(dest, episodes=1, frames=4, resolution=(16, 16), seed=0)
+    assert not killed.exists()
+    assert all(p.exists() for p in (live, elsewhere, other_dest, legacy))
+    assert (dest / "meta" / "info.json").is_file()

@@ -39,6 +39,7 @@ from kilovla.data.meta import DEFAULT_DATA_PATH, DEFAULT_VIDEO_PATH, EPISODES_PA
 from kilovla.data.video import CODEC_NAMES, VideoEncoder, concat_videos, probe_video
 from kilovla.errors import DatasetError, KilovlaError
 from kilovla.folders import DATASET, check_replaceable
+from kilovla.staging import remove_stale_staging, staging_path
 
 CODEBASE_VERSION = "v3.0"
 CONVERT_STAT_FRAMES = 10  # frames decoded per episode and camera when a v2.1 dataset lacks camera stats
@@ -139,7 +140,8 @@ class DatasetWriter:
         self.video_keys = [k for k, f in self.features.items() if f["dtype"] == "video"]
         self.table_keys = [k for k, f in self.features.items() if f["dtype"] != "video"]
         where = self.root.absolute()  # "." has no name to put a sibling beside
-        self._tmp = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
+        remove_stale_staging(where)  # what a killed writer of this dataset left
+        self._tmp = staging_path(where)
         self._tmp.mkdir(parents=True)
         self.tasks: dict[str, int] = {}
         self.episodes: list[dict[str, Any]] = []
@@ -388,7 +390,8 @@ def convert_v21_to_v30(src: str | Path, dst: str | Path, overwrite: bool = False
         raise KilovlaError(f"{dst}: already exists (pass --overwrite to replace it)")
     check_replaceable(dst, DATASET)
     where = dst.absolute()
-    tmp = where.parent / f".{where.name}.tmp-{uuid.uuid4().hex[:8]}"
+    remove_stale_staging(where)
+    tmp = staging_path(where)
     tmp.mkdir(parents=True)
     try:
         _convert(src_meta, tmp, data_files_size_in_mb * 2**20, video_files_size_in_mb * 2**20)

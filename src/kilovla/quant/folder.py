@@ -27,7 +27,6 @@ import json
 import math
 import os
 import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.quant import report as qreport
+from kilovla.staging import remove_stale_staging, staging_path
 from kilovla.quant.fp8 import (KERNELS, Fp8BlockLinear, Fp8Config, Fp8Weights, checkpoint_bytes, quantization_config,
                                quantize_model, select_layers, set_kernel)
 
@@ -175,7 +175,8 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
 
     created = [p for p in reversed(out.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    remove_stale_staging(out)  # what a killed quantization of this folder left
+    tmp = staging_path(out)
     try:
         tmp.mkdir()
         _write_folder(tmp, VLAPolicy(model, baseline.meta, root=source), config, list(weight_sqnr))

@@ -85,6 +85,37 @@ def server(policy_dir):
         s.stop()
 
 
+@contextlib.contextmanager
+def _taken_port():
+    """A port another program listens on, for as long as the block runs."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_serve_on_a_port_in_use_is_one_line_naming_host_and_port_before_the_policy_is_read(tmp_path):
+    with _taken_port() as port:  # the folder does not exist either: the port is what is checked first
+        proc = subprocess.run([sys.executable, "-m", "kilovla", "serve", "--policy", str(tmp_path / "no-policy"),
+                               "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"error: --host/--port 127.0.0.1:{port}: cannot listen there: Address already in use\n"
+
+
+def test_a_port_taken_after_the_check_is_a_kilovla_error_and_leaves_nothing_running(engine):
+    from kilovla.errors import KilovlaError
+    from kilovla.serve.server import PolicyServer, ServeConfig
+
+    threads = set(threading.enumerate())
+    with _taken_port() as port:
+        server = PolicyServer(engine, ServeConfig(port=port))
+        with pytest.raises(KilovlaError, match=f"127.0.0.1:{port}: cannot listen there: Address already in use"):
+            asyncio.run(server.serve())
+    assert set(threading.enumerate()) <= threads
+
+
 def test_msgpack_numpy_matches_openpi_clients_encoding():
     from openpi_client import msgpack_numpy
 

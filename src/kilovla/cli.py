@@ -89,14 +89,18 @@ def cmd_data_convert(args) -> int:
 
 
 def cmd_data_synth(args) -> int:
-    from kilovla.data.synthetic import make_synthetic_dataset
+    from kilovla.data.synthetic import check_synthetic_args, make_synthetic_dataset
+    from kilovla.data.writer import check_dataset_destination
     from kilovla.progress import CountProgress
 
+    shape = dict(episodes=args.episodes, frames=(args.min_frames, args.max_frames), fps=args.fps,
+                 cameras=tuple(args.cameras.split(",")), resolution=(args.resolution, args.resolution),
+                 codec=args.codec)
+    check_synthetic_args(**shape)  # before the progress lines start: bad flags are one line
+    check_dataset_destination(args.dst, args.overwrite)
     with CountProgress("data synth: episodes written", total=args.episodes) as progress:
-        out = make_synthetic_dataset(args.dst, episodes=args.episodes, frames=(args.min_frames, args.max_frames),
-                                     fps=args.fps, cameras=tuple(args.cameras.split(",")),
-                                     resolution=(args.resolution, args.resolution), codec=args.codec,
-                                     seed=args.seed, overwrite=args.overwrite, progress=progress.callback)
+        out = make_synthetic_dataset(args.dst, **shape, seed=args.seed, overwrite=args.overwrite,
+                                     progress=progress.callback)
     print(f"wrote {out}")
     return 0
 

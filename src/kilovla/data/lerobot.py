@@ -22,7 +22,7 @@ from kilovla.data import windows
 from kilovla.data.columns import ColumnStore, open_columns, prefetch_pages
 from kilovla.data.frame_cache import resolve_frame_cache
 from kilovla.data.meta import DatasetMeta, Feature
-from kilovla.errors import DatasetError, KilovlaError
+from kilovla.errors import KilovlaError
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +94,8 @@ class LeRobotDataset:
         # position p lies in the k-th loaded episode when pos_from[k] <= p < pos_from[k + 1]
         self._pos_from = np.concatenate([[0], np.cumsum(eps.length[self.episode_ids])])
         self._pool = None
-        self.frame_cache = resolve_frame_cache(frame_cache, self.meta, self.columns, self.meta.video_keys)
-        if self.frame_cache is not None and video_backend != "auto" \
-                and self.frame_cache.manifest["backend"] != video_backend:
-            raise DatasetError(self.frame_cache.path / "manifest.json",
-                               f"frames were decoded with {self.frame_cache.manifest['backend']}, this dataset asks "
-                               f"for video_backend={video_backend!r}; use 'auto' or rebuild the cache")
+        self.frame_cache = resolve_frame_cache(frame_cache, self.meta, self.columns, self.meta.video_keys,
+                                               video_backend)
 
     def __getstate__(self):
         state = self.__dict__.copy()

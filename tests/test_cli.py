@@ -11,6 +11,13 @@ from kilovla.cli import main
 from kilovla.errors import KilovlaError
 
 
+def test_version_prints_the_installed_package_version_and_exits_0():
+    from importlib.metadata import version
+
+    proc = subprocess.run([sys.executable, "-m", "kilovla", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == f"kilovla {version('kilovla')}\n"
+
+
 def test_data_info_json(tiny_root, capsys):
     assert main(["data", "info", str(tiny_root), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -369,9 +369,22 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=1024, help="simulated ranks for the imbalance rows")
 
 
+def _version() -> str:
+    """The installed distribution's version; the source tree's when run from a checkout (PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kilovla")
+    except PackageNotFoundError:
+        import kilovla
+
+        return kilovla.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kilovla", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"kilovla {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     data = sub.add_parser("data", help="inspect, check, convert and benchmark LeRobot datasets")

@@ -46,8 +46,9 @@ files is refused.
 Where a loader finds a cache: `LeRobotDataset(root, frame_cache=...)` takes a folder, None (never),
 or "auto" (the default): `default_cache_dir(root)`, which is where `kilovla data cache SRC` writes
 unless told `--out`. With "auto" a cache that cannot serve the request (partial: other cameras;
-interrupted: no manifest; stale) is passed over with one warning line and frames are decoded from
-the videos; a folder named explicitly is refused instead, with the reason.
+interrupted: no manifest; stale; decoded with another backend than an explicit `video_backend`) is
+passed over with one warning line and frames are decoded from the videos; a folder named explicitly
+is refused instead, with the reason.
 """
 
 from __future__ import annotations

@@ -114,14 +114,16 @@ def test_data_synth_under_a_file_is_one_line_naming_the_file_and_nothing_is_writ
     proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "synth", str(tmp_path / "file.txt/a/ds")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""  # no progress lines either: checked before they start
-    assert proc.stderr == f"error: {tmp_path}/file.txt/a/ds: cannot create it: {tmp_path}/file.txt is a file, not a folder\n"
+    assert proc.stderr == (f"error: {tmp_path}/file.txt/a/ds: cannot create it: {tmp_path}/file.txt is a file, "
+                           "not a folder\n")
     assert [p.name for p in tmp_path.iterdir()] == ["file.txt"]
 
 
 def test_data_convert_under_a_file_is_one_line_naming_the_file_and_nothing_is_written(v21_root, tmp_path):
     (tmp_path / "file.txt").write_text("mine")
     rc, err = _run_cli("data", "convert", str(v21_root), str(tmp_path / "file.txt/v3"))
-    assert rc == 2 and err == f"error: {tmp_path}/file.txt/v3: cannot create it: {tmp_path}/file.txt is a file, not a folder\n"
+    assert rc == 2 and err == (f"error: {tmp_path}/file.txt/v3: cannot create it: {tmp_path}/file.txt is a file, "
+                               "not a folder\n")
     assert [p.name for p in tmp_path.iterdir()] == ["file.txt"]
 
 

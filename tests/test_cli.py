@@ -11,6 +11,13 @@ from kilovla.cli import main
 from kilovla.errors import KilovlaError
 
 
+def test_version_prints_the_installed_package_version_and_exits_0():
+    from importlib.metadata import version
+
+    proc = subprocess.run([sys.executable, "-m", "kilovla", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == f"kilovla {version('kilovla')}\n"
+
+
 def test_data_info_json(tiny_root, capsys):
     assert main(["data", "info", str(tiny_root), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -79,6 +86,45 @@ def test_a_string_in_a_shape_is_one_line_naming_the_feature(tiny_copy, command):
     assert rc == 2 and "Traceback" not in err
     assert err.strip() == (f"error: {tiny_copy}/meta/info.json: feature 'action': 'shape' must be a list of "
                            "non-negative integers, got ['six']")
+
+
+def test_data_info_on_a_plain_file_says_it_is_not_a_dataset_folder(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    rc, err = _run_cli("data", "info", str(tmp_path / "notes.txt"))
+    assert rc == 2 and err == f"error: {tmp_path}/notes.txt: not a LeRobot dataset folder (a file)\n"
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--min-frames", "50", "--max-frames", "10"], "--min-frames 50 is above --max-frames 10"),
+    (["--min-frames", "0"], "--min-frames 0: an episode needs at least 1 frame"),
+    (["--resolution", "0"], "--resolution 0: frames must be at least 4 pixels a side"),
+    (["--resolution", "5", "--codec", "libx264"], "--resolution 5: libx264 (yuv420p) needs an even number"),
+    (["--fps", "0"], "--fps 0: must be at least 1"),
+    (["--episodes", "0"], "--episodes 0: must be at least 1"),
+    (["--cameras", "front,front"], "--cameras front,front: camera names must be non-empty and distinct"),
+])
+def test_data_synth_flags_no_dataset_can_be_made_of_are_one_line_and_nothing_is_written(tmp_path, flags, said):
+    rc, err = _run_cli("data", "synth", str(tmp_path / "ds"), *flags)
+    assert rc == 2 and err.startswith(f"error: {said}") and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_data_synth_under_a_file_is_one_line_naming_the_file_and_nothing_is_written(tmp_path):
+    (tmp_path / "file.txt").write_text("mine")
+    proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "synth", str(tmp_path / "file.txt/a/ds")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""  # no progress lines either: checked before they start
+    assert proc.stderr == (f"error: {tmp_path}/file.txt/a/ds: cannot create it: {tmp_path}/file.txt is a file, "
+                           "not a folder\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["file.txt"]
+
+
+def test_data_convert_under_a_file_is_one_line_naming_the_file_and_nothing_is_written(v21_root, tmp_path):
+    (tmp_path / "file.txt").write_text("mine")
+    rc, err = _run_cli("data", "convert", str(v21_root), str(tmp_path / "file.txt/v3"))
+    assert rc == 2 and err == (f"error: {tmp_path}/file.txt/v3: cannot create it: {tmp_path}/file.txt is a file, "
+                               "not a folder\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["file.txt"]
 
 
 def test_stats_rewrites_stats_json(tiny_copy, capsys):

@@ -209,6 +209,19 @@ def test_an_explicit_other_backend_is_refused(cached):
         LeRobotDataset(root, frame_cache=out, video_backend="torchcodec")
 
 
+def test_a_default_location_cache_of_another_backend_is_passed_over_with_one_warning(tiny_copy, tmp_path,
+                                                                                    monkeypatch, caplog):
+    monkeypatch.setenv("KILOVLA_CACHE_DIR", str(tmp_path / "caches"))
+    build_frame_cache(tiny_copy, backend="pyav", engine="local")  # where "auto" looks
+    with caplog.at_level("WARNING", logger="kilovla.data.frame_cache"):
+        ds = LeRobotDataset(tiny_copy, delta_timestamps=REQUEST, video_backend="torchcodec")
+    assert ds.frame_cache is None and ds.video_backend == "torchcodec"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "frames were decoded with pyav, this dataset asks for video_backend='torchcodec'" \
+        in warnings[0]
+    assert LeRobotDataset(tiny_copy, video_backend="pyav").frame_cache is not None  # its own backend: used
+
+
 def test_cli_stale_cache_exits_2_with_one_line(cached):
     root, out = cached
     _reencode_front(root)

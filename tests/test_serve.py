@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_reach_policy
-from kilovla.serve.protocol import BadRequest, packb, to_policy_observation, unpackb
+from kilovla.serve.protocol import BadRequest, PolicyInputs, packb, to_policy_observation, unpackb
 
 pytest.importorskip("openpi_client")
 # openpi-client 0.1.2 calls websockets' connect() outside a context manager
@@ -85,6 +85,37 @@ def server(policy_dir):
         s.stop()
 
 
+@contextlib.contextmanager
+def _taken_port():
+    """A port another program listens on, for as long as the block runs."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_serve_on_a_port_in_use_is_one_line_naming_host_and_port_before_the_policy_is_read(tmp_path):
+    with _taken_port() as port:  # the folder does not exist either: the port is what is checked first
+        proc = subprocess.run([sys.executable, "-m", "kilovla", "serve", "--policy", str(tmp_path / "no-policy"),
+                               "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"error: --host/--port 127.0.0.1:{port}: cannot listen there: Address already in use\n"
+
+
+def test_a_port_taken_after_the_check_is_a_kilovla_error_and_leaves_nothing_running(engine):
+    from kilovla.errors import KilovlaError
+    from kilovla.serve.server import PolicyServer, ServeConfig
+
+    threads = set(threading.enumerate())
+    with _taken_port() as port:
+        server = PolicyServer(engine, ServeConfig(port=port))
+        with pytest.raises(KilovlaError, match=f"127.0.0.1:{port}: cannot listen there: Address already in use"):
+            asyncio.run(server.serve())
+    assert set(threading.enumerate()) <= threads
+
+
 def test_msgpack_numpy_matches_openpi_clients_encoding():
     from openpi_client import msgpack_numpy
 
@@ -125,6 +156,14 @@ def test_libero_layout_and_any_image_size_and_chw_float(server):
               "observation/wrist_image": rng.random((3, 100, 100), dtype=np.float32),  # CHW float
               "observation/state": rng.standard_normal(4), "prompt": "reach the goal"}
     assert client.infer(libero)["actions"].shape == (4, 4)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_a_float_image_in_0_1_is_the_uint8_image_divided_by_255(dtype):
+    inputs = PolicyInputs(cameras=["observation.images.scene"], state_keys=[], state_widths=[])
+    pixels = np.arange(256, dtype=np.uint8).repeat(3).reshape(16, 16, 3)
+    got = to_policy_observation({"observation.images.scene": (pixels / 255.0).astype(dtype)}, inputs)
+    np.testing.assert_array_equal(got["observation.images.scene"], pixels)
 
 
 def test_a_bad_request_names_the_key_and_the_connection_stays_open(server):
@@ -435,6 +474,12 @@ def test_each_rtc_request_keeps_its_own_guidance_weight(engine, server):
     ("observation.state", [[0.0], [0.0, 0.0]], "observation.state: must be numbers"),
     ("observation.state", np.zeros((2, 2)), "the policy reads 4 values, got shape [2, 2]"),
     ("observation.images.scene", np.zeros((0, 0, 3), np.uint8), "an image must be an (H, W, 3)"),
+    # a float image on the 0-255 scale is refused, not scaled again and clipped to white
+    ("observation.images.scene", np.full((32, 32, 3), 200.0, np.float32),
+     "observation.images.scene: a float image must hold values in [0, 1], got [200, 200]"),
+    ("observation.images.wrist", np.full((3, 32, 32), 1.5, np.float16), "values in [0, 1], got [1.5, 1.5]"),
+    ("observation.images.scene", np.full((32, 32, 3), -0.25, np.float64), "values in [0, 1], got [-0.25, -0.25]"),
+    ("observation.images.scene", np.full((32, 32, 3), np.nan, np.float32), "the image holds NaN or inf"),
     ("endpoint", np.zeros(3), "endpoint must be 'infer' or 'reset'"),
 ])
 def test_misshapen_requests_get_a_bad_request_text_and_the_connection_stays(server, field, value, said):

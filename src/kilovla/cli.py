@@ -89,14 +89,18 @@ def cmd_data_convert(args) -> int:
 
 
 def cmd_data_synth(args) -> int:
-    from kilovla.data.synthetic import make_synthetic_dataset
+    from kilovla.data.synthetic import check_synthetic_args, make_synthetic_dataset
+    from kilovla.data.writer import check_dataset_destination
     from kilovla.progress import CountProgress
 
+    shape = dict(episodes=args.episodes, frames=(args.min_frames, args.max_frames), fps=args.fps,
+                 cameras=tuple(args.cameras.split(",")), resolution=(args.resolution, args.resolution),
+                 codec=args.codec)
+    check_synthetic_args(**shape)  # before the progress lines start: bad flags are one line
+    check_dataset_destination(args.dst, args.overwrite)
     with CountProgress("data synth: episodes written", total=args.episodes) as progress:
-        out = make_synthetic_dataset(args.dst, episodes=args.episodes, frames=(args.min_frames, args.max_frames),
-                                     fps=args.fps, cameras=tuple(args.cameras.split(",")),
-                                     resolution=(args.resolution, args.resolution), codec=args.codec,
-                                     seed=args.seed, overwrite=args.overwrite, progress=progress.callback)
+        out = make_synthetic_dataset(args.dst, **shape, seed=args.seed, overwrite=args.overwrite,
+                                     progress=progress.callback)
     print(f"wrote {out}")
     return 0
 
@@ -365,9 +369,22 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=1024, help="simulated ranks for the imbalance rows")
 
 
+def _version() -> str:
+    """The installed distribution's version; the source tree's when run from a checkout (PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kilovla")
+    except PackageNotFoundError:
+        import kilovla
+
+        return kilovla.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kilovla", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"kilovla {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     data = sub.add_parser("data", help="inspect, check, convert and benchmark LeRobot datasets")

@@ -46,8 +46,9 @@ files is refused.
 Where a loader finds a cache: `LeRobotDataset(root, frame_cache=...)` takes a folder, None (never),
 or "auto" (the default): `default_cache_dir(root)`, which is where `kilovla data cache SRC` writes
 unless told `--out`. With "auto" a cache that cannot serve the request (partial: other cameras;
-interrupted: no manifest; stale) is passed over with one warning line and frames are decoded from
-the videos; a folder named explicitly is refused instead, with the reason.
+interrupted: no manifest; stale; decoded with another backend than an explicit `video_backend`) is
+passed over with one warning line and frames are decoded from the videos; a folder named explicitly
+is refused instead, with the reason.
 """
 
 from __future__ import annotations
@@ -533,11 +534,13 @@ class FrameCache:
         return out.reshape(*rows.shape, *self.shapes[camera])
 
 
-def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str]) -> FrameCache:
+def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str],
+                     video_backend: str = "auto") -> FrameCache:
     """Check a cache against the dataset (`meta`, its loaded `columns`) and open it, or refuse.
 
     Refused, with a DatasetError naming the file: no manifest (never finished, or being rebuilt), a
-    manifest of another format or dataset shape, a camera of `cameras` missing or of another
+    manifest of another format or dataset shape, frames decoded with another backend than an
+    explicit `video_backend` ("auto" takes the cache's), a camera of `cameras` missing or of another
     resolution, an episode whose rows or timestamps moved, a source video that changed (size, or
     content when its mtime moved), a part missing, of the wrong size, or whose .npy header is not
     the manifest's array. Nothing is read before all of that passed. Same-size corruption of frame
@@ -574,6 +577,10 @@ def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str]) 
             h = held.get("shape", ["?", "?"])
             raise DatasetError(mpath, f"holds {h[0]}x{h[1]} frames of {camera}, the dataset's info.json says "
                                f"{want[0]}x{want[1]}: {rebuild}")
+    if video_backend != "auto" and manifest.get("backend") != video_backend:
+        raise DatasetError(mpath, f"frames were decoded with {manifest.get('backend')}, this dataset asks for "
+                           f"video_backend={video_backend!r}; use 'auto' or rebuild it with "
+                           f"`kilovla data cache {meta.root} --out {path} --backend {video_backend}`")
     timestamps = columns["timestamp"]
     parts = {(p["camera"], p["episode"]): p for p in manifest.get("parts", [])}
     videos = manifest.get("videos", {})
@@ -652,8 +659,13 @@ def _check_video(video_path: str, stamp: dict | None, rebuild: str) -> int | Non
     return st.st_mtime_ns
 
 
-def resolve_frame_cache(setting, meta, columns: dict, cameras: list[str]) -> FrameCache | None:
-    """`LeRobotDataset`'s frame_cache argument: None (off), "auto" or a folder -> an open cache or None."""
+def resolve_frame_cache(setting, meta, columns: dict, cameras: list[str],
+                        video_backend: str = "auto") -> FrameCache | None:
+    """`LeRobotDataset`'s frame_cache argument: None (off), "auto" or a folder -> an open cache or None.
+
+    With "auto" a default-location cache that cannot serve the request (`open_frame_cache`'s reasons,
+    another decoder than `video_backend` among them) is passed over with one warning; a named folder
+    is refused with the DatasetError."""
     if setting is None or setting is False or setting == "off" or not cameras:
         return None
     if setting == "auto":
@@ -663,10 +675,10 @@ def resolve_frame_cache(setting, meta, columns: dict, cameras: list[str]) -> Fra
         if not (path / MANIFEST).exists() and not path.exists():
             return None
         try:
-            return open_frame_cache(path, meta, columns, cameras)
+            return open_frame_cache(path, meta, columns, cameras, video_backend)
         except DatasetError as e:
             # "auto" is a speed-up the user did not ask for by name: a cache that cannot serve this
             # request must not make the dataset unloadable.
             log.warning("not using the frame cache (decoding the videos instead): %s", e)
             return None
-    return open_frame_cache(setting, meta, columns, cameras)
+    return open_frame_cache(setting, meta, columns, cameras, video_backend)

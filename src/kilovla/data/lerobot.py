@@ -4,8 +4,10 @@ The metadata (meta/, both versions) is read by `kilovla.data.meta`, the numeric 
 maps of a column cache (`kilovla.data.columns`), the camera frames come from the videos or a frame
 cache (`kilovla.data.frame_cache`).
 
-`LeRobotDataset(root, delta_timestamps)` is a drop-in for LeRobot's class: `ds[i]` returns the same
-keys and values. `ds.get_batch(positions)` is the fast path the loaders use: numeric columns are
+`LeRobotDataset(root, delta_timestamps=...)` is a drop-in for LeRobot's class: it takes LeRobot's
+signature (`LeRobotDataset(repo_id, root=..., episodes=..., delta_timestamps=..., video_backend=...)`)
+and `ds[i]` returns the same keys and values. Nothing is downloaded: see `dataset_root` for where a
+repo id is looked for. `ds.get_batch(positions)` is the fast path the loaders use: numeric columns are
 gathered from their maps (one fancy-index per column for a whole batch), video frames are decoded
 per file in one forward pass and stay uint8 HWC until the end. Position -> row -> episode is a search
 over the episodes' offsets: nothing per frame is held in private memory.
@@ -13,6 +15,8 @@ over the episodes' offsets: nothing per frame is held in private memory.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +26,49 @@ from kilovla.data import windows
 from kilovla.data.columns import ColumnStore, open_columns, prefetch_pages
 from kilovla.data.frame_cache import resolve_frame_cache
 from kilovla.data.meta import DatasetMeta, Feature
-from kilovla.errors import DatasetError, KilovlaError
+from kilovla.errors import KilovlaError
+
+
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def lerobot_home() -> Path:
+    """Where LeRobot keeps downloaded datasets: $HF_LEROBOT_HOME, else $HF_HOME/lerobot, else
+    ~/.cache/huggingface/lerobot (LeRobot's own rule, so datasets it downloaded are found)."""
+    if os.environ.get("HF_LEROBOT_HOME"):
+        return Path(os.environ["HF_LEROBOT_HOME"]).expanduser()
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(hf_home).expanduser() / "lerobot"
+
+
+def dataset_root(repo_id: str | Path | None, root: str | Path | None = None) -> str | Path:
+    """The folder (or fsspec URL) a `LeRobotDataset(repo_id, root=...)` reads.
+
+    - `root` given: that folder; `repo_id` is only a name, as in LeRobot.
+    - else `repo_id` is a path that exists, a URL, or not of the form "user/name": read as the folder
+      itself (kilovla's own `LeRobotDataset("path/to/ds")`).
+    - else (a repo id like "lerobot/pusht" that is no folder here): `lerobot_home() / repo_id`, where
+      LeRobot downloads it; not there is a KilovlaError (nothing is downloaded).
+
+    >>> dataset_root("lerobot/pusht", root="/data/pusht")
+    '/data/pusht'
+    """
+    if root is not None:
+        if not isinstance(root, (str, os.PathLike)):  # kilovla's old order had delta_timestamps second
+            raise TypeError(f"root= must be a folder, got a {type(root).__name__}; LeRobot's order is (repo_id, "
+                            "root, episodes, image_transforms, delta_timestamps, ...): pass delta_timestamps=")
+        return root
+    if repo_id is None:
+        raise KilovlaError("LeRobotDataset needs a dataset: a folder, or a repo id with root=the folder")
+    text = str(repo_id)
+    if isinstance(repo_id, Path) or "://" in text or os.path.exists(text) or not _REPO_ID.fullmatch(text):
+        return repo_id
+    home = lerobot_home() / text
+    if not home.exists():
+        raise KilovlaError(f"{text}: no such folder, and no dataset of that repo id at {home} (kilovla does not "
+                           f"download: pass root= the dataset's folder, or fetch it with `huggingface-cli download "
+                           f"--repo-type dataset {text} --local-dir {home}`)")
+    return home
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +91,18 @@ class LeRobotDataset:
     >>> item["action"].shape, item["action_is_pad"]  # doctest: +SKIP
     (torch.Size([2, 6]), tensor([False, False]))
 
-    Args:
-        root: dataset folder (or fsspec URL).
-        delta_timestamps: per key, time offsets in seconds of the frames to return (LeRobot's meaning).
+    Args (LeRobot's, in LeRobot's order, then kilovla's, keyword-only):
+        repo_id: the dataset folder (or fsspec URL), or with `root` a name; a repo id ("user/name")
+            that is no folder here is read from LeRobot's download folder (`dataset_root`).
+        root: the dataset folder, as in LeRobot.
         episodes: load only these episodes; positions then run over their frames only.
-        tolerance_s: how far a decoded frame's time may be from the requested one.
-        video_backend: "auto" (torchcodec if it loads, else PyAV), "pyav" or "torchcodec".
         image_transforms: callable applied to each float CHW camera tensor in `__getitem__`.
+        delta_timestamps: per key, time offsets in seconds of the frames to return (LeRobot's meaning).
+        tolerance_s: how far a decoded frame's time may be from the requested one.
+        revision, force_cache_sync, download_videos, batch_encoding_size: LeRobot's download and
+            recording settings, accepted so LeRobot's calls run; a revision or a cache sync, which
+            would need a download, is refused.
+        video_backend: "auto" (or None: torchcodec if it loads, else PyAV), "pyav" or "torchcodec".
         frame_cache: camera frames from a decoded-frame cache (`kilovla data cache`, see
             `kilovla.data.frame_cache`) instead of the videos: a cache folder, "auto" (the default:
             the cache at `default_cache_dir(root)` when there is one) or None (always decode). A
@@ -65,12 +116,20 @@ class LeRobotDataset:
             (`columns.prefetch_pages`); False: a page fault at a time, each read around by the kernel.
     """
 
-    def __init__(self, root: str | Path, delta_timestamps: dict[str, list[float]] | None = None,
-                 episodes: list[int] | None = None, tolerance_s: float = 1e-4, video_backend: str = "auto",
-                 image_transforms=None, decode_threads: int = 2, frame_cache: str | Path | None = "auto",
-                 column_cache: str | Path | None = "auto", meta: DatasetMeta | None = None,
-                 columns: ColumnStore | None = None, prefetch: bool = True):
+    def __init__(self, repo_id: str | Path | None = None, root: str | Path | None = None,
+                 episodes: list[int] | None = None, image_transforms=None,
+                 delta_timestamps: dict[str, list[float]] | None = None, tolerance_s: float = 1e-4,
+                 revision: str | None = None, force_cache_sync: bool = False, download_videos: bool = True,
+                 video_backend: str | None = "auto", batch_encoding_size: int = 1, *, decode_threads: int = 2,
+                 frame_cache: str | Path | None = "auto", column_cache: str | Path | None = "auto",
+                 meta: DatasetMeta | None = None, columns: ColumnStore | None = None, prefetch: bool = True):
+        if revision is not None or force_cache_sync:
+            raise KilovlaError(f"{repo_id}: revision= and force_cache_sync= need a download from the Hub; kilovla "
+                               "reads local datasets only (download it with LeRobot or huggingface-cli first)")
+        video_backend = video_backend or "auto"
+        root = dataset_root(repo_id, root) if meta is None else root
         self.meta = meta if meta is not None else DatasetMeta(root)
+        self.repo_id = str(repo_id) if repo_id is not None else Path(self.meta.root).name
         self.prefetch = prefetch
         self.root = self.meta.root
         self.fps = self.meta.fps
@@ -94,12 +153,8 @@ class LeRobotDataset:
         # position p lies in the k-th loaded episode when pos_from[k] <= p < pos_from[k + 1]
         self._pos_from = np.concatenate([[0], np.cumsum(eps.length[self.episode_ids])])
         self._pool = None
-        self.frame_cache = resolve_frame_cache(frame_cache, self.meta, self.columns, self.meta.video_keys)
-        if self.frame_cache is not None and video_backend != "auto" \
-                and self.frame_cache.manifest["backend"] != video_backend:
-            raise DatasetError(self.frame_cache.path / "manifest.json",
-                               f"frames were decoded with {self.frame_cache.manifest['backend']}, this dataset asks "
-                               f"for video_backend={video_backend!r}; use 'auto' or rebuild the cache")
+        self.frame_cache = resolve_frame_cache(frame_cache, self.meta, self.columns, self.meta.video_keys,
+                                               video_backend)
 
     def __getstate__(self):
         state = self.__dict__.copy()

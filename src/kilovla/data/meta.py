@@ -174,6 +174,8 @@ class DatasetMeta:
         self.files = DatasetFiles(root)
         self.root = self.files.root
         info_rel = "meta/info.json"
+        if info is None and not self.files.is_url and os.path.isfile(self.root):
+            raise DatasetError(self.root, "not a LeRobot dataset folder (a file)")
         self.info = self.files.read_json(info_rel) if info is None else info
         info_path = self.files.path(info_rel)
         if not isinstance(self.info, dict):

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from kilovla.data.writer import DatasetWriter
+from kilovla.errors import KilovlaError
 
 DEFAULT_TASKS = ("pick up the red cube", "open the top drawer", "push the puck to the goal",
                  "put the bowl on the plate and close the microwave door")
@@ -30,6 +31,34 @@ def render_frame(height: int, width: int, t: int, xy: np.ndarray, hue: int) -> n
     return img
 
 
+def check_synthetic_args(*, episodes: int, frames: tuple[int, int], fps: int, cameras: tuple[str, ...],
+                         resolution: tuple[int, int], codec: str) -> None:
+    """KilovlaError naming the flag when no dataset can be made of these (`data synth` checks them first).
+
+    >>> check_synthetic_args(episodes=2, frames=(50, 10), fps=10, cameras=("front",), resolution=(96, 96),
+    ...                      codec="libsvtav1")
+    Traceback (most recent call last):
+    kilovla.errors.KilovlaError: --min-frames 50 is above --max-frames 10
+    """
+    lo, hi = frames
+    if episodes < 1:
+        raise KilovlaError(f"--episodes {episodes}: must be at least 1")
+    if lo < 1:
+        raise KilovlaError(f"--min-frames {lo}: an episode needs at least 1 frame")
+    if lo > hi:
+        raise KilovlaError(f"--min-frames {lo} is above --max-frames {hi}")
+    if fps < 1:
+        raise KilovlaError(f"--fps {fps}: must be at least 1")
+    # The encoders refuse smaller frames (SVT-AV1 below 4 pixels; H.264's yuv420p needs even sizes).
+    if min(resolution) < 4:
+        raise KilovlaError(f"--resolution {min(resolution)}: frames must be at least 4 pixels a side")
+    if codec == "libx264" and any(n % 2 for n in resolution):
+        raise KilovlaError(f"--resolution {max(n for n in resolution if n % 2)}: libx264 (yuv420p) needs an even "
+                           "number of pixels a side")
+    if not all(cameras) or len(set(cameras)) != len(cameras):
+        raise KilovlaError(f"--cameras {','.join(cameras)}: camera names must be non-empty and distinct")
+
+
 def make_synthetic_dataset(root: str | Path, *, episodes: int = 4, frames: int | tuple[int, int] = (20, 40),
                            fps: int = 10, cameras: tuple[str, ...] = ("front", "wrist"),
                            resolution: tuple[int, int] = (64, 96), state_dim: int = 6, action_dim: int = 6,
@@ -37,8 +66,12 @@ def make_synthetic_dataset(root: str | Path, *, episodes: int = 4, frames: int |
                            overwrite: bool = False, progress=None) -> Path:
     """Write a dataset of `episodes` episodes with a random length in `frames` (inclusive range).
 
-    `progress(i, n)` is called after each episode when given.
+    `progress(i, n)` is called after each episode when given. Arguments no dataset can be made of
+    raise KilovlaError naming the `kilovla data synth` flag, before anything is written.
     """
+    lo, hi = (frames, frames) if isinstance(frames, int) else frames
+    check_synthetic_args(episodes=episodes, frames=(lo, hi), fps=fps, cameras=cameras, resolution=resolution,
+                         codec=codec)
     rng = np.random.default_rng(seed)
     h, w = resolution
     features = {
@@ -47,7 +80,6 @@ def make_synthetic_dataset(root: str | Path, *, episodes: int = 4, frames: int |
     }
     for cam in cameras:
         features[f"observation.images.{cam}"] = {"dtype": "video", "shape": [h, w, 3]}
-    lo, hi = (frames, frames) if isinstance(frames, int) else frames
     writer = DatasetWriter(root, fps=fps, features=features, robot_type="synthetic", video_codec=codec,
                            overwrite=overwrite)
     try:

@@ -54,6 +54,37 @@ _ARROW_TYPES = {"float32": pa.float32(), "float64": pa.float64(), "int64": pa.in
                 "int16": pa.int16(), "int8": pa.int8(), "uint8": pa.uint8(), "bool": pa.bool_(), "string": pa.string()}
 
 
+def check_dataset_destination(root: str | Path, overwrite: bool = False) -> None:
+    """KilovlaError unless a dataset can be written at `root`: absent (or, with `overwrite`, a dataset to
+    replace) and not under a file. `DatasetWriter` checks this first; a CLI calls it before its progress."""
+    root = Path(root)
+    if root.exists() and not overwrite:
+        raise KilovlaError(f"{root}: already exists (pass overwrite=True / --overwrite to replace it)")
+    check_replaceable(root, DATASET)  # --overwrite replaces a dataset, never a folder of other files
+    _check_parent(root)
+
+
+def _check_parent(dst: Path) -> None:
+    existing = next(p for p in dst.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise KilovlaError(f"{dst}: cannot create it: {existing} is a file, not a folder")
+
+
+def _staging_folder(dst: Path) -> Path:
+    """Make the hidden folder beside `dst` that a dataset is written into before its rename.
+
+    A `dst` that cannot be made (a file on its path, no permission) is a KilovlaError naming it."""
+    _check_parent(dst)
+    where = dst.absolute()  # "." has no name to put a sibling beside
+    remove_stale_staging(where)  # what a killed writer of this destination left
+    tmp = staging_path(where)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise KilovlaError(f"{dst}: cannot create it: {e.strerror or e}") from None
+    return tmp
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_text(text)
@@ -109,9 +140,7 @@ class DatasetWriter:
                  video_codec: str = "libsvtav1", crf: int = 30, gop: int = 2, chunks_size: int = 1000,
                  data_files_size_in_mb: int = 100, video_files_size_in_mb: int = 200, overwrite: bool = False):
         self.root = Path(root)
-        if self.root.exists() and not overwrite:
-            raise KilovlaError(f"{self.root}: already exists (pass overwrite=True / --overwrite to replace it)")
-        check_replaceable(self.root, DATASET)  # --overwrite replaces a dataset, never a folder of other files
+        check_dataset_destination(self.root, overwrite)
         if video_codec not in CODEC_NAMES:
             raise KilovlaError(f"video codec must be one of {sorted(CODEC_NAMES)}, not {video_codec!r}")
         self.fps, self.robot_type, self.overwrite = int(fps), robot_type, overwrite
@@ -139,10 +168,7 @@ class DatasetWriter:
         self.features.update(DEFAULT_FEATURES)
         self.video_keys = [k for k, f in self.features.items() if f["dtype"] == "video"]
         self.table_keys = [k for k, f in self.features.items() if f["dtype"] != "video"]
-        where = self.root.absolute()  # "." has no name to put a sibling beside
-        remove_stale_staging(where)  # what a killed writer of this dataset left
-        self._tmp = staging_path(where)
-        self._tmp.mkdir(parents=True)
+        self._tmp = _staging_folder(self.root)
         self.tasks: dict[str, int] = {}
         self.episodes: list[dict[str, Any]] = []
         self.episode_stats: list[dict] = []
@@ -389,10 +415,7 @@ def convert_v21_to_v30(src: str | Path, dst: str | Path, overwrite: bool = False
     if dst.exists() and not overwrite:
         raise KilovlaError(f"{dst}: already exists (pass --overwrite to replace it)")
     check_replaceable(dst, DATASET)
-    where = dst.absolute()
-    remove_stale_staging(where)
-    tmp = staging_path(where)
-    tmp.mkdir(parents=True)
+    tmp = _staging_folder(dst)
     try:
         _convert(src_meta, tmp, data_files_size_in_mb * 2**20, video_files_size_in_mb * 2**20)
         _move_into_place(tmp, dst, overwrite)

@@ -143,7 +143,12 @@ def as_hwc_uint8(image, key: str) -> np.ndarray:
         raise BadRequest(f"{key}: images must be uint8 or float in [0, 1], got {a.dtype}")
     if not np.isfinite(a).all():
         raise BadRequest(f"{key}: the image holds NaN or inf")
-    return np.clip(np.round(a * 255.0), 0, 255).astype(np.uint8)
+    # A float image on the 0-255 scale would otherwise be scaled again and clipped to white: refuse it.
+    low, high = float(a.min()), float(a.max())
+    if low < 0.0 or high > 1.0:
+        raise BadRequest(f"{key}: a float image must hold values in [0, 1], got [{low:g}, {high:g}] "
+                         "(send uint8 for 0-255 pixels)")
+    return np.round(a.astype(np.float32) * 255.0).astype(np.uint8)
 
 
 def to_policy_observation(obs: dict, inputs: PolicyInputs, layout: str | None = None) -> dict:

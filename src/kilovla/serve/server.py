@@ -22,9 +22,12 @@ answers what is queued or running, then exits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
+import os
 import signal
+import socket
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -241,8 +244,15 @@ class PolicyServer:
                 pass
         max_size = None if self.cfg.max_message_mb is None else int(self.cfg.max_message_mb * 2**20)
         batches = asyncio.create_task(self._run_batches())
-        async with serve(self._handle, self.cfg.host, self.cfg.port, compression=None, max_size=max_size,
-                         process_request=self._process_request) as server:
+        async with contextlib.AsyncExitStack() as listening:
+            try:
+                server = await listening.enter_async_context(
+                    serve(self._handle, self.cfg.host, self.cfg.port, compression=None, max_size=max_size,
+                          process_request=self._process_request))
+            except OSError as e:  # the port is taken, or the host is not this machine's
+                batches.cancel()
+                self.executor.shutdown(wait=False)
+                raise KilovlaError(_cannot_listen(self.cfg.host, self.cfg.port, e)) from None
             port = server.sockets[0].getsockname()[1]
             if ready is not None:
                 ready(port)
@@ -262,9 +272,34 @@ class _Failure:
     text: str
 
 
+def _cannot_listen(host: str, port: int, e: OSError) -> str:
+    # asyncio's strerror repeats the address; getaddrinfo's errors have negative numbers of their own
+    reason = os.strerror(e.errno) if e.errno and e.errno > 0 else (e.strerror or str(e))
+    return f"--host/--port {host}:{port}: cannot listen there: {reason}"
+
+
+def check_listenable(host: str, port: int) -> None:
+    """KilovlaError naming host:port unless a server could listen there now (bound as asyncio binds,
+    with SO_REUSEADDR, then released): `run` asks before it spends minutes loading the policy."""
+    if not 0 <= port <= 65535:
+        raise KilovlaError(f"--port {port}: must be in 0..65535 (0: any free port)")
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise KilovlaError(_cannot_listen(host, port, e)) from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                raise KilovlaError(_cannot_listen(host, port, e)) from None
+
+
 def run(policy: str, cfg: ServeConfig, device: str = "auto", ema: bool = False, precision: str = "auto",
         cuda_graphs: bool = True) -> int:
     """`kilovla serve`: load the policy, warm it up, serve until SIGTERM."""
+    check_listenable(cfg.host, cfg.port)
     if cfg.api_key is None and cfg.host not in LOCAL_HOSTS:
         log.warning("listening on %s without --api-key: anyone who can reach this port can run the policy", cfg.host)
     engine = PolicyEngine.load(policy, device=device, ema=ema, precision=precision, cuda_graphs=cuda_graphs)

@@ -4,8 +4,8 @@
       -> train a tiny VLA with packing, dynamic padding and the unused camera pruned
       -> evaluate it closed-loop on seeds disjoint from the demonstrations', and the scripted
          expert on the same seeds
-      -> one table, and DIR/report.json, report.md, learning_curve.png, success_per_task.png and one
-         video per task (eval-policy/videos/<task>/)
+      -> two tables (success: learned policy vs scripted expert; the run's facts), and DIR/report.json,
+         report.md, learning_curve.png, success_per_task.png and one video per task (eval-policy/videos/<task>/)
 
 `DemoRecipe` holds every choice of the run; `FULL` is what `make demo` runs, chosen by the ablation
 in docs/demo_ablation.md (`benchmarks/demo_ablation.py` re-runs it, one recipe field changed per
@@ -357,10 +357,11 @@ def run_facts(report: dict) -> list[tuple[str, str]]:
 def print_table(console: Console, report: dict) -> None:
     """Two tables: the success rates (learned policy vs scripted expert), then the run's facts (name, value)."""
     results = Table(title="kilovla demo: collect -> train -> evaluate (Meta-World)",
-                    caption="95 % Wilson intervals in brackets; evaluation seeds are disjoint from the demonstrations'.")
-    for i, name in enumerate(SUCCESS_COLUMNS):
+                    caption="95 % Wilson intervals in brackets; evaluation seeds are disjoint from the "
+                            "demonstrations'.")
+    for i, name in enumerate(("what", *SUCCESS_COLUMNS[1:])):
         results.add_column(name, justify="right" if i else "left")
-    rows = success_rows(report)
+    rows = [(f"success {what}", policy, expert) for what, policy, expert in success_rows(report)]
     for row in rows[:-1]:
         results.add_row(*row)
     results.add_section()

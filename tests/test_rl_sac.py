@@ -358,3 +358,20 @@ def test_a_run_from_an_rl_folder_takes_the_residual_settings_it_was_made_with(rl
     with caplog.at_level("WARNING"):
         assert runner._with_saved_residual(kept, spec, str(rl_folder)) == kept  # nothing to replace, no warning
     assert caplog.text == ""
+
+
+def test_a_run_that_cannot_reach_its_warmup_says_so_before_ray_starts(policy_dir, tmp_path, caplog, monkeypatch):
+    from kilovla.rl import runner
+
+    def no_ray(*args, **kwargs):
+        raise RuntimeError("Ray would start here")
+
+    monkeypatch.setattr(runner, "connect_ray", no_ray)
+    cfg = runner.load(None, [f"--run_dir={tmp_path / 'run'}", f"--policy={policy_dir}", "--steps=4",
+                             "--env.tasks=[reach-v3]", "--env.workers=1", "--env.envs_per_worker=2",
+                             "--rollout.segment_steps=3", "--learner.batch_segments=4",
+                             "--learner.algo.sac.replay_size=1000"])
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="Ray would start here"):
+        runner.run(cfg)
+    assert "learner.algo.sac.warmup_transitions=1000 cannot be reached: this run stores at most 48 transitions" \
+        in caplog.text

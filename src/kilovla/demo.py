@@ -4,8 +4,8 @@
       -> train a tiny VLA with packing, dynamic padding and the unused camera pruned
       -> evaluate it closed-loop on seeds disjoint from the demonstrations', and the scripted
          expert on the same seeds
-      -> one table, and DIR/report.json, report.md, learning_curve.png, success_per_task.png and one
-         video per task (eval-policy/videos/<task>/)
+      -> two tables (success: learned policy vs scripted expert; the run's facts), and DIR/report.json,
+         report.md, learning_curve.png, success_per_task.png and one video per task (eval-policy/videos/<task>/)
 
 `DemoRecipe` holds every choice of the run; `FULL` is what `make demo` runs, chosen by the ablation
 in docs/demo_ablation.md (`benchmarks/demo_ablation.py` re-runs it, one recipe field changed per
@@ -170,6 +170,13 @@ def evaluate_both(recipe: DemoRecipe, checkpoint: str, out: Path, train_seeds: d
 
 
 def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: DemoRecipe | None = None) -> dict:
+    """Run the demo; returns the report (also DIR/report.json). Its timings and rates, each one figure:
+    `wall_s` the whole command (up to writing the report), `phase_wall_s` each phase's (collect,
+    frame_cache, train, evaluate, report); `train.samples_per_s` every training sample over the
+    trainer's wall time (set-up and checkpoint included, as `kilovla train`'s summary.json), beside
+    `train.step_samples_per_s`, the median step's rate (the progress bar shows the latest step's);
+    `train.padding_fraction` the computed token positions that are padding, `train.budget_unused_fraction`
+    the packed rows' token budget left empty."""
     from kilovla.bench.common import machine_info
 
     t0 = time.perf_counter()
@@ -182,39 +189,41 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
     out.mkdir(parents=True, exist_ok=True)
     (out / DEMO_MARKER).write_text("written by `kilovla demo`: it replaces this folder's contents on every run\n")
     console = Console(width=max(Console().width, 100))
-    stage_s = {}
+    phase_s = {}
 
     console.rule("1/4 collect scripted demonstrations")
     data = out / "dataset"
     collected = collect_demonstrations(recipe, data)
     info = DatasetMeta(data).summary()
-    stage_s["collect"] = time.perf_counter() - t0
+    phase_s["collect"] = time.perf_counter() - t0
     cache = None
     if recipe.frame_cache:
         t = time.perf_counter()
         cache = build_demo_cache(data)
-        stage_s["cache"] = time.perf_counter() - t
+        phase_s["frame_cache"] = time.perf_counter() - t
     if cache is not None:
         console.print(f"frame cache: {cache.path}, {cache.frames} frames ({cache.decoded} of {cache.parts} parts "
                       f"decoded now, the rest unchanged; {cache.cache_bytes / 2**20:.0f} MiB, "
-                      f"{stage_s['cache']:.0f} s); training reads it")
+                      f"{phase_s['frame_cache']:.0f} s); training reads it")
 
     console.rule(f"2/4 train {recipe.preset} with packing")
     t = time.perf_counter()
     summary = train_policy(recipe, data, out / "run")
-    stage_s["train"] = time.perf_counter() - t
+    phase_s["train"] = time.perf_counter() - t
 
     console.rule("3/4 closed-loop evaluation (policy, then the scripted expert on the same seeds)")
     t = time.perf_counter()
     learned, expert = evaluate_both(recipe, summary["checkpoint"], out, collected.seeds)
-    stage_s["evaluate"] = time.perf_counter() - t
+    phase_s["evaluate"] = time.perf_counter() - t
 
     console.rule("4/4 report")
+    t = time.perf_counter()
     report = build_report(recipe, out, collected, info, summary, learned, expert, quick=quick)
     report["frame_cache"] = None if cache is None else {"path": str(cache.path), "bytes": cache.cache_bytes,
                                                         "video_bytes": cache.video_bytes}
     report["machine"] = machine_info()
-    report["stage_s"] = stage_s
+    phase_s["report"] = time.perf_counter() - t
+    report["phase_wall_s"] = phase_s
     report["wall_s"] = time.perf_counter() - t0
     write_report(out, report)
     print_table(console, report)
@@ -246,7 +255,9 @@ def build_report(recipe: DemoRecipe, out: Path, collected, info: dict, summary: 
         "dataset": {"root": str(out / "dataset"), "episodes": info["episodes"], "frames": info["frames"],
                     "size_bytes": info["size_bytes"], "dropped_episodes": sum(collected.dropped.values())},
         "train": {"steps": summary["steps"], "samples_per_s": summary["samples_per_s"],
-                  "padding_fraction": summary["padding_fraction"], "final_loss": summary["final_loss"],
+                  "step_samples_per_s": summary["step_samples_per_s"],
+                  "padding_fraction": summary["padding_fraction"],
+                  "budget_unused_fraction": summary["budget_unused_fraction"], "final_loss": summary["final_loss"],
                   "data_wait_fraction": summary["data_wait_fraction"], "wall_s": summary["wall_s"],
                   "frames_from_cache": summary["frames_from_cache"],
                   "checkpoint": summary["checkpoint"]},
@@ -297,54 +308,90 @@ def _rate(rate, ci) -> str:
     return "-" if rate is None else f"{rate:.0%} [{ci[0]:.0%}, {ci[1]:.0%}]"
 
 
-def print_table(console: Console, report: dict) -> None:
-    d, tr = report["dataset"], report["train"]
+def _seconds(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
+
+
+SUCCESS_COLUMNS = ("task", "learned policy", "scripted expert")
+
+
+def success_rows(report: dict) -> list[tuple[str, str, str]]:
+    """The results, one row per task then "overall", in SUCCESS_COLUMNS: success rate [95 % Wilson interval]
+    of the learned policy and of the scripted expert on the same seeds. Nothing else goes in these columns.
+
+    e.g. ("reach-v3 (20 episodes)", "95% [76%, 99%]", "100% [84%, 100%]") for 19 and 20 successes of 20.
+    """
     n = report["evaluation"]["episodes_per_task"]
-    table = Table(title="kilovla demo: collect -> train -> evaluate (Meta-World)")
-    table.add_column("what")
-    table.add_column("learned policy", justify="right")
-    table.add_column("scripted expert", justify="right")
-    for task, r in report["per_task"].items():
-        table.add_row(f"success {task} ({n} episodes)", _rate(r["policy"], r["policy_ci95"]),
-                      _rate(r["expert"], r["expert_ci95"]))
-    table.add_row("success overall", _rate(report["policy_success_rate"], report["policy_success_ci95"]),
-                  _rate(report["expert_success_rate"], report["expert_success_ci95"]))
+    rows = [(f"{task} ({n} episodes)", _rate(r["policy"], r["policy_ci95"]), _rate(r["expert"], r["expert_ci95"]))
+            for task, r in report["per_task"].items()]
+    rows.append(("overall", _rate(report["policy_success_rate"], report["policy_success_ci95"]),
+                 _rate(report["expert_success_rate"], report["expert_success_ci95"])))
+    return rows
+
+
+def run_facts(report: dict) -> list[tuple[str, str]]:
+    """How the run went, as (name, value): the dataset, training (one throughput figure: every sample over
+    the trainer's wall time, set-up included, i.e. report["train"]["samples_per_s"]; the progress bar
+    shows the latest step's rate instead), padding, data wait, the wall time of each phase and in all, the machine.
+
+    e.g. ("wall time", "collect 12 s, frame cache 2 s, train 5 s, evaluate 31 s, report 1 s; total 51 s").
+    """
+    d, tr = report["dataset"], report["train"]
+    facts = [("dataset", f"{d['episodes']} episodes, {d['frames']} frames, {d['size_bytes'] / 2**20:.1f} MiB"),
+             ("training", f"{tr['steps']} steps, final loss {tr['final_loss']:.3f}, frames read from "
+                          + ("a decoded-frame cache" if tr.get("frames_from_cache") else "the videos")),
+             ("training samples/s (all samples / training wall time, set-up included)", f"{tr['samples_per_s']:.0f}"),
+             ("padding (of the token positions computed)", f"{tr['padding_fraction']:.1%}")]
+    if "budget_unused_fraction" in tr:
+        facts.append(("packed rows' unused token budget", f"{tr['budget_unused_fraction']:.1%}"))
+    facts.append(("data wait (of step time)", f"{tr['data_wait_fraction']:.1%}"))
+    phases = report.get("phase_wall_s", {})
+    facts.append(("wall time", ", ".join(f"{k.replace('_', ' ')} {_seconds(v)}" for k, v in phases.items())
+                  + ("; " if phases else "") + f"total {_seconds(report['wall_s'])}"))
+    machine = report.get("machine")
+    if machine:
+        facts.append(("machine", f"{machine['cpu']}, {machine['cores']} cores"))
+    return facts
+
+
+def print_table(console: Console, report: dict) -> None:
+    """Two tables: the success rates (learned policy vs scripted expert), then the run's facts (name, value)."""
+    results = Table(title="kilovla demo: collect -> train -> evaluate (Meta-World)",
+                    caption="95 % Wilson intervals in brackets; evaluation seeds are disjoint from the "
+                            "demonstrations'.")
+    for i, name in enumerate(("what", *SUCCESS_COLUMNS[1:])):
+        results.add_column(name, justify="right" if i else "left")
+    rows = [(f"success {what}", policy, expert) for what, policy, expert in success_rows(report)]
+    for row in rows[:-1]:
+        results.add_row(*row)
+    results.add_section()
+    results.add_row(*rows[-1])
+    console.print(results)
     if report["relative_success"] is not None:
-        table.add_row("policy / expert", f"{report['relative_success']:.0%}", "")
-    table.add_section()
-    table.add_row("dataset", f"{d['episodes']} episodes, {d['frames']} frames", f"{d['size_bytes'] / 2**20:.1f} MiB")
-    table.add_row("training", f"{tr['steps']} steps, {tr['samples_per_s']:.0f} samples/s",
-                  f"final loss {tr['final_loss']:.3f}")
-    table.add_row("padding | data wait", f"{tr['padding_fraction']:.1%}", f"{tr['data_wait_fraction']:.1%}")
-    table.add_row("wall time", f"{report['wall_s'] / 60:.1f} min", report.get("machine", {}).get("cpu", ""))
-    console.print(table)
-    console.print("95 % Wilson intervals in brackets; evaluation seeds are disjoint from the demonstrations'.")
+        console.print(f"The learned policy reaches {report['relative_success']:.0%} of the scripted expert's success.")
+    facts = Table(title="the run")
+    facts.add_column("what")
+    facts.add_column("value")
+    for name, value in run_facts(report):
+        facts.add_row(name, value)
+    console.print(facts)
 
 
 def report_markdown(report: dict) -> str:
-    d, tr, ev = report["dataset"], report["train"], report["evaluation"]
-    machine = report.get("machine", {})
+    ev = report["evaluation"]
     lines = ["# kilovla demo", "",
              f"{report['env_backend']}. {ev['episodes_per_task']} evaluation episodes per task on seeds disjoint "
              "from the demonstrations' (success rate [95 % Wilson interval]).", "",
-             "| task | learned policy | scripted expert | video |", "|---|---|---|---|"]
-    for task, r in report["per_task"].items():
-        video = report["files"]["videos"].get(task)
-        lines.append(f"| {task} | {_rate(r['policy'], r['policy_ci95'])} | {_rate(r['expert'], r['expert_ci95'])} | "
-                     + (f"[mp4]({video})" if video else "-") + " |")
-    lines.append(f"| **overall** | **{_rate(report['policy_success_rate'], report['policy_success_ci95'])}** | "
-                 f"**{_rate(report['expert_success_rate'], report['expert_success_ci95'])}** | |")
+             f"| {' | '.join(SUCCESS_COLUMNS)} | video |", "|---|---|---|---|"]
+    videos = report["files"]["videos"]
+    for task, (name, policy, expert) in zip(report["per_task"], success_rows(report)):
+        video = videos.get(task)
+        lines.append(f"| {name} | {policy} | {expert} | " + (f"[mp4]({video})" if video else "-") + " |")
+    name, policy, expert = success_rows(report)[-1]
+    lines.append(f"| **{name}** | **{policy}** | **{expert}** | |")
     if report["relative_success"] is not None:
         lines += ["", f"The learned policy reaches **{report['relative_success']:.0%}** of the expert's success."]
-    lines += ["", f"Dataset: {d['episodes']} episodes, {d['frames']} frames. Training: {tr['steps']} steps at "
-              f"{tr['samples_per_s']:.0f} samples/s, row padding {tr['padding_fraction']:.1%}, data wait "
-              f"{tr['data_wait_fraction']:.1%} of step time (frames read from "
-              f"{'a decoded-frame cache' if tr.get('frames_from_cache') else 'the videos'}), final loss "
-              f"{tr['final_loss']:.3f}.",
-              f"Wall time {report['wall_s'] / 60:.1f} min"
-              + (f" ({', '.join(f'{k} {v / 60:.1f}' for k, v in report['stage_s'].items())})" if "stage_s" in report
-                 else "")
-              + (f" on {machine['cpu']}, {machine['cores']} cores." if machine else "."), ""]
+    lines += ["", "| the run | |", "|---|---|", *(f"| {name} | {value} |" for name, value in run_facts(report)), ""]
     if report["files"]["success_chart"]:
         lines += [f"![success per task]({report['files']['success_chart']})", ""]
     if report["files"]["learning_curve"]:

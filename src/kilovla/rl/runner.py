@@ -20,6 +20,9 @@ Env workers that crash or hang are replaced (their running segments are dropped 
 weight sync that does not finish within `weight_sync_timeout_s` ends the run with one line; a
 killed driver continues from its last checkpoint with `--resume`. Metrics per policy version go to
 run_dir/metrics.jsonl; the final policy is evaluated closed loop with the trainer's `evaluate`.
+run_dir/summary.json times the RL loop (`rl_wall_s`) and the whole call (`total_wall_s`: Ray's start, the
+actors' creation and the final evaluation too); an off-policy learner that cannot reach its replay warm-up
+is warned about before Ray starts, and one that ended with 0 updates in the run's last line.
 `compute.model: calibrated` replaces the model's arithmetic with sleeps timed from the real policy
 (calibrated.py): for throughput benchmarks of the schedule where the env CPUs would otherwise also
 run the model.
@@ -153,6 +156,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     final checkpoint) at the first policy version past that wall time; `faults` injects failures (tests)."""
     import ray
 
+    started = time.monotonic()  # summary.json's total_wall_s: the whole call, Ray's start and the final eval included
     _check_config(cfg)
     run_dir = Path(cfg.run_dir)
     folder = ckpt.resolve(resume, run_dir, "rl_state.json") if resume else None
@@ -190,6 +194,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     learner_state = _learner_state(folder) if folder is not None else None
     if learner_state is not None:
         _check_resume_fits(cfg, folder, learner_state)
+    stored = len(learner_state["replay"]["reward"]) if learner_state and "replay" in learner_state else 0
+    warn_if_warmup_unreachable(cfg, n_action_steps, version, state.get("env_steps", 0), stored)
     connect_ray(ray_address, num_cpus=max(2, os.cpu_count() or 2), what="kilovla rl")
     if use == "replace":
         clear(run_dir, RUN)
@@ -212,7 +218,21 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
         logger.close()
     if cfg.eval.episodes > 0:
         summary["eval"] = _evaluate(final, cfg)
+    return _finish(run_dir, summary, started, cfg)
+
+
+def _finish(run_dir: Path, summary: dict, started: float, cfg: RLConfig) -> dict:
+    """summary.json with the whole call's wall time; then, as the run's last line, a warning when an
+    off-policy learner never updated because its replay stayed below the warm-up."""
+    summary["total_wall_s"] = time.monotonic() - started
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    held = summary.get("replay_usable", summary.get("replay_transitions"))
+    if summary.get("learner_updates") == 0 and held is not None and held < summary["warmup_transitions"]:
+        log.warning("0 learner updates: the replay held %d transitions%s, below the warm-up of %d "
+                    "(%s); the policy did not change. Lower the warm-up or run more --steps",
+                    summary["replay_transitions"],
+                    f" ({summary['replay_usable']} usable)" if "replay_usable" in summary else "",
+                    summary["warmup_transitions"], warmup_setting(cfg.learner.algo)[0])
     return summary
 
 
@@ -326,6 +346,53 @@ def _check_config(cfg: RLConfig) -> None:
         log.warning("env.reward_scale %g: a full episode's shaped reward (up to %g) can exceed the success bonus %g, "
                     "so a near miss may pay more than a success", cfg.env.reward_scale,
                     cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale, cfg.env.success_bonus)
+
+
+def warmup_setting(algo: AlgoConfig) -> tuple[str, int] | None:
+    """The off-policy learner's warm-up as (its flag, transitions stored before the first update); None for
+    PPO, whose every policy version is an update."""
+    if algo.name == "residual_sac":
+        return "learner.algo.sac.warmup_transitions", algo.sac.warmup_transitions
+    if algo.name == "filtered_bc":  # its replay keeps only the steps of successful episodes
+        return "learner.algo.filtered_bc.warmup", algo.filtered_bc.warmup
+    return None
+
+
+def transition_budget(cfg: RLConfig, n_action_steps: int, version: int = 0, env_steps: int = 0) -> int:
+    """Chunk transitions this run stores from policy `version` on: each version is `batch_segments` segments
+    of `segment_steps` transitions, up to `steps`, or fewer where `max_env_steps` ends the run first (at
+    `n_action_steps` env steps per transition; an episode that ends inside a chunk stores a little more).
+
+    e.g. --steps=4 --learner.batch_segments=4 --rollout.segment_steps=3: 4 x 4 x 3 = 48 transitions;
+    with --max_env_steps=100 and 5 actions per chunk (60 env steps a version), 2 versions pass it: 24.
+    """
+    per_version = cfg.learner.batch_segments * cfg.rollout.segment_steps
+    versions = max(0, cfg.steps - version)
+    if cfg.max_env_steps > 0:
+        left = max(0, cfg.max_env_steps - env_steps)
+        versions = min(versions, math.ceil(left / (per_version * n_action_steps)))
+    return versions * per_version
+
+
+def warn_if_warmup_unreachable(cfg: RLConfig, n_action_steps: int, version: int = 0, env_steps: int = 0,
+                               stored: int = 0) -> bool:
+    """One warning, before Ray starts, when the off-policy learner cannot reach its warm-up in this run (the
+    replay's `stored` transitions plus `transition_budget`): it would end with 0 updates. True if it warned."""
+    setting = warmup_setting(cfg.learner.algo)
+    if setting is None:
+        return False
+    flag, warmup = setting
+    budget = transition_budget(cfg, n_action_steps, version, env_steps)
+    if stored + budget >= warmup:
+        return False
+    how = (f"--steps={cfg.steps}" + (f" from version {version}" if version else "")
+           + f" x learner.batch_segments={cfg.learner.batch_segments}"
+           + f" x rollout.segment_steps={cfg.rollout.segment_steps}"
+           + (f", max_env_steps={cfg.max_env_steps}" if cfg.max_env_steps > 0 else ""))
+    log.warning("%s=%d cannot be reached: this run stores at most %d transitions (%s)%s, so the learner will make "
+                "0 updates and the policy will not change; lower the warm-up or raise --steps", flag, warmup, budget,
+                how, f" on top of the {stored} already stored" if stored else "")
+    return True
 
 
 def _check_one_learner(cfg: RLConfig) -> None:
@@ -812,9 +879,24 @@ class _Loop:
         return {"env_steps": self.env_steps, "episodes": self.episodes,
                 "success_rate": self.successes / self.episodes if self.episodes else None,
                 "env_steps_per_s": float(np.median([r["env_steps_per_s"] for r in tail])) if tail else None,
-                "wall_s": time.monotonic() - self.t_start, "replaced_workers": self.roles.replaced,
+                # the RL loop alone; total_wall_s (run()) adds Ray's start, the actors' creation and the final eval
+                "rl_wall_s": time.monotonic() - self.t_start, "replaced_workers": self.roles.replaced,
                 "env_nodes": len(stats["env_nodes"]),
-                **{k: v for k, v in self.rollout_stats(stats).items() if k in ("staleness_histogram", "dropped_segments")}}
+                **{k: v for k, v in self.rollout_stats(stats).items() if k in ("staleness_histogram", "dropped_segments")},
+                **self.learner_totals()}
+
+    def learner_totals(self) -> dict:
+        """Off-policy learners: the updates made, the transitions in the replay (and how many of them could
+        be sampled) and the warm-up they wait for, as of the last policy version; PPO: nothing."""
+        setting = warmup_setting(self.cfg.learner.algo)
+        if setting is None:
+            return {}
+        last = self.records[-1] if self.records else {}
+        out = {"learner_updates": last.get("learner/updates"), "replay_transitions": last.get("learner/replay"),
+               "warmup_transitions": setting[1]}
+        if "learner/replay_usable" in last:
+            out["replay_usable"] = last["learner/replay_usable"]
+        return out
 
 
 class _AsyncLoop(_Loop):

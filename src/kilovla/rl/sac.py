@@ -384,8 +384,9 @@ class SACLearner(OffPolicySchedule):
 
     def _summary(self) -> dict:
         """This version's health: means of the updates' statistics, Q vs Monte Carlo return, buffer size."""
+        # replay_usable: the transitions that can be sampled (successor known, or terminal): what the warm-up counts
         out = {"alpha": self.log_alpha.exp().item(), "updates": self.updates, "replay": len(self.replay),
-               "updates_this_version": len(self._stats)}
+               "replay_usable": self.replay.usable(), "updates_this_version": len(self._stats)}
         keys = {k for s in self._stats for k in s}
         out.update({k: float(np.mean([s[k] for s in self._stats if k in s])) for k in sorted(keys)})
         self._stats = []

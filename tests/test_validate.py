@@ -71,10 +71,12 @@ def test_a_camera_s_videos_not_declared_in_info_json(tiny_copy):
     assert "videos/observation.images.wrist/chunk-000/file-000.mp4: videos of camera 'observation.images.wrist'" in msg
 
 
-@pytest.mark.parametrize("breakage", ["column", "camera", "fps"])
+@pytest.mark.parametrize("breakage", ["column", "camera", "fps", "nan"])
 def test_train_and_stats_refuse_what_validate_calls_an_error(tiny_copy, tmp_path, capsys, breakage):
     if breakage == "column":
         _drop_feature(tiny_copy, "action")
+    elif breakage == "nan":
+        rewrite_parquet(tiny_copy / DATA, _with_value("action", 3, 0, np.nan))
     elif breakage == "camera":
         _drop_feature(tiny_copy, "observation.images.wrist")
     else:  # info.json says 30 fps, the data steps at 10 Hz

@@ -247,6 +247,6 @@ def test_frame_lists_are_runs():
     from kilovla.data.video import _decoder_words, _spans
 
     assert _spans([9, 3, 4, 5, 11, 12]) == "3-5, 9, 11-12"
-    assert _decoder_words(RuntimeError("decodeAVFrame, /__w/torchcodec/src/torchcodec/_core/SingleStreamDecoder.cpp:1436, "
-                                       "Could not push packet to decoder: Invalid data")) == \
-        "Could not push packet to decoder: Invalid data"
+    raised = RuntimeError("decodeAVFrame, /__w/torchcodec/src/torchcodec/_core/SingleStreamDecoder.cpp:1436, "
+                          "Could not push packet to decoder: Invalid data")
+    assert _decoder_words(raised) == "Could not push packet to decoder: Invalid data"

@@ -181,10 +181,10 @@ def non_finite_problem(meta: DatasetMeta, columns, name: str, row: int) -> Probl
     values = np.asarray(columns[name][row]).reshape(-1)
     dim = int(np.argmax(~np.isfinite(values)))
     where = f"{name}[{dim}]" if np.asarray(columns[name][row]).ndim else name
-    return Problem(meta.files.path(rel), f"{where} is {values[dim]} at row {row - file_start} of the file (index {row}, "
-                                         f"episode {ep}, frame {row - int(eps.row_from[ep])}): every float value must "
-                                         "be finite, a NaN or inf trains into a NaN loss (fix the value or drop the "
-                                         "episode)")
+    return Problem(meta.files.path(rel), f"{where} is {values[dim]} at row {row - file_start} of the file "
+                                         f"(index {row}, episode {ep}, frame {row - int(eps.row_from[ep])}): every "
+                                         "float value must be finite, a NaN or inf trains into a NaN loss (fix the "
+                                         "value or drop the episode)")
 
 
 def _episode_of(eps, row: int) -> int:

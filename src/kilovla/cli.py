@@ -45,7 +45,13 @@ def cmd_data_info(args) -> int:
 def cmd_data_validate(args) -> int:
     from kilovla.data.validate import validate_dataset
 
-    problems = validate_dataset(args.path, deep=args.deep)
+    if args.deep:  # decoding every frame takes a while on a real dataset
+        from kilovla.progress import CountProgress
+
+        with CountProgress("data validate: episodes decoded", stream=sys.stderr) as progress:
+            problems = validate_dataset(args.path, deep=True, progress=progress.callback)
+    else:
+        problems = validate_dataset(args.path)
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
     if problems:
@@ -75,7 +81,8 @@ def cmd_data_stats(args) -> int:
     if not args.dry_run:
         from pathlib import Path
 
-        _atomic_write_text(Path(args.path) / "meta" / "stats.json", json.dumps(stats_to_json(stats), indent=4))
+        text = json.dumps(stats_to_json(stats), indent=4, allow_nan=False)  # strict JSON: no NaN reaches here
+        _atomic_write_text(Path(args.path) / "meta" / "stats.json", text)
         print(f"wrote {args.path}/meta/stats.json")
     return 0
 
@@ -395,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data_info)
     p = dsub.add_parser("validate", help="check a dataset; exit 0 if valid, 2 with one line per problem")
     p.add_argument("path")
-    p.add_argument("--deep", action="store_true", help="also decode the first and last frame of every episode")
+    p.add_argument("--deep", action="store_true", help="also decode every frame of every episode (at its timestamp), every camera")
     p.set_defaults(func=cmd_data_validate)
     p = dsub.add_parser("stats", help="recompute normalisation stats (exact) into meta/stats.json")
     p.add_argument("path")

@@ -39,7 +39,7 @@ from kilovla.errors import DatasetError, KilovlaError
 
 log = logging.getLogger(__name__)
 
-LAKE_INDEX_VERSION = 2
+LAKE_INDEX_VERSION = 3  # 3: validate refuses NaN / inf in float columns, so older findings are rebuilt
 
 
 def default_index_path(roots: list[str]) -> Path:

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from kilovla.errors import DatasetError
+
 QUANTILES = {"q01": 0.01, "q10": 0.10, "q50": 0.50, "q90": 0.90, "q99": 0.99}
 STAT_NAMES = ("min", "max", "mean", "std", "count", *QUANTILES)
 
@@ -95,10 +97,13 @@ def stats_from_json(data: Mapping) -> dict[str, dict[str, np.ndarray]]:
 
 def compute_dataset_stats(dataset, max_image_frames: int = 500) -> dict[str, dict[str, np.ndarray]]:
     """Exact stats over every frame of a `LeRobotDataset` (cameras: up to `max_image_frames` frames,
-    evenly spaced, per camera)."""
+    evenly spaced, per camera). A NaN or inf in a float column is refused (DatasetError naming its
+    file, row and column): its stats would be NaN, and so every normalised value of the column."""
     out = {}
     for key, column in dataset.columns.items():
         if column.dtype != object and column.dtype.kind in "fiub":
+            if column.dtype.kind == "f" and not np.isfinite(column).all():
+                _refuse_non_finite(dataset, key)
             out[key] = feature_stats(column)
     n = len(dataset)
     positions = np.unique(np.linspace(0, n - 1, min(n, max_image_frames)).round().astype(np.int64))
@@ -108,3 +113,12 @@ def compute_dataset_stats(dataset, max_image_frames: int = 500) -> dict[str, dic
             frames = frames[:, -1]
         out[key] = image_stats(frames, max_frames=max_image_frames)
     return out
+
+
+def _refuse_non_finite(dataset, key: str) -> None:
+    from kilovla.data.validate import non_finite_problem  # validate imports this module
+
+    column = dataset.columns[key]
+    bad = ~np.isfinite(np.asarray(column).reshape(len(column), -1)).all(axis=1)
+    problem = non_finite_problem(dataset.meta, dataset.columns, key, int(np.argmax(bad)))
+    raise DatasetError(problem.path, problem.message)

@@ -2,9 +2,10 @@
 
 Structure (meta/info.json, tasks, episodes tiling the frames), frame data against info.json (every
 column present with its dtype and shape, none undeclared; no camera's videos on disk undeclared, `index` 0..N-1, `episode_index` matching meta/episodes,
-`frame_index` restarting per episode, `timestamp` stepping by 1/fps, valid `task_index`), videos
-(present, readable, codec and size as declared, fps equal to the table's, long enough for every
-episode; with `deep=True` the first and last frame of every episode decoded) and stats.json.
+`frame_index` restarting per episode, `timestamp` stepping by 1/fps, valid `task_index`, every float
+value finite), videos (present, readable, codec and size as declared, fps equal to the table's, long
+enough for every episode; with `deep=True` every frame of every episode decoded, at its timestamp)
+and stats.json (every feature's stats present and finite).
 
 Returns a list of problems, each naming the file and what is wrong; empty means valid.
 `check_dataset` raises them instead: train and `data stats` refuse what validate calls an error.
@@ -25,6 +26,7 @@ from kilovla.errors import DatasetError, KilovlaError
 
 TIMESTAMP_TOLERANCE_S = 1e-4
 CHECK_ROWS = 1 << 20  # rows checked at a time: memory stays flat however long the dataset
+DECODE_FRAMES = 64  # frames `deep` decodes at a time: memory stays flat however long the episode
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,9 @@ class Problem:
 
 
 def validate_dataset(root: str, deep: bool = False, stats: bool = True, meta: DatasetMeta | None = None,
-                     columns=None) -> list[Problem]:
-    """`stats=False` leaves meta/stats.json out (what `kilovla data stats` is about to rewrite). `meta` and
+                     columns=None, progress=None) -> list[Problem]:
+    """`stats=False` leaves meta/stats.json out (what `kilovla data stats` is about to rewrite).
+    `progress(done, total)`: called as `deep` decodes each episode of each camera. `meta` and
     `columns` (e.g. a column cache's maps) when the caller has them already; else the columns are mapped
     from the column cache (`columns.open_columns`: written on first use, as training does; in memory,
     with one warning, where no cache can be written). Frame data the cache refuses is read into memory
@@ -55,7 +58,7 @@ def validate_dataset(root: str, deep: bool = False, stats: bool = True, meta: Da
     problems: list[Problem] = []
     problems += _check_declared(meta)
     problems += _check_frames(meta, columns)
-    problems += _check_videos(meta, columns, deep)
+    problems += _check_videos(meta, columns, deep, progress)
     if stats:
         problems += _check_stats(meta)
     return problems
@@ -107,9 +110,17 @@ def _check_declared(meta: DatasetMeta) -> list[Problem]:
     return problems
 
 
+def _float_columns(meta: DatasetMeta, columns) -> list[str]:
+    """The frame-data columns that hold floats (observation.state, action, timestamp, any float feature)."""
+    return [f.name for f in meta.table_features()
+            if f.name in columns and np.asarray(columns[f.name][:0]).dtype.kind == "f"]
+
+
 def _check_frames(meta: DatasetMeta, columns: dict[str, np.ndarray]) -> list[Problem]:
-    """frame_index, timestamp and task_index, CHECK_ROWS rows at a time; each check names its first bad row."""
+    """frame_index, timestamp and task_index, and every float column finite (a NaN or inf trains into a
+    NaN loss), CHECK_ROWS rows at a time; each check names its first bad row."""
     eps = meta.episodes
+    floats = _float_columns(meta, columns)
     first: dict[str, int] = {}  # check -> its first bad row
     for lo in range(0, meta.total_frames, CHECK_ROWS):
         hi = min(lo + CHECK_ROWS, meta.total_frames)
@@ -123,6 +134,9 @@ def _check_frames(meta: DatasetMeta, columns: dict[str, np.ndarray]) -> list[Pro
         if "task_index" in columns:
             task = np.asarray(columns["task_index"][lo:hi])
             bad["task_index"] = (task < 0) | (task >= len(meta.tasks))
+        for name in floats:
+            block = np.asarray(columns[name][lo:hi])
+            bad[f"finite {name}"] = ~np.isfinite(block.reshape(len(block), -1)).all(axis=1)
         for check, mask in bad.items():
             if check not in first and mask.any():
                 first[check] = lo + int(np.argmax(mask))
@@ -150,16 +164,37 @@ def _check_frames(meta: DatasetMeta, columns: dict[str, np.ndarray]) -> list[Pro
         problems.append(Problem(meta.files.path(eps.data_file[_episode_of(eps, row)]),
                                 f"task_index {columns['task_index'][row]} at row {row} is not in "
                                 f"meta/tasks (0..{len(meta.tasks) - 1})"))
+    for name in floats:
+        if f"finite {name}" in first:
+            problems.append(non_finite_problem(meta, columns, name, first[f"finite {name}"]))
     return problems
+
+
+def non_finite_problem(meta: DatasetMeta, columns, name: str, row: int) -> Problem:
+    """The first non-finite value of a float column, by file, row of that file, column and dimension.
+
+    e.g. `.../file-000.parquet: action[1] is nan at row 5 of the file (index 5, episode 0, frame 5): ...`"""
+    eps = meta.episodes
+    ep = _episode_of(eps, row)
+    rel = eps.data_file[ep]
+    file_start = int(eps.row_from[list(eps.data_file).index(rel)])  # a file holds its episodes' rows in order
+    values = np.asarray(columns[name][row]).reshape(-1)
+    dim = int(np.argmax(~np.isfinite(values)))
+    where = f"{name}[{dim}]" if np.asarray(columns[name][row]).ndim else name
+    return Problem(meta.files.path(rel), f"{where} is {values[dim]} at row {row - file_start} of the file "
+                                         f"(index {row}, episode {ep}, frame {row - int(eps.row_from[ep])}): every "
+                                         "float value must be finite, a NaN or inf trains into a NaN loss (fix the "
+                                         "value or drop the episode)")
 
 
 def _episode_of(eps, row: int) -> int:
     return int(np.searchsorted(eps.row_to, row, side="right"))
 
 
-def _check_videos(meta: DatasetMeta, columns, deep: bool) -> list[Problem]:
+def _check_videos(meta: DatasetMeta, columns, deep: bool, progress=None) -> list[Problem]:
     problems = []
     eps = meta.episodes
+    done, total = 0, len(eps) * len(meta.video_keys)
     pool = VideoDecoderPool("pyav", max_open=4, threads=1) if deep else None
     for key in meta.video_keys:
         feature = meta.features[key]
@@ -196,15 +231,39 @@ def _check_videos(meta: DatasetMeta, columns, deep: bool) -> list[Problem]:
                 problems.append(Problem(meta.files.path(rel), f"episode {e} of {key} ends at {end:.3f} s but the "
                                         f"video is {p['duration_s']:.3f} s long"))
             if deep:
-                first = eps.video_from_s[key][e] + float(columns["timestamp"][eps.row_from[e]])
-                last = eps.video_from_s[key][e] + float(columns["timestamp"][eps.row_to[e] - 1])
-                try:
-                    pool.read(meta.files.path(rel), np.array([first, last]))
-                except DatasetError as err:
-                    problems.append(Problem(err.path, f"episode {e} of {key}: {err.problem}"))
+                problems += _decode_episode(meta, columns, pool, key, e)
+                if progress is not None:
+                    progress(done := done + 1, total)
     if pool is not None:
         pool.close()
     return problems
+
+
+def _decode_episode(meta: DatasetMeta, columns, pool: VideoDecoderPool, key: str, e: int) -> list[Problem]:
+    """Every frame of episode `e` of camera `key` decoded, DECODE_FRAMES at a time in one forward pass
+    (the reader goes on where the last block ended). A block that fails is read again frame by frame,
+    so the problem names the first frame that does not decode, not the block."""
+    eps = meta.episodes
+    path = meta.files.path(eps.video_file[key][e])
+    row_from, row_to = int(eps.row_from[e]), int(eps.row_to[e])
+    times = eps.video_from_s[key][e] + np.asarray(columns["timestamp"][row_from:row_to], dtype=np.float64)
+    for lo in range(0, len(times), DECODE_FRAMES):
+        hi = min(lo + DECODE_FRAMES, len(times))
+        try:
+            pool.read(path, times[lo:hi])
+            continue
+        except DatasetError as block_err:
+            failed = block_err
+        for i in range(lo, hi):
+            try:
+                pool.read(path, times[i:i + 1])
+            except DatasetError as err:
+                return [Problem(err.path, f"episode {e} of {key}: frame {i} (t={times[i]:.4f} s in the file) does "
+                                          f"not decode: {err.problem}")]
+        # Each frame decodes alone (after a seek) but not in one pass, as training reads them.
+        return [Problem(failed.path, f"episode {e} of {key}: frames {lo}..{hi - 1} do not decode in one pass: "
+                                     f"{failed.problem}")]
+    return []
 
 
 def _check_stats(meta: DatasetMeta) -> list[Problem]:
@@ -227,4 +286,16 @@ def _check_stats(meta: DatasetMeta) -> list[Problem]:
         missing = [s for s in STAT_NAMES if s not in stats[name]]
         if missing:
             problems.append(Problem(path, f"stats of {name!r} lack {missing}"))
+            continue
+        bad = [s for s in STAT_NAMES if not _finite_numbers(stats[name][s])]
+        if bad:  # NaN, Infinity: Python's json reads them, and every normalised value would be NaN
+            problems.append(Problem(path, f"stats of {name!r} are not finite numbers ({', '.join(bad)}): "
+                                    "`kilovla data stats PATH` recomputes them"))
     return problems
+
+
+def _finite_numbers(value) -> bool:
+    try:
+        return bool(np.isfinite(np.asarray(value, dtype=np.float64)).all())
+    except (TypeError, ValueError):  # a string, a ragged list
+        return False

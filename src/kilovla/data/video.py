@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -144,15 +145,44 @@ class TorchCodecReader:
         try:
             batch = self._decoder.get_frames_at(indices=indices)
         except (IndexError, RuntimeError) as e:
-            raise DatasetError(self.path, f"cannot decode frames {indices}: {e}") from None
+            failed = self._failing(indices) or indices  # none fails alone: name the call's
+            raise DatasetError(self.path, f"cannot decode frame{'s' if len(failed) > 1 else ''} {_spans(failed)} "
+                                          f"(of {len(indices)} asked): {_decoder_words(e)}") from None
         got = batch.pts_seconds.numpy()
         for t, g in zip(timestamps, got):
             if abs(float(g) - float(t)) >= tolerance_s:
                 raise _no_frame(self.path, float(t), float(g), tolerance_s)
         return batch.data.numpy()
 
+    def _failing(self, indices: list[int]) -> list[int]:
+        """The frames of a failed call that fail alone: what the error names, not every frame asked."""
+        failed = []
+        for i in indices:
+            try:
+                self._decoder.get_frames_at(indices=[i])
+            except (IndexError, RuntimeError):
+                failed.append(i)
+        return failed
+
     def close(self) -> None:
         pass
+
+
+def _spans(indices: list[int]) -> str:
+    """Frame indices as runs: [3, 4, 5, 9] -> '3-5, 9'."""
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _decoder_words(e: Exception) -> str:
+    """torchcodec's message without its C++ function and source location ('decodeAVFrame,
+    /__w/.../SingleStreamDecoder.cpp:1436, Could not push packet...' -> 'Could not push packet...')."""
+    return re.sub(r"^(?:\w+, )?\S+\.(?:cpp|cc|c|h|hpp):\d+,\s*", "", str(e)).strip()
 
 
 def torchcodec_available() -> bool:

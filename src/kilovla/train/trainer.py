@@ -23,6 +23,10 @@ level of work, after torchtitan's `train.py`:
     trainer.state_dict() / load_state_dict()     # step and plan position (checkpoint.py holds the tensors)
 
 `train(cfg, resume)` checks the settings, the datasets and the run_dir before any of it.
+
+A NaN or inf stops the run at its step (KilovlaError naming the step and the term, exit 2): the
+global loss and gradient norm are checked before the optimizer step, on every rank alike, and the
+weights before every checkpoint, so no checkpoint and no summary.json ever holds a non-finite value.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from kilovla.data import TokenLayout, build_loader
 from kilovla.data.meta import DatasetMeta
 from kilovla.data.lake_index import LakeIndex
 from kilovla.data.validate import check_dataset
+from kilovla.data.writer import _atomic_write_text
 from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear
 from kilovla.models.batch import PaddedBatch
@@ -193,6 +198,18 @@ class Trainer:
         self.load_state_dict(ckpt.load(folder, self.model, self.ema, self.optimizer, self.scheduler, self.world,
                                        adapters=self.lora is not None))
 
+    @torch.no_grad()
+    def check_finite_weights(self) -> None:
+        """Raise before a checkpoint would hold a NaN or inf: finite losses and gradients can still step
+        a weight past float range (a learning rate of 1e40). Every rank counts its own pieces (a
+        shard's, a stage's) and takes the sum over all ranks, so all stop or none does."""
+        tensors = [*self.model.parameters(), *(self.ema or {}).values()]
+        local = sum(float((~torch.isfinite(t.to_local() if hasattr(t, "to_local") else t)).sum()) for t in tensors)
+        if distributed.all_reduce_sum(local, self.world):
+            raise KilovlaError(f"step {self.step}: weights are NaN or inf after the optimizer step (optim.lr="
+                               f"{self.cfg.optim.lr:g} too high?): stopped before writing a checkpoint; the last "
+                               "one written is intact")
+
     def save_checkpoint(self, final: bool) -> None:
         cfg, meta = self.cfg, self.meta
         if self.lora is not None:  # adapters on their base; the last checkpoint's weights are merged ones
@@ -264,7 +281,7 @@ class Trainer:
             totals.data_wait += time.perf_counter() - t_wait
             if row["row"] == 0:
                 self.phase = f"step {row['step'] + 1}"
-                faults.step_begins(row["step"] + 1)
+                faults.step_begins(row["step"] + 1, row)
                 watchdog.arm(self.phase, world.timeout_s)
             if self.schedule is None:
                 self.forward_backward(row, totals)
@@ -285,18 +302,26 @@ class Trainer:
                                                         self.shared_ids)
         else:
             grad_norm = clip_gradients(self.trainable, cfg.optim.clip_grad_norm)
+        summed = self._sum_over_ranks(totals)
+        check_finite_step(self.step, summed["loss"] / len(self.plan.global_batch(self.step - 1)), grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         update_ema(self.ema, self.model, cfg.ema_decay)
-        return self._record(totals, ids, grad_norm, time.perf_counter() - t_step)
+        return self._record(totals, summed, ids, grad_norm, time.perf_counter() - t_step)
 
-    def _record(self, totals: _Totals, ids: list[int], grad_norm: float, elapsed: float) -> dict:
+    def _sum_over_ranks(self, totals: _Totals) -> dict[str, float]:
+        """The step's loss and token counts over every rank: the same numbers on each, so a check of
+        them stops every rank at the same step."""
+        world = self.world
+        totals.loss = distributed.all_reduce_sum(totals.loss, world, over="pp")  # the last stage's
+        return {k: distributed.all_reduce_sum(getattr(totals, k), world, over="dp")
+                for k in ("loss", "tokens", "tensor_tokens", "capacity")}
+
+    def _record(self, totals: _Totals, summed: dict[str, float], ids: list[int], grad_norm: float,
+                elapsed: float) -> dict:
         world = self.world
         global_n = len(self.plan.global_batch(self.step - 1))
-        totals.loss = distributed.all_reduce_sum(totals.loss, world, over="pp")  # the last stage's
-        summed = {k: distributed.all_reduce_sum(getattr(totals, k), world, over="dp")
-                  for k in ("loss", "tokens", "tensor_tokens", "capacity")}
         tokens = summed["tokens"]
         record = {"kind": "train", "step": self.step, "loss": summed["loss"] / global_n,
                   "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "samples_per_s": global_n / elapsed,
@@ -377,6 +402,7 @@ class Trainer:
         if done % cfg.checkpoint.every == 0 or done == cfg.steps:
             self.phase = f"checkpoint at step {done}"
             watchdog.arm(self.phase, self.world.timeout_s)
+            self.check_finite_weights()
             self.save_checkpoint(final=done == cfg.steps)
         if cfg.eval.every and done % cfg.eval.every == 0:
             self.phase = f"evaluation at step {done}"
@@ -400,8 +426,29 @@ class Trainer:
                    "final_loss": history[-1]["loss"], "checkpoint": str(ckpt.latest(self.run_dir / "checkpoints")),
                    "attention_backend": self.backend, "frames_from_cache": self.frames_from_cache,
                    "plot": str(plot) if plot else None, "wall_s": wall_s}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        # strict JSON (no NaN): a non-finite loss has stopped the run before it gets here
+        _atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False))
         return summary
+
+
+def check_finite_step(step: int, loss: float, grad_norm: float) -> None:
+    """Raise (one line naming the step and the term) when the step's loss or gradient norm is NaN or
+    inf, before the optimizer step turns it into weights. Both are the global figures, the same on
+    every rank (the loss all-reduced, the norm over all gradients), so every rank stops at this step
+    and none waits in a collective for one that left.
+
+    >>> check_finite_step(3, float("nan"), float("nan"))
+    Traceback (most recent call last):
+    kilovla.errors.KilovlaError: step 3: the flow-matching loss is nan: stopped before the optimizer step ...
+    """
+    if not np.isfinite(loss):
+        term = f"the flow-matching loss is {loss}"
+    elif not np.isfinite(grad_norm):
+        term = f"the gradient norm is {grad_norm} (the loss is {loss:.6g})"
+    else:
+        return
+    raise KilovlaError(f"step {step}: {term}: stopped before the optimizer step, no checkpoint of it written "
+                       "(a NaN or inf in the data, which `kilovla data validate` finds, or a learning rate too high)")
 
 
 def _sample_noise(model_cfg, seed: int, step: int, sample_ids: np.ndarray, family_time) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,19 +489,28 @@ def _memory_mb(device: torch.device) -> float:
 
 
 class _Faults:
-    """Deterministic faults for the crash and hang tests, from the environment:
+    """Deterministic faults for the crash, hang and NaN tests, from the environment:
     KILOVLA_FAULT_AFTER_STEP=N SIGKILLs the run after step N's checkpoint;
-    KILOVLA_FAULT_HANG=R:N makes rank R stop answering when step N begins."""
+    KILOVLA_FAULT_HANG=R:N makes rank R stop answering when step N begins;
+    KILOVLA_FAULT_NAN=R:N puts a NaN in one action value of rank R's first row of step N."""
 
     def __init__(self, rank: int):
         self.kill_after = int(os.environ.get("KILOVLA_FAULT_AFTER_STEP", "-1"))
-        hang = os.environ.get("KILOVLA_FAULT_HANG", "")
-        r, _, n = hang.partition(":")
-        self.hang_at = int(n) if hang and int(r) == rank else -1
+        self.hang_at = self._rank_step("KILOVLA_FAULT_HANG", rank)
+        self.nan_at = self._rank_step("KILOVLA_FAULT_NAN", rank)
 
-    def step_begins(self, step: int) -> None:
+    @staticmethod
+    def _rank_step(name: str, rank: int) -> int:
+        value = os.environ.get(name, "")
+        r, _, n = value.partition(":")
+        return int(n) if value and int(r) == rank else -1
+
+    def step_begins(self, step: int, row: dict) -> None:
         if step == self.hang_at:
             time.sleep(10**6)
+        if step == self.nan_at:
+            row["action"] = row["action"].copy()
+            row["action"].flat[0] = np.nan
 
     def step_done(self, step: int) -> None:
         if step == self.kill_after:

@@ -131,6 +131,7 @@ def test_derived_folders_keep_the_demonstration_seeds(trained, tmp_path):
     from kilovla.rl.runner import write_policy_files
 
     want = json.loads((trained["policy"] / "policy.json").read_text())["demonstration_seeds"]
+    assert want == {REACH: [collect_seed(0, 0, 0), collect_seed(0, 0, 1)]}
     quantize_policy_folder(trained["policy"], tmp_path / "fp8", Fp8Config(), latency_repeats=1)
     assert json.loads((tmp_path / "fp8" / "policy.json").read_text())["demonstration_seeds"] == want
     assert load_checkpoint_policy(tmp_path / "fp8").meta.demonstration_seeds == want

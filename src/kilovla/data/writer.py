@@ -108,7 +108,8 @@ class DatasetWriter:
                  video_codec: str = "libsvtav1", crf: int = 30, gop: int = 2, chunks_size: int = 1000,
                  data_files_size_in_mb: int = 100, video_files_size_in_mb: int = 200, overwrite: bool = False,
                  info: dict | None = None):
-        """`info`: extra meta/info.json keys (e.g. collect's `kilovla_seed_rule`); LeRobot ignores keys it does not know."""
+        """`info`: extra meta/info.json keys (e.g. collect's `kilovla_seed_rule`); LeRobot ignores keys it
+        does not know."""
         self.root = Path(root)
         if self.root.exists() and not overwrite:
             raise KilovlaError(f"{self.root}: already exists (pass overwrite=True / --overwrite to replace it)")

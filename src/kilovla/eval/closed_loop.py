@@ -62,7 +62,8 @@ def episode_seeds(seed: int, task_index: int, episodes: int) -> list[int]:
 
 
 def check_unseen_seeds(demonstration_seeds: dict[str, list[int]] | None, tasks: list[str], seed: int, episodes: int,
-                       *, env: str = "metaworld", allow_seen_seeds: bool = False, who: str = "the policy") -> int | None:
+                       *, env: str = "metaworld", allow_seen_seeds: bool = False,
+                       who: str = "the policy") -> int | None:
     """How many of the evaluation's (task, seed) pairs are among `demonstration_seeds` (policy.json's:
     per dataset task, i.e. instruction, the seeds its demonstrations started from); refused when not 0
     unless `allow_seen_seeds`, since an episode the policy was shown measures memory, not skill. None:

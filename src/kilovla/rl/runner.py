@@ -58,8 +58,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # Training episodes use envs/seeds.py's rl stream, disjoint from the evaluation and demonstration seeds and
-# per run seed, worker and env slot: 3e18 + seed * 1e9 + worker * 1e6 + env slot * 1e4 + episode counter (the
-# counter, i.e. each slot's next seed, is saved in every checkpoint; a replaced worker skips REPLACEMENT_SEED_SKIP seeds).
+# per run seed, worker and env slot: 3e18 + seed * 1e9 + worker * 1e6 + env slot * 1e4 + episode counter
+# (the counter, i.e. each slot's next seed, is saved in every checkpoint; a replaced worker skips
+# REPLACEMENT_SEED_SKIP seeds).
 REPLACEMENT_SEED_SKIP = 1000
 MAX_BUILD_FAILURES = 3  # a worker that dies this many times in a row before answering ends the run
 METAWORLD_MAX_REWARD = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]

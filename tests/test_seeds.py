@@ -149,3 +149,37 @@ def test_rl_refuses_a_final_evaluation_on_demonstration_seeds_before_ray(trained
     monkeypatch.setattr(runner, "connect_ray", lambda *a, **k: pytest.fail("Ray started before the seeds were checked"))
     with pytest.raises(KilovlaError, match="1 of its 2 evaluation episodes"):
         runner.run(cfg)
+
+
+def _train_args(trained, tmp_path, dataset, *more):
+    return [f"--run_dir={tmp_path / 'run'}", "--steps=1", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=4",
+            "--batch.token_budget=512", "--policy.overrides={chunk_size: 4}", "--policy.n_action_steps=4",
+            "--progress=false", *more]
+
+
+def test_training_refuses_an_in_training_evaluation_on_demonstration_seeds_before_any_step(trained, tmp_path):
+    from conftest import rewrite_parquet, set_column
+    from kilovla.config import load_config
+    from kilovla.train.trainer import TrainConfig, train
+
+    dataset = tmp_path / "seen"
+    shutil.copytree(trained["dataset"], dataset)
+    rewrite_parquet(dataset / "meta/episodes/chunk-000/file-000.parquet",
+                    lambda t: set_column(t, "seed", episode_seeds(0, 0, 2)))  # recorded on eval's own seeds
+    cfg = load_config(TrainConfig, None, _train_args(trained, tmp_path, dataset, "--eval.every=1",
+                                                     "--eval.tasks=[reach-v3]", "--eval.episodes=3"))
+    with pytest.raises(KilovlaError, match=r"eval.every's evaluation: 2 of its 3 evaluation episodes \(seed 0\)"):
+        train(cfg)
+    assert not list((tmp_path / "run").rglob("*.safetensors"))  # no step ran, no checkpoint
+
+
+def test_fine_tuning_keeps_the_start_policys_demonstration_seeds(trained, tmp_path):
+    """A policy trained from another has seen that one's demonstrations too."""
+    from kilovla.config import load_config
+    from kilovla.train.trainer import TrainConfig, train
+
+    start = _seen_policy(trained, tmp_path / "start", [7])  # the start policy's own record
+    cfg = load_config(TrainConfig, None, _train_args(trained, tmp_path, trained["dataset"],
+                                                     f"--policy.init_from={start}"))
+    saved = json.loads((Path(train(cfg)["checkpoint"]) / "policy.json").read_text())
+    assert saved["demonstration_seeds"] == {REACH: [7, collect_seed(0, 0, 0), collect_seed(0, 0, 1)]}

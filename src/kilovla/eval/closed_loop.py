@@ -62,8 +62,9 @@ def episode_seeds(seed: int, task_index: int, episodes: int) -> list[int]:
 
 
 def check_unseen_seeds(demonstration_seeds: dict[str, list[int]] | None, tasks: list[str], seed: int, episodes: int,
-                       *, env: str = "metaworld", allow_seen_seeds: bool = False,
-                       who: str = "the policy") -> int | None:
+                       *, env: str = "metaworld", allow_seen_seeds: bool = False, who: str = "the policy",
+                       remedy: str = "evaluate with another --seed, or pass --allow-seen-seeds to measure them anyway"
+                       ) -> int | None:
     """How many of the evaluation's (task, seed) pairs are among `demonstration_seeds` (policy.json's:
     per dataset task, i.e. instruction, the seeds its demonstrations started from); refused when not 0
     unless `allow_seen_seeds`, since an episode the policy was shown measures memory, not skill. None:
@@ -85,8 +86,7 @@ def check_unseen_seeds(demonstration_seeds: dict[str, list[int]] | None, tasks: 
     if count and not allow_seen_seeds:
         where = "; ".join(f"{task}: {s[:3]}{'...' if len(s) > 3 else ''}" for task, s in shared.items() if s)
         raise KilovlaError(f"{who}: {count} of its {len(tasks) * episodes} evaluation episodes (seed {seed}) start "
-                           f"from a demonstration's seed ({where}); evaluate with another --seed, or pass "
-                           "--allow-seen-seeds to measure them anyway")
+                           f"from a demonstration's seed ({where}); {remedy}")
     return count
 
 

@@ -169,7 +169,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
         from kilovla.eval.closed_loop import check_unseen_seeds
 
         check_unseen_seeds(meta.get("demonstration_seeds"), list(cfg.eval.tasks or cfg.env.tasks), cfg.seed,
-                           cfg.eval.episodes, env=cfg.env.env, who=f"--policy {policy_dir}")
+                           cfg.eval.episodes, env=cfg.env.env, who=f"--policy {policy_dir}",
+                           remedy="set another --seed (it also picks the final evaluation's), or --eval.episodes=0")
     cfg = _with_policy_resolution(cfg, meta, policy_dir)
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}

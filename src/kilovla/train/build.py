@@ -39,11 +39,12 @@ log = logging.getLogger(__name__)
 
 def check_evaluation(cfg: TrainConfig, meta: PolicyMeta) -> None:
     """The checks the first closed-loop evaluation would make (tasks known, policy fits the env's
-    action, state and cameras), made at start so a mismatch costs no training."""
+    action, state and cameras, no evaluation seed a demonstration started from), made at start so a
+    mismatch costs no training."""
     from types import SimpleNamespace
 
     from kilovla.envs.base import check_tasks, env_spec
-    from kilovla.eval.closed_loop import check_compatible
+    from kilovla.eval.closed_loop import check_compatible, check_unseen_seeds
 
     if cfg.eval.env == "metaworld":
         from kilovla.envs import metaworld
@@ -62,6 +63,8 @@ def check_evaluation(cfg: TrainConfig, meta: PolicyMeta) -> None:
                              state_keys=list(meta.state_keys),
                              cameras=tuple(k.removeprefix("observation.images.") for k in meta.camera_map))
     check_compatible(policy, spec)
+    check_unseen_seeds(meta.demonstration_seeds, list(cfg.eval.tasks), cfg.seed, cfg.eval.episodes, env=cfg.eval.env,
+                       who="eval.every's evaluation", remedy="set another --seed (it also picks the evaluation's)")
 
 
 def attention_in_use(model_cfg, device: torch.device) -> str:

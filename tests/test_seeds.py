@@ -183,3 +183,10 @@ def test_fine_tuning_keeps_the_start_policys_demonstration_seeds(trained, tmp_pa
                                                      f"--policy.init_from={start}"))
     saved = json.loads((Path(train(cfg)["checkpoint"]) / "policy.json").read_text())
     assert saved["demonstration_seeds"] == {REACH: [7, collect_seed(0, 0, 0), collect_seed(0, 0, 1)]}
+
+
+def test_a_malformed_demonstration_seeds_entry_is_one_line():
+    from kilovla.eval.closed_loop import check_unseen_seeds
+
+    with pytest.raises(KilovlaError, match="demonstration_seeds must map each task to a list of seeds, got \\[1, 2\\]"):
+        check_unseen_seeds([1, 2], ["reach-v3"], 0, 2)

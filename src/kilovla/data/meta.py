@@ -326,7 +326,7 @@ class DatasetMeta:
         v2.x). An episode of several tasks counts for each.
 
         >>> DatasetMeta("collected").episode_seeds()  # doctest: +SKIP
-        {'reach-v3': [2000000000000000000, 2000000000000000001], 'push-v3': [2000000000001000000]}
+        {'reach the red goal': [2000000000000000000, 2000000000000000001]}
         """
         if self.version != "v3.0":
             return None

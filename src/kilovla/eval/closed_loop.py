@@ -79,6 +79,9 @@ def check_unseen_seeds(demonstration_seeds: dict[str, list[int]] | None, tasks: 
     planned = {task: episode_seeds(seed, t, episodes) for t, task in enumerate(tasks)}  # checks seed's range too
     if demonstration_seeds is None:
         return None
+    if not isinstance(demonstration_seeds, dict) or not all(isinstance(v, list) for v in demonstration_seeds.values()):
+        raise KilovlaError(f"{who}: policy.json's demonstration_seeds must map each task to a list of seeds, got "
+                           f"{str(demonstration_seeds)[:80]}")
     shared = {task: sorted(set(seeds) & {s for key in _dataset_task_names(env, task)
                                          for s in demonstration_seeds.get(key, ())})
               for task, seeds in planned.items()}

@@ -168,7 +168,7 @@ def demonstration_seeds(metas: list[DatasetMeta], init_from: dict | None = None)
     training starts from (its policy.json's, as it saw them too); None when none of them records any.
 
     >>> demonstration_seeds([collected_a, collected_b])  # doctest: +SKIP
-    {'reach-v3': [2000000000000000000, 2000000000000000001]}
+    {'reach the red goal': [2000000000000000000, 2000000000000000001]}
     """
     per_dataset = [s for s in (m.episode_seeds() for m in metas) if s is not None]
     if init_from is not None and init_from.get("layout") == "kilovla":

@@ -200,7 +200,7 @@ def test_demo_refuses_to_evaluate_on_demonstration_seeds(tmp_path):
 
     recipe = QUICK.replace(eval_seed=0)
     overlapping = {"drawer-close-v3": episode_seeds(0, 1, 1)}  # drawer-close is the recipe's second task
-    with pytest.raises(KilovlaError, match=r"drawer-close-v3: evaluation seeds \[1000\] were also demonstration"):
+    with pytest.raises(KilovlaError, match=r"drawer-close-v3: evaluation seeds \[1000000000001000000\] were also demonstration"):
         evaluate_both(recipe, str(tmp_path / "never-read"), tmp_path, overlapping)
 
 

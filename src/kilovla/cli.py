@@ -254,7 +254,8 @@ def cmd_eval(args) -> int:
         report = evaluate(policy, env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
                           batch_size=args.batch_size, n_action_steps=args.n_action_steps, num_workers=args.workers,
                           cameras=cameras, resolution=render_resolution(policy, args.resolution),
-                          max_steps=args.max_steps, videos=args.videos, out_dir=args.out, progress=update)
+                          max_steps=args.max_steps, videos=args.videos, out_dir=args.out, progress=update,
+                          allow_seen_seeds=args.allow_seen_seeds)
     table = Table(title=f"{report['policy']} on {report['env']} ({report['env_backend']})")
     for col in ("task", "success", "episodes", "mean steps"):
         table.add_column(col)
@@ -548,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "`kilovla demo` evaluates)")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow-seen-seeds", action="store_true", help="evaluate even on seeds the policy's demonstrations "
+                   "started from (policy.json's demonstration_seeds; refused otherwise)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("serve", help="serve a policy folder over openpi's websocket protocol, batched across robots")

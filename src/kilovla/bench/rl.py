@@ -77,7 +77,7 @@ GAIN = ("--learner.algo.name=residual_sac", "--env.workers=2", "--env.envs_per_w
 # `--only gain` run to ~110 minutes on 2 cores (~100 env-steps/s in either mode), past its 90-minute target.
 GAIN_ENV_STEPS = 120_000
 GAIN_EPISODES = 100  # per task, before and after
-EVAL_SEED = 1  # closed_loop.episode_seeds: disjoint from the demonstrations' (collect seed 0) and RL's (>= 10^7)
+EVAL_SEED = 1  # closed_loop.episode_seeds: envs/seeds.py's eval stream, disjoint from the demonstrations' and RL's
 
 
 @dataclass(frozen=True)

@@ -322,6 +322,32 @@ class DatasetMeta:
             raise DatasetError(self.files.path("meta/info.json"),
                                f"total_frames is {total} but the episodes add up to {self.total_frames}")
 
+    def episode_seeds(self) -> dict[str, list[int]] | None:
+        """Per task, the env seeds its episodes started from (meta/episodes' `seed`, which `kilovla
+        collect` writes), in episode order; None for a dataset without the column (LeRobot's own,
+        v2.x). An episode of several tasks counts for each.
+
+        >>> DatasetMeta("collected").episode_seeds()  # doctest: +SKIP
+        {'reach the red goal': [2000000000000000000, 2000000000000000001]}
+        """
+        if self.version != "v3.0":
+            return None
+        rels = self.files.glob("meta/episodes/chunk-*/file-*.parquet")
+        if not rels or not all("seed" in self.files.read_parquet_schema(rel).names for rel in rels):
+            return None
+        table = pa.concat_tables([self.files.read_parquet(rel, columns=["episode_index", "tasks", "seed"])
+                                  for rel in rels])
+        rows = sorted(zip(table.column("episode_index").to_pylist(), table.column("tasks").to_pylist(),
+                          table.column("seed").to_pylist()))
+        out: dict[str, list[int]] = {}
+        for episode, tasks, seed in rows:
+            if seed is None:
+                raise DatasetError(self.files.path("meta/episodes"), f"episode {episode} has no seed (the column "
+                                   "holds one for every episode or is absent)")
+            for task in tasks or []:
+                out.setdefault(task, []).append(int(seed))
+        return out
+
     # -- frame data ------------------------------------------------------------------------------
     def table_features(self) -> list[Feature]:
         return [f for f in self.features.values() if not f.is_video]

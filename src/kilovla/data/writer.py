@@ -138,12 +138,16 @@ class DatasetWriter:
 
     def __init__(self, root: str | Path, fps: int, features: dict[str, dict], robot_type: str = "unknown",
                  video_codec: str = "libsvtav1", crf: int = 30, gop: int = 2, chunks_size: int = 1000,
-                 data_files_size_in_mb: int = 100, video_files_size_in_mb: int = 200, overwrite: bool = False):
+                 data_files_size_in_mb: int = 100, video_files_size_in_mb: int = 200, overwrite: bool = False,
+                 info: dict | None = None):
+        """`info`: extra meta/info.json keys (e.g. collect's `kilovla_seed_rule`); LeRobot ignores keys it
+        does not know."""
         self.root = Path(root)
         check_dataset_destination(self.root, overwrite)
         if video_codec not in CODEC_NAMES:
             raise KilovlaError(f"video codec must be one of {sorted(CODEC_NAMES)}, not {video_codec!r}")
         self.fps, self.robot_type, self.overwrite = int(fps), robot_type, overwrite
+        self.extra_info = dict(info or {})
         self.video_codec, self.crf, self.gop = video_codec, crf, gop
         self.chunks_size = chunks_size
         self.data_limit = data_files_size_in_mb * 1024 * 1024
@@ -207,10 +211,13 @@ class DatasetWriter:
     def clear_episode_buffer(self) -> None:
         self._frames = []
 
-    def save_episode(self) -> int:
-        """Write the buffered frames as the next episode; returns its episode_index."""
+    def save_episode(self, seed: int | None = None) -> int:
+        """Write the buffered frames as the next episode; returns its episode_index. `seed`: the env seed
+        the episode started from (meta/episodes' int64 `seed` column); give it for every episode or none."""
         if not self._frames:
             raise KilovlaError("save_episode: no frames were added")
+        if self.episodes and (seed is None) != ("seed" not in self.episodes[0]):
+            raise KilovlaError("save_episode: give a seed for every episode or for none (meta/episodes' seed column)")
         frames, self._frames = self._frames, []
         ep_index, n = len(self.episodes), len(frames)
         task_ids = [self.tasks.setdefault(f["task"], len(self.tasks)) for f in frames]
@@ -232,6 +239,7 @@ class DatasetWriter:
             "episode_index": ep_index,
             "tasks": list(dict.fromkeys(f["task"] for f in frames)),
             "length": n,
+            **({} if seed is None else {"seed": int(seed)}),
         }
         table = self._episode_table(columns)
         if self._data_parts and self._data_bytes + table.nbytes > self.data_limit:
@@ -317,7 +325,7 @@ class DatasetWriter:
             write_meta(self._tmp, fps=self.fps, robot_type=self.robot_type, features=self.features,
                        tasks=list(self.tasks), episodes=self.episodes, episode_stats=self.episode_stats,
                        chunks_size=self.chunks_size, data_mb=self.data_limit // 2**20,
-                       video_mb=self.video_limit // 2**20)
+                       video_mb=self.video_limit // 2**20, extra_info=self.extra_info)
             _move_into_place(self._tmp, self.root, self.overwrite)
         except BaseException:
             self.abort()
@@ -372,7 +380,8 @@ def _move_into_place(tmp: Path, root: Path, overwrite: bool) -> None:
 
 
 def write_meta(root: Path, *, fps: int, robot_type: str, features: dict, tasks: list[str], episodes: list[dict],
-               episode_stats: list[dict], chunks_size: int, data_mb: int, video_mb: int) -> None:
+               episode_stats: list[dict], chunks_size: int, data_mb: int, video_mb: int,
+               extra_info: dict | None = None) -> None:
     """meta/info.json, meta/tasks.parquet, meta/episodes/..., meta/stats.json for a v3.0 dataset."""
     meta = root / "meta"
     (meta / "episodes" / "chunk-000").mkdir(parents=True, exist_ok=True)
@@ -395,6 +404,7 @@ def write_meta(root: Path, *, fps: int, robot_type: str, features: dict, tasks: 
         "data_path": DEFAULT_DATA_PATH,
         "video_path": DEFAULT_VIDEO_PATH if any(f["dtype"] == "video" for f in features.values()) else None,
         "features": features,
+        **(extra_info or {}),
     }
     _atomic_write_text(meta / "info.json", json.dumps(info, indent=4))
     stats = stats_mod.aggregate_stats(episode_stats)

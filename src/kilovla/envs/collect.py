@@ -7,6 +7,10 @@ and writes them through the data layer's `DatasetWriter`: one video per camera, 
 With noise, `labels` says which action a frame records: `executed` (the noisy action the robot took,
 as a teleoperation log would) or `expert` (the noise-free expert action for the state the noise led
 to: DART's recipe, which shows a learner how to recover from drift without teaching it the noise).
+
+Episode seeds come from the collect stream of `envs/seeds.py` (disjoint from evaluation's); each kept
+episode's seed is its row's `seed` in meta/episodes, and meta/info.json names the rule
+(`kilovla_seed_rule`), so training can record which initial states the policy saw.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 from kilovla.data.writer import DatasetWriter
 from kilovla.envs.base import check_tasks, env_spec
 from kilovla.envs.rollout import run_episodes, stack_observations
+from kilovla.envs.seeds import SEED_RULE, collect_seed
 from kilovla.envs.vector import EnvConfig, EnvPool
 from kilovla.errors import KilovlaError
 
@@ -56,11 +61,12 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
     features["next.success"] = {"dtype": "bool", "shape": [1]}
     if labels not in ("executed", "expert"):
         raise KilovlaError(f"labels must be 'executed' or 'expert', not {labels!r}")
+    collect_seed(seed, len(tasks) - 1, 3 * episodes_per_task - 1)  # the last seed it may use fits the rule: check now
     policy = expert_policy(env, noise_std, seed)
     clean = expert_policy(env, 0.0, seed) if labels == "expert" and noise_std > 0 else None
     report = CollectReport(root=str(out))
     writer = DatasetWriter(out, fps=spec.fps, features=features, robot_type=f"{env}-sawyer", video_codec=codec,
-                           overwrite=overwrite)
+                           overwrite=overwrite, info={"kilovla_seed_rule": SEED_RULE})
     kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {})}
     try:
         for t, task in enumerate(tasks):
@@ -82,7 +88,7 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
                 if ep.success and kept < episodes_per_task:
                     for frame in frames:
                         writer.add_frame(frame)
-                    writer.save_episode()
+                    writer.save_episode(seed=ep.seed)  # meta/episodes' `seed`: training records it in policy.json
                     report.seeds.setdefault(task, []).append(ep.seed)
                     kept += 1
                     report.frames += len(frames)
@@ -95,7 +101,7 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
                 attempts = 0
                 while kept < episodes_per_task and attempts < 3 * episodes_per_task:
                     n = episodes_per_task - kept
-                    seeds = [seed * 100_003 + t * 10_007 + attempts + i for i in range(n)]
+                    seeds = [collect_seed(seed, t, attempts + i) for i in range(n)]
                     attempts += n
                     run_episodes(pool, policy, seeds, on_step=on_step, on_end=on_end)
             report.kept[task], report.dropped[task] = kept, dropped

@@ -1,7 +1,8 @@
 """Closed-loop evaluation: a policy acts in the simulator; we count successes per task.
 
 `evaluate(policy, tasks=..., episodes=N)` plays N episodes per task with fixed seeds (the same
-seeds for every policy, so success rates compare), batching the policy over vectorised envs and
+seeds for every policy, so success rates compare; `envs/seeds.py`'s eval stream, which never meets
+the seeds `collect` records demonstrations on), batching the policy over vectorised envs and
 executing `n_action_steps` of each predicted action chunk. It returns the report and, with
 `out_dir`, writes `report.json`, `report.md` and mp4 videos of the first `videos` episodes per task.
 Every success rate comes with its 95 % Wilson interval (`eval/intervals.py`). The trainer calls the same
@@ -26,14 +27,13 @@ import numpy as np
 
 from kilovla.envs.base import check_tasks, env_spec
 from kilovla.envs.rollout import run_episodes
+from kilovla.envs.seeds import eval_seeds
 from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
 from kilovla.errors import KilovlaError
 from kilovla.eval.intervals import wilson_interval
 from kilovla.progress import TaskProgress
 
 log = logging.getLogger(__name__)
-
-EVAL_SEED_STRIDE = 1_000_003  # episode seeds: seed * stride + task index * 1000 + episode
 
 
 def check_compatible(policy, spec) -> None:
@@ -57,7 +57,49 @@ def check_compatible(policy, spec) -> None:
 
 
 def episode_seeds(seed: int, task_index: int, episodes: int) -> list[int]:
-    return [seed * EVAL_SEED_STRIDE + task_index * 1000 + i for i in range(episodes)]
+    """The seeds of a task's evaluation episodes (`envs/seeds.py`'s eval stream)."""
+    return eval_seeds(seed, task_index, episodes)
+
+
+def check_unseen_seeds(demonstration_seeds: dict[str, list[int]] | None, tasks: list[str], seed: int, episodes: int,
+                       *, env: str = "metaworld", allow_seen_seeds: bool = False, who: str = "the policy",
+                       remedy: str = "evaluate with another --seed, or pass --allow-seen-seeds to measure them anyway"
+                       ) -> int | None:
+    """How many of the evaluation's (task, seed) pairs are among `demonstration_seeds` (policy.json's:
+    per dataset task, i.e. instruction, the seeds its demonstrations started from); refused when not 0
+    unless `allow_seen_seeds`, since an episode the policy was shown measures memory, not skill. None:
+    the policy records no demonstration seeds (a scripted, random or served policy, or one trained on
+    datasets without a `seed` column).
+
+    >>> check_unseen_seeds({"reach the red goal": [2000000000000000000]}, ["reach-v3"], 0, 20)  # a collect seed
+    0
+    >>> check_unseen_seeds({"reach the red goal": episode_seeds(0, 0, 2)}, ["reach-v3"], 0, 20, allow_seen_seeds=True)
+    2
+    """
+    planned = {task: episode_seeds(seed, t, episodes) for t, task in enumerate(tasks)}  # checks seed's range too
+    if demonstration_seeds is None:
+        return None
+    if not isinstance(demonstration_seeds, dict) or not all(isinstance(v, list) for v in demonstration_seeds.values()):
+        raise KilovlaError(f"{who}: policy.json's demonstration_seeds must map each task to a list of seeds, got "
+                           f"{str(demonstration_seeds)[:80]}")
+    shared = {task: sorted(set(seeds) & {s for key in _dataset_task_names(env, task)
+                                         for s in demonstration_seeds.get(key, ())})
+              for task, seeds in planned.items()}
+    count = sum(len(s) for s in shared.values())
+    if count and not allow_seen_seeds:
+        where = "; ".join(f"{task}: {s[:3]}{'...' if len(s) > 3 else ''}" for task, s in shared.items() if s)
+        raise KilovlaError(f"{who}: {count} of its {len(tasks) * episodes} evaluation episodes (seed {seed}) start "
+                           f"from a demonstration's seed ({where}); {remedy}")
+    return count
+
+
+def _dataset_task_names(env: str, task: str) -> tuple[str, ...]:
+    """The names a dataset may give an env task: its own, and the instruction `collect` records for it."""
+    if env == "metaworld":
+        from kilovla.envs.metaworld import instruction
+
+        return task, instruction(task)
+    return (task,)
 
 
 def task_progress(label: str):
@@ -71,7 +113,9 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
              batch_size: int = 8, n_action_steps: int | None = None, num_workers: int = 0,
              cameras: tuple[str, ...] = ("scene", "wrist"), resolution: int = 96, max_steps: int | None = None,
              videos: int = 0, out_dir: str | Path | None = None,
-             progress: Callable[[str, int, int], None] | None = None) -> dict:
+             progress: Callable[[str, int, int], None] | None = None, allow_seen_seeds: bool = False) -> dict:
+    """`allow_seen_seeds`: evaluate even on seeds the policy's demonstrations started from
+    (`check_unseen_seeds`); the report's `demonstration_seeds_shared` counts them either way."""
     from kilovla.envs import metaworld
 
     if env == "metaworld":
@@ -87,6 +131,9 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
     if isinstance(model, ResidualPolicyModel) and n_action_steps and n_action_steps > model.actor.spec.steps:
         raise KilovlaError(f"n_action_steps {n_action_steps}: the policy's residual corrects only the first "
                            f"{model.actor.spec.steps} actions of a chunk; evaluate with {model.actor.spec.steps} or fewer")
+    shared = check_unseen_seeds(getattr(getattr(policy, "meta", None), "demonstration_seeds", None), tasks, seed,
+                                episodes, env=env, allow_seen_seeds=allow_seen_seeds,
+                                who=f"policy {getattr(policy, 'name', policy)}")
     out = Path(out_dir) if out_dir is not None else None
     kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {})}
     per_task: dict[str, dict] = {}
@@ -144,6 +191,7 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
         "policy_source": getattr(policy, "source", None),  # the folder or URL a learned policy came from
         "ema": getattr(policy, "ema", False),  # its EMA weights (eval --ema)
         "seed": seed,
+        "demonstration_seeds_shared": shared,  # None: the policy records no demonstration seeds
         "episodes_per_task": episodes,
         "n_action_steps": n_action_steps,
         "resolution": resolution,

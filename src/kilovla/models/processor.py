@@ -49,6 +49,10 @@ class PolicyMeta:
     image_size: list[int] | None = None  # [H, W] of the training data's camera frames (eval renders at it)
     residual: dict | None = None  # an RL residual on top of these weights (models/residual.py ResidualSpec)
     lora: dict | None = None  # LoRA adapters and their base (models/lora.py describe); merged: weights hold them
+    # per dataset task (instruction), the env seeds of the demonstrations trained on (meta/episodes' `seed`, of
+    # the datasets that record it); None: unknown. Folders made from this one (RL, FP8, LoRA) keep it; eval
+    # refuses these seeds
+    demonstration_seeds: dict[str, list[int]] | None = None
 
 
 CONSTANT = 1e-4  # a feature dimension narrower than this carries nothing: it normalises to 0

@@ -46,6 +46,7 @@ import torch
 
 from kilovla import config as config_mod
 from kilovla.data.ray_cluster import connect_ray
+from kilovla.envs.seeds import rl_train_seed
 from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear
 from kilovla.progress import StepProgress
@@ -59,10 +60,10 @@ if TYPE_CHECKING:
     from kilovla.models.residual import ResidualSpec
 
 log = logging.getLogger(__name__)
-# Training episodes use seeds far from the evaluation seeds, disjoint per run seed, worker and env slot:
-# TRAIN_SEED_BASE + seed * 1e9 + worker * 1e6 + env slot * 1e4 + episode counter (the counter, i.e. each
-# slot's next seed, is saved in every checkpoint; a replaced worker skips REPLACEMENT_SEED_SKIP seeds).
-TRAIN_SEED_BASE = 10_000_000
+# Training episodes use envs/seeds.py's rl stream, disjoint from the evaluation and demonstration seeds and
+# per run seed, worker and env slot: 3e18 + seed * 1e9 + worker * 1e6 + env slot * 1e4 + episode counter
+# (the counter, i.e. each slot's next seed, is saved in every checkpoint; a replaced worker skips
+# REPLACEMENT_SEED_SKIP seeds).
 REPLACEMENT_SEED_SKIP = 1000
 MAX_BUILD_FAILURES = 3  # a worker that dies this many times in a row before answering ends the run
 METAWORLD_MAX_REWARD = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]
@@ -168,6 +169,12 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     if meta.get("quantization_config"):
         raise KilovlaError(f"{policy_dir}: a quantized policy cannot be trained; start from the unquantized folder")
     _check_policy_fits_env(cfg, policy_dir, meta)
+    if cfg.eval.episodes:  # the final evaluation's seeds: refused now if demonstrations started there, not after the run
+        from kilovla.eval.closed_loop import check_unseen_seeds
+
+        check_unseen_seeds(meta.get("demonstration_seeds"), list(cfg.eval.tasks or cfg.env.tasks), cfg.seed,
+                           cfg.eval.episodes, env=cfg.env.env, who=f"--policy {policy_dir}",
+                           remedy="set another --seed (it also picks the final evaluation's), or --eval.episodes=0")
     cfg = _with_policy_resolution(cfg, meta, policy_dir)
     sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
     state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
@@ -300,7 +307,7 @@ def write_policy_files(folder: Path, learner_state: dict, meta: dict) -> None:
 
 def first_train_seed(run_seed: int, worker: int, env_slot: int) -> int:
     """The first episode seed of an env slot; its episodes count up from here (10_000 seeds per slot)."""
-    return TRAIN_SEED_BASE + run_seed * 1_000_000_000 + worker * 1_000_000 + env_slot * 10_000
+    return rl_train_seed(run_seed, worker, env_slot)
 
 
 def _check_config(cfg: RLConfig) -> None:
@@ -333,6 +340,7 @@ def _check_config(cfg: RLConfig) -> None:
                            f"{algo.awr_temperature} and {algo.awr_max_weight}")
     if cfg.env.envs_per_worker > 100:  # the seed scheme gives each env slot 10_000 seeds inside a worker's 1_000_000
         raise KilovlaError(f"env.envs_per_worker must be <= 100, got {cfg.env.envs_per_worker}")
+    rl_train_seed(cfg.seed, cfg.env.workers - 1, cfg.env.envs_per_worker - 1)  # seed and workers fit the seed rule
     n_envs = cfg.env.workers * cfg.env.envs_per_worker
     if cfg.mode == "sync" and cfg.learner.batch_segments % n_envs:
         raise KilovlaError(f"sync mode steps every env together: learner.batch_segments ({cfg.learner.batch_segments}) "

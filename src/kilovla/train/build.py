@@ -14,6 +14,7 @@ LoRA or a parallelism plan), in the order `Trainer.__init__` calls them:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +39,12 @@ log = logging.getLogger(__name__)
 
 def check_evaluation(cfg: TrainConfig, meta: PolicyMeta) -> None:
     """The checks the first closed-loop evaluation would make (tasks known, policy fits the env's
-    action, state and cameras), made at start so a mismatch costs no training."""
+    action, state and cameras, no evaluation seed a demonstration started from), made at start so a
+    mismatch costs no training."""
     from types import SimpleNamespace
 
     from kilovla.envs.base import check_tasks, env_spec
-    from kilovla.eval.closed_loop import check_compatible
+    from kilovla.eval.closed_loop import check_compatible, check_unseen_seeds
 
     if cfg.eval.env == "metaworld":
         from kilovla.envs import metaworld
@@ -61,6 +63,8 @@ def check_evaluation(cfg: TrainConfig, meta: PolicyMeta) -> None:
                              state_keys=list(meta.state_keys),
                              cameras=tuple(k.removeprefix("observation.images.") for k in meta.camera_map))
     check_compatible(policy, spec)
+    check_unseen_seeds(meta.demonstration_seeds, list(cfg.eval.tasks), cfg.seed, cfg.eval.episodes, env=cfg.eval.env,
+                       who="eval.every's evaluation", remedy="set another --seed (it also picks the evaluation's)")
 
 
 def attention_in_use(model_cfg, device: torch.device) -> str:
@@ -157,7 +161,30 @@ def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta], init_from
                       state_in_prompt=cfg.policy.state_in_prompt, n_action_steps=cfg.policy.n_action_steps,
                       embodiment_id=cfg.policy.embodiment_id, tokenizer=cfg.policy.tokenizer,
                       image_resize=cfg.policy.image_resize, augmentation=dict(cfg.policy.augmentation),
-                      init_from=init_from)
+                      init_from=init_from, demonstration_seeds=demonstration_seeds(metas, init_from))
+
+
+def demonstration_seeds(metas: list[DatasetMeta], init_from: dict | None = None) -> dict[str, list[int]] | None:
+    """The datasets' episode seeds per task, merged (sorted, once each) with those of the kilovla policy
+    training starts from (its policy.json's, as it saw them too); None when none of them records any.
+
+    >>> demonstration_seeds([collected_a, collected_b])  # doctest: +SKIP
+    {'reach the red goal': [2000000000000000000, 2000000000000000001]}
+    """
+    per_dataset = [s for s in (m.episode_seeds() for m in metas) if s is not None]
+    if init_from is not None and init_from.get("layout") == "kilovla":
+        path = Path(init_from["path"])
+        meta_path = (path if path.is_dir() else path.parent) / "policy.json"
+        try:
+            inherited = json.loads(meta_path.read_text()).get("demonstration_seeds") if meta_path.is_file() else None
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
+        if inherited:
+            per_dataset.append(inherited)
+    if not per_dataset:
+        return None
+    tasks = dict.fromkeys(t for seeds in per_dataset for t in seeds)
+    return {t: sorted({s for seeds in per_dataset for s in seeds.get(t, ())}) for t in tasks}
 
 
 def apply_freeze(model, *, freeze_vision: bool = False, freeze_vlm: bool = False,

@@ -176,3 +176,24 @@ def test_serve_and_fine_tuning_take_a_run_folder_for_its_newest_checkpoint(train
     assert Path(PolicyEngine.load(trained_run / "checkpoints" / "last", device="cpu").folder) == newest
     cfg = load_config(TrainConfig, None, [f"--policy.init_from={trained_run}"])
     assert with_policy_defaults(cfg).policy.init_from == str(newest)
+
+
+def test_quantize_takes_a_run_folder_for_its_newest_checkpoint(trained_run, tmp_path):
+    assert main(["quantize", str(trained_run), "--out", str(tmp_path / "q"), "--activations", "none",
+                 "--latency-repeats", "1"]) == 0
+    report = json.loads((tmp_path / "q" / "quant_report.json").read_text())
+    assert str(trained_run / "checkpoints" / "step_000002") in json.dumps(report)
+
+
+def test_rl_from_a_run_without_a_checkpoint_is_one_line_before_ray(tmp_path, capsys):
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["rl", f"--run_dir={tmp_path / 'rl'}", "--policy", str(tmp_path / "sft")]) == 2
+    assert f"error: {tmp_path / 'sft'}: a kilovla run without a complete checkpoint" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_layout_with_a_config_yaml_is_not_taken_for_a_run(tmp_path):
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.yaml").write_text("model: pi05\n")
+    (tmp_path / "export" / "model.safetensors").write_bytes(b"")
+    assert policy_folder(tmp_path / "export") == tmp_path / "export"

@@ -299,11 +299,10 @@ def cmd_rl(args) -> int:
 
 
 def cmd_quantize(args) -> int:
+    from kilovla.folders import policy_folder
     from kilovla.quant.fp8 import Fp8Config
     from kilovla.quant.folder import quantize_policy_folder
     from kilovla.quant.report import print_report
-
-    from kilovla.folders import policy_folder
 
     args.policy_dir = str(policy_folder(args.policy_dir))  # a run folder or checkpoints/latest: its newest
     config = Fp8Config(block=args.block, include=args.include, exclude=args.exclude, scope=args.scope,

@@ -164,8 +164,6 @@ def policy_folder(path: str | Path) -> Path:
         >>> policy_folder("runs/a")  # runs/a/checkpoints/latest says step_000120  # doctest: +SKIP
         PosixPath('runs/a/checkpoints/step_000120')
     """
-    from kilovla.train.checkpoint import latest  # the one reader of the pointer `save` writes
-
     path = Path(path)
     if (path / "policy.json").is_file():
         return path
@@ -173,13 +171,17 @@ def policy_folder(path: str | Path) -> Path:
         root = path.parent
     elif path.name == "checkpoints" and path.is_dir():
         root = path
-    elif path.is_dir() and any((path / m).exists() for m in RUN.marker):
-        root = path / "checkpoints"
+    elif path.is_dir() and ((path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()
+                            or (path / "config.yaml").is_file() and not any(path.glob("*.safetensors"))):
+        root = path / "checkpoints"  # a run (a checkpoint of another layout with a config.yaml is not one)
     else:
         return path
-    found = latest(root)
-    if found is not None:
-        return found
+    # The pointer train.checkpoint moves to a checkpoint once it is complete, read as its `latest` reads it
+    # (folders sits below train in the dependency order).
+    pointer = root / "latest"
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    if name and (root / name).is_dir():
+        return root / name
     if (root / "last").is_dir():  # a LeRobot run: its own loader reads checkpoints/last
         return root / "last"
     steps = sorted(p.name for p in root.glob("step_*") if p.is_dir())

@@ -516,8 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("eval", help="closed-loop evaluation: success rate per task, videos, report")
-    p.add_argument("--policy", default="scripted", help="scripted, random, a checkpoint path, or ws://HOST:PORT of "
-                   "`kilovla serve` (its api key from $KILOVLA_API_KEY)")
+    p.add_argument("--policy", default="scripted", help="scripted, random, a checkpoint path (a run folder or its "
+                   "checkpoints/latest: the newest complete checkpoint), or ws://HOST:PORT of `kilovla serve` (its "
+                   "api key from $KILOVLA_API_KEY)")
     p.add_argument("--env", default="metaworld")
     p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default; "
                    "LIBERO: suite names or suite/index")

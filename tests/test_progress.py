@@ -88,3 +88,41 @@ def test_quick_load_rows_are_named_for_the_tiny_shapes_they_measure():
 
     assert sorted(load.QUICK.values()) == ["groot_tiny", "pi05_tiny"]
     assert not set(load.QUICK.values()) & set(load.PRESETS.values())
+
+
+def test_a_nested_heartbeat_speaks_and_the_outer_one_keeps_quiet_until_it_ends():
+    """An evaluation inside a training run: the run must not repeat `still at step 2/2` over the eval's lines."""
+    clock, out = FakeClock(), io.StringIO()
+    train = PlainLines("train", every_s=10, stream=out, clock=clock)
+    evaluation = PlainLines("eval", every_s=10, stream=out, clock=clock)
+    train.start()
+    try:
+        train.say("step 2/2", force=True)
+        evaluation.start()
+        evaluation.say("reach-v3 0/4 episodes", force=True)
+        clock.t = 12
+        train.beat()
+        evaluation.beat()
+        evaluation.stop()
+        clock.t = 15
+        train.beat()  # 3 s after the evaluation ended: not yet
+        clock.t = 23
+        train.beat()
+    finally:
+        evaluation.stop()
+        train.stop()
+    assert out.getvalue().splitlines() == ["train: step 2/2", "eval: reach-v3 0/4 episodes",
+                                           "eval: still at reach-v3 0/4 episodes after 12s",
+                                           "train: still at step 2/2 after 23s"]
+
+
+def test_task_progress_under_a_live_bar_prints_lines_instead_of_a_second_bar(monkeypatch):
+    """rich shows one live display at a time: an evaluation during a training run on a terminal must not
+    start a second bar (rich would raise LiveError)."""
+    monkeypatch.setattr("kilovla.progress.on_terminal", lambda stream=None: True)
+    with StepProgress("train", total=2, start=0, enabled=True):
+        inner = TaskProgress("eval")
+        with inner:
+            inner.callback("reach-v3", 1, 1)
+        assert inner.terminal is False
+    assert TaskProgress("eval").terminal is True

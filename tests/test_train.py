@@ -268,7 +268,7 @@ def test_ema_freezing_and_checkpointing_switches(dataset, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_in_training_closed_loop_evaluation_is_logged(tmp_path):
+def test_in_training_closed_loop_evaluation_is_logged(tmp_path, capsys):
     from kilovla.envs.collect import collect
 
     collect(tmp_path / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
@@ -282,6 +282,10 @@ def test_in_training_closed_loop_evaluation_is_logged(tmp_path):
     assert len(seen) == 1 and seen[0]["step"] == 2 and 0.0 <= seen[0]["success_rate"] <= 1.0
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert kinds == ["train", "train", "eval"]
+    said = capsys.readouterr().out.splitlines()  # the evaluation says what runs and what it came to
+    rate = seen[0]["success_rate"]  # one episode: 0 or 1
+    assert "eval: starting" in said
+    assert any(line.startswith(f"eval: success rate {rate:.1%} ({rate:.0f}/1 episodes, 1 task(s);") for line in said)
 
 
 # -- the review's defects: refused at start, before anything is written ------------------------------

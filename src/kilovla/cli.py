@@ -244,17 +244,25 @@ def cmd_collect(args) -> int:
 def cmd_eval(args) -> int:
     from rich.table import Table
 
-    from kilovla.eval.closed_loop import evaluate, load_policy, render_resolution, task_progress
+    from kilovla.eval.closed_loop import (check_action_steps, evaluate, load_policy, new_output_dir, render_resolution,
+                                          task_progress)
+    from kilovla.folders import check_new_evaluation
 
     tasks = _tasks(args.env, args.tasks)
+    if args.out is not None:  # a folder the user named: never overwrite an evaluation in it
+        check_new_evaluation(args.out)
     policy = load_policy(args.policy, env=args.env, seed=args.seed, ema=args.ema)
+    check_action_steps(policy, args.n_action_steps)
     cameras = _env_cameras(args.env, args.cameras)
+    out = args.out if args.out is not None else new_output_dir("eval-output", args.env,
+                                                                getattr(policy, "source", None) or args.policy)
+    print(f"eval: report and videos go to {out}", flush=True)
     progress, update = task_progress("eval")
     with progress:
         report = evaluate(policy, env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
                           batch_size=args.batch_size, n_action_steps=args.n_action_steps, num_workers=args.workers,
                           cameras=cameras, resolution=render_resolution(policy, args.resolution),
-                          max_steps=args.max_steps, videos=args.videos, out_dir=args.out, progress=update,
+                          max_steps=args.max_steps, videos=args.videos, out_dir=out, replace=False, progress=update,
                           allow_seen_seeds=args.allow_seen_seeds)
     table = Table(title=f"{report['policy']} on {report['env']} ({report['env_backend']})")
     for col in ("task", "success", "episodes", "mean steps"):
@@ -267,7 +275,7 @@ def cmd_eval(args) -> int:
     table.add_row("overall", f"{report['overall_success_rate']:.1%}"
                   + (f" ({crashed} crashed episodes counted as failures)" if crashed else ""), "", "")
     _console().print(table)
-    print(f"wrote {args.out}/report.json, {args.out}/report.md")
+    print(f"wrote {out}/report.json, {out}/report.md")
     return 1 if crashed else 0
 
 
@@ -303,10 +311,12 @@ def cmd_rl(args) -> int:
 
 
 def cmd_quantize(args) -> int:
+    from kilovla.folders import policy_folder
     from kilovla.quant.fp8 import Fp8Config
     from kilovla.quant.folder import quantize_policy_folder
     from kilovla.quant.report import print_report
 
+    args.policy_dir = str(policy_folder(args.policy_dir))  # a run folder or checkpoints/latest: its newest
     config = Fp8Config(block=args.block, include=args.include, exclude=args.exclude, scope=args.scope,
                        activations=args.activations, dtype=args.dtype)
     if args.eval_episodes < 0:
@@ -333,7 +343,7 @@ def cmd_quantize(args) -> int:
             with progress:
                 return evaluate(policy, env=args.env, tasks=tasks, episodes=args.eval_episodes, seed=args.seed,
                                 batch_size=args.batch_size, resolution=render_resolution(policy, args.resolution),
-                                num_workers=args.workers,
+                                num_workers=args.workers, label=f"eval {policy.name}",
                                 cameras=cameras, max_steps=args.max_steps, progress=update)
 
     report = quantize_policy_folder(args.policy_dir, args.out, config, dataset=args.dataset, samples=args.samples,
@@ -531,13 +541,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_collect)
 
     p = sub.add_parser("eval", help="closed-loop evaluation: success rate per task, videos, report")
-    p.add_argument("--policy", default="scripted", help="scripted, random, a checkpoint path, or ws://HOST:PORT of "
-                   "`kilovla serve` (its api key from $KILOVLA_API_KEY)")
+    p.add_argument("--policy", default="scripted", help="scripted, random, a checkpoint path (a run folder or its "
+                   "checkpoints/latest: the newest complete checkpoint), or ws://HOST:PORT of `kilovla serve` (its "
+                   "api key from $KILOVLA_API_KEY)")
     p.add_argument("--env", default="metaworld")
     p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default; "
                    "LIBERO: suite names or suite/index")
     p.add_argument("--episodes", type=int, default=10, help="episodes per task")
-    p.add_argument("--out", default="eval-output")
+    p.add_argument("--out", default=None, help="a new folder for report.json, report.md and videos/ (one that "
+                   "holds an evaluation is refused); default: a fresh eval-output/<UTC date>_<time>_<env>_<policy>/")
     p.add_argument("--videos", type=int, default=2, help="record the first K episodes per task")
     p.add_argument("--batch-size", type=int, default=8, help="envs per task, one policy batch")
     p.add_argument("--n-action-steps", type=int, default=None, help="actions executed per predicted chunk")

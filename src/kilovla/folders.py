@@ -47,6 +47,10 @@ DEMO = FolderKind("a kilovla demo output", frozenset({DEMO_MARKER, "dataset", "r
                                                       "report.json", "report.md", "learning_curve.png",
                                                       "success_per_task.png"}), marker=(DEMO_MARKER, "report.json"))
 
+# What `kilovla eval` (and every caller of `evaluate(out_dir=...)`) writes into its output folder.
+EVALUATION = FolderKind("a kilovla evaluation", frozenset({"report.json", "report.md", "videos"}),
+                        marker=("report.json", "report.md", "videos"))
+
 # The temporary names kilovla writes beside an entry before renaming it into place:
 # `.metrics.jsonl.tmp`, `.report.json.0123abcd`, `.success_per_task.0123ab.png`.
 _TEMP = re.compile(r"\.(?P<stem>.+?)(?:\.tmp|\.[0-9a-f]{6,8})(?P<suffix>\.png)?")
@@ -149,3 +153,62 @@ def claim_run_dir(run_dir: str | Path, resume: str | None, checkpoint: Path | No
         print(f"no checkpoint in {run_dir / 'checkpoints'}: starting fresh"
               + (" (replacing the earlier run's logs)" if has_run else ""), flush=True)
     return "replace" if has_run else "fresh"
+
+
+def holds_evaluation(folder: str | Path) -> bool:
+    """Whether `folder` holds an evaluation's report or videos (what `evaluate` would replace)."""
+    return Path(folder).is_dir() and any((Path(folder) / m).exists() for m in EVALUATION.marker)
+
+
+def check_new_evaluation(folder: str | Path, flag: str = "--out") -> None:
+    """Refuse (KilovlaError) a `folder` that is a file or already holds an evaluation, so that a
+    second evaluation never overwrites the first's report or mixes its videos in."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise KilovlaError(f"{flag} {folder}: exists and is not a folder")
+    if holds_evaluation(folder):
+        found = next(m for m in EVALUATION.marker if (folder / m).exists())
+        raise KilovlaError(f"{flag} {folder}: already holds an evaluation ({found}); not overwriting it: "
+                           f"use a new folder, or leave out {flag} for a fresh one under eval-output/")
+
+
+# The names a user may give after a run's checkpoints/ folder for its newest checkpoint: kilovla's
+# pointer file, and LeRobot's `last`.
+LATEST_NAMES = ("latest", "last")
+
+
+def policy_folder(path: str | Path) -> Path:
+    """The checkpoint folder a policy path means: a run folder, `<run>/checkpoints`,
+    `<run>/checkpoints/latest` or `<run>/checkpoints/last` -> the run's newest complete checkpoint
+    (what checkpoints/latest names); any other path is returned as given (a policy folder, or an
+    openpi / LeRobot checkpoint its loader reads).
+
+        >>> policy_folder("runs/a")  # runs/a/checkpoints/latest says step_000120  # doctest: +SKIP
+        PosixPath('runs/a/checkpoints/step_000120')
+    """
+    path = Path(path)
+    if (path / "policy.json").is_file():
+        return path
+    if path.name in LATEST_NAMES and path.parent.name == "checkpoints" and path.parent.is_dir() and not path.is_dir():
+        root = path.parent
+    elif path.name == "checkpoints" and path.is_dir():
+        root = path
+    elif path.is_dir() and ((path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()
+                            or (path / "config.yaml").is_file() and not any(path.glob("*.safetensors"))):
+        root = path / "checkpoints"  # a run (a checkpoint of another layout with a config.yaml is not one)
+    else:
+        return path
+    # The pointer train.checkpoint moves to a checkpoint once it is complete, read as its `latest` reads it
+    # (folders sits below train in the dependency order).
+    pointer = root / "latest"
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    if name and (root / name).is_dir():
+        return root / name
+    if (root / "last").is_dir():  # a LeRobot run: its own loader reads checkpoints/last
+        return root / "last"
+    steps = sorted(p.name for p in root.glob("step_*") if p.is_dir())
+    if steps:
+        raise KilovlaError(f"{path}: {root} holds {', '.join(steps)} but no `latest` pointer to a complete "
+                           f"checkpoint: pass {root / steps[-1]} if it is whole")
+    raise KilovlaError(f"{path}: a kilovla run without a complete checkpoint (no {root / 'latest'}): "
+                       "pass a checkpoint folder, or let the run save one")

@@ -11,6 +11,10 @@ when an update is longer in coming than that, and a last line at the end:
     train: step 120/1000 (12 %)  loss 0.0412  530 samples/s  elapsed 14s  ETA 1m46s
     train: still at step 120/1000 (12 %) after 25s (checkpoint at step 120?)
 
+Progress nests: an evaluation inside a training run speaks through its own lines while the run's
+heartbeat stays silent (only the innermost heartbeat speaks), and its bar becomes plain lines under
+the run's bar (a terminal shows one live bar at a time).
+
 `StepProgress` counts steps (train, rl); `TaskProgress` episodes per task (eval, collect);
 `CountProgress` items (data cache, data synth); `Heartbeat` wraps work with no counter of its own
 (a benchmark suite) and prints the lines `note()` gives it.
@@ -24,6 +28,16 @@ import threading
 import time
 
 PLAIN_EVERY_S = float(os.environ.get("KILOVLA_PROGRESS_EVERY_S", "10"))
+
+_speaking: list[PlainLines] = []  # started heartbeats, innermost last: only that one beats
+_live_bars: list[object] = []  # rich bars on screen now (rich shows one at a time)
+
+
+def _bar_shown(bar, shown: bool) -> None:
+    if shown:
+        _live_bars.append(bar)
+    elif bar in _live_bars:
+        _live_bars.remove(bar)
 
 
 def on_terminal(stream=None) -> bool:
@@ -71,6 +85,8 @@ class PlainLines:
 
     def beat(self) -> None:
         """One heartbeat check (the thread calls it; tests call it with a fake clock)."""
+        if _speaking and _speaking[-1] is not self:  # work nested inside this one speaks for both
+            return
         with self._lock:
             if self.clock() - self.last >= max(self.every_s - self.POLL_S, 1.0):
                 self._print(f"{self.label}: still at {self._text()} after {duration(self.clock() - self.t0)}")
@@ -81,10 +97,15 @@ class PlainLines:
                 self.beat()
 
         self._thread = threading.Thread(target=loop, name=f"progress-{self.label}", daemon=True)
+        _speaking.append(self)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        if self in _speaking:
+            _speaking.remove(self)
+            if _speaking:  # the outer work speaks again from now, not at once
+                _speaking[-1].last = _speaking[-1].clock()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
@@ -119,6 +140,7 @@ class StepProgress:
     def __enter__(self):
         if self._bar is not None:
             self._bar.__enter__()
+            _bar_shown(self._bar, True)
         elif self._plain is not None:
             self._plain.say(f"step {self.start}/{self.total}, starting", force=True)
             self._plain.start()
@@ -126,6 +148,7 @@ class StepProgress:
 
     def __exit__(self, *exc):
         if self._bar is not None:
+            _bar_shown(self._bar, False)
             self._bar.__exit__(*exc)
         elif self._plain is not None:
             self._plain.stop()
@@ -149,21 +172,40 @@ class _Lines:
         raise NotImplementedError
 
     def __enter__(self):
+        self._results: list[str] = []
+        _open.append(self)
         if self.terminal:
             self._bar.__enter__()
+            _bar_shown(self._bar, True)
         else:
             self._plain.say("starting", force=True)
             self._plain.start()
         return self
 
     def __exit__(self, *exc):
+        _open.remove(self)
         if self.terminal:
+            _bar_shown(self._bar, False)
             self._bar.__exit__(*exc)
-            return
-        self._plain.stop()
-        last = self._last()
-        if last is not None:
-            self._plain.say(last, force=True)
+        else:
+            self._plain.stop()
+            last = self._last()
+            if last is not None:
+                self._plain.say(last, force=True)
+        for line in self._results:
+            print(line, flush=True)
+
+
+_open: list[_Lines] = []  # entered progress, innermost last
+
+
+def result(line: str) -> None:
+    """Say what the work came to (an evaluation's success rate): after the innermost open progress's
+    last line (and its bar), or at once when none is open."""
+    if _open:
+        _open[-1]._results.append(line)
+    else:
+        print(line, flush=True)
 
 
 class TaskProgress(_Lines):
@@ -171,7 +213,8 @@ class TaskProgress(_Lines):
 
     def __init__(self, label: str, terminal: bool | None = None):
         self.label = label
-        self.terminal = on_terminal() if terminal is None else terminal
+        # under another bar (an evaluation during training): plain lines, which rich prints above it
+        self.terminal = (on_terminal() and not _live_bars) if terminal is None else terminal
         self._done: dict[str, tuple[int, int]] = {}
         if self.terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

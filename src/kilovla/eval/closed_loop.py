@@ -8,6 +8,12 @@ executing `n_action_steps` of each predicted action chunk. It returns the report
 Every success rate comes with its 95 % Wilson interval (`eval/intervals.py`). The trainer calls the same
 function for in-training evaluation.
 
+An `out_dir` that holds an earlier evaluation is replaced whole (its report and videos), never mixed
+with the new one; `replace=False` refuses it instead (`kilovla eval --out`, where the user named it).
+`kilovla eval` without --out writes a fresh `eval-output/<UTC date>_<time>_<env>_<policy>/`
+(`new_output_dir`). Progress goes to stdout as it runs (a line at least every 10 s off a terminal,
+the count of finished episodes per task), then one line with the success rate.
+
 A crashed env process does not end the evaluation: its task is reported with the error and the
 seeds that were running, its unfinished episodes count as failures (`crashed_episodes`, so a crash
 never inflates a success rate), and the other tasks still run.
@@ -16,9 +22,11 @@ never inflates a success rate), and the other tasks still run.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
+import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +39,8 @@ from kilovla.envs.seeds import eval_seeds
 from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
 from kilovla.errors import KilovlaError
 from kilovla.eval.intervals import wilson_interval
-from kilovla.progress import TaskProgress
+from kilovla.folders import EVALUATION, check_new_evaluation, clear, policy_folder
+from kilovla.progress import TaskProgress, result
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +118,69 @@ def task_progress(label: str):
     return progress, progress.callback
 
 
+def chunk_length(policy) -> int | None:
+    """Actions per predicted chunk: a learned policy's chunk_size (or GR00T's action_horizon); None
+    where the policy does not say (scripted, served)."""
+    config = getattr(getattr(policy, "model", None), "config", None)
+    length = getattr(config, "chunk_size", None) or getattr(config, "action_horizon", None)
+    return length or getattr(policy, "chunk", None)
+
+
+def check_action_steps(policy, n_action_steps: int | None) -> None:
+    """Refuse executing more actions per chunk than the policy predicts (or fewer than one)."""
+    if n_action_steps is None:
+        return
+    if n_action_steps < 1:
+        raise KilovlaError(f"n_action_steps {n_action_steps}: must be >= 1")
+    chunk = chunk_length(policy)
+    if chunk is not None and n_action_steps > chunk:
+        raise KilovlaError(f"n_action_steps {n_action_steps}: the policy predicts chunks of {chunk} actions; "
+                           f"execute {chunk} or fewer per chunk")
+
+
+def new_output_dir(root: str | Path, env: str, policy_spec: str, now: datetime.datetime | None = None) -> Path:
+    """A folder name under `root` no earlier evaluation has: `<UTC date>_<time>_<env>_<policy>`, as
+    LeRobot names its eval outputs; `policy_spec` is --policy (a checkpoint path gives run and step).
+
+        >>> new_output_dir("eval-output", "metaworld", "runs/a/checkpoints/step_000120",
+        ...                datetime.datetime(2026, 12, 3, 19, 30, 5))
+        PosixPath('eval-output/2026-12-03_19-30-05_metaworld_a-step_000120')
+    """
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    path = Path(policy_spec)
+    if policy_spec.startswith(("ws://", "wss://")):
+        label = policy_spec.split("://", 1)[1]
+    elif path.parent.name == "checkpoints":
+        label = f"{path.parent.parent.name}-{path.name}"
+    else:
+        label = path.name or policy_spec
+    label = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.") or "policy"
+    base = Path(root) / f"{now:%Y-%m-%d_%H-%M-%S}_{env}_{label}"
+    folder, n = base, 1
+    while folder.exists():  # two evaluations in one second
+        n += 1
+        folder = base.with_name(f"{base.name}_{n}")
+    return folder
+
+
 def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int, seed: int = 0,
              batch_size: int = 8, n_action_steps: int | None = None, num_workers: int = 0,
              cameras: tuple[str, ...] = ("scene", "wrist"), resolution: int = 96, max_steps: int | None = None,
-             videos: int = 0, out_dir: str | Path | None = None,
-             progress: Callable[[str, int, int], None] | None = None, allow_seen_seeds: bool = False) -> dict:
-    """`allow_seen_seeds`: evaluate even on seeds the policy's demonstrations started from
+             videos: int = 0, out_dir: str | Path | None = None, replace: bool = True,
+             progress: Callable[[str, int, int], None] | None = None, label: str = "eval",
+             allow_seen_seeds: bool = False) -> dict:
+    """`progress(task, finished, total)` hears of every finished episode (and of each task's start,
+    with 0); without one, the evaluation shows its own (`task_progress(label)`). `replace`: whether
+    an earlier evaluation in `out_dir` is replaced (else refused, before anything runs).
+    `allow_seen_seeds`: evaluate even on seeds the policy's demonstrations started from
     (`check_unseen_seeds`); the report's `demonstration_seeds_shared` counts them either way."""
+    if progress is None:
+        own, update = task_progress(label)
+        with own:
+            return evaluate(policy, env=env, tasks=tasks, episodes=episodes, seed=seed, batch_size=batch_size,
+                            n_action_steps=n_action_steps, num_workers=num_workers, cameras=cameras,
+                            resolution=resolution, max_steps=max_steps, videos=videos, out_dir=out_dir,
+                            replace=replace, progress=update, label=label, allow_seen_seeds=allow_seen_seeds)
     from kilovla.envs import metaworld
 
     if env == "metaworld":
@@ -124,6 +189,7 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
     check_compatible(policy, spec)
     if episodes < 1:
         raise KilovlaError(f"episodes must be >= 1, got {episodes}")
+    check_action_steps(policy, n_action_steps)
     n_action_steps = n_action_steps or getattr(policy, "n_action_steps", None)
     from kilovla.models.residual import ResidualPolicyModel
 
@@ -135,6 +201,12 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
                                 episodes, env=env, allow_seen_seeds=allow_seen_seeds,
                                 who=f"policy {getattr(policy, 'name', policy)}")
     out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        if not replace:
+            check_new_evaluation(out)
+        elif out.exists() and not out.is_dir():
+            raise KilovlaError(f"{out}: exists and is not a folder; an evaluation writes a folder")
+        clear(out, EVALUATION)  # an earlier evaluation's report and videos go; other files stay
     kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {})}
     per_task: dict[str, dict] = {}
     policy.reset()
@@ -152,8 +224,10 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
                 finished.append(ep)
                 recorder.add(ep.index, last_obs)
                 recorder.finish(ep.index, ep.success)
-                if progress is not None:
-                    progress(task, ep.index + 1, episodes)
+                # how many have finished: episodes end out of order, so their index would count backwards
+                progress(task, len(finished), episodes)
+
+            progress(task, 0, episodes)
 
             configs = [EnvConfig(env, {"task": task, **kwargs})] * min(batch_size, episodes)
             try:
@@ -199,6 +273,11 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
     }
     if out is not None:
         write_report(out, report)
+    low, high = report["overall_success_ci95"]
+    result(f"{label}: success rate {report['overall_success_rate']:.1%} ({wins}/{played} episodes, "
+          f"{len(per_task)} task(s); 95 % Wilson {low:.1%} - {high:.1%})"
+          + (f"; {report['crashed_episodes']} crashed, counted as failures" if report["crashed_episodes"] else "")
+          + (f"; wrote {out}" if out is not None else ""))
     return report
 
 
@@ -306,7 +385,8 @@ def render_resolution(policy, asked: int | None) -> int:
 def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim: int | None = None,
                 ema: bool = False):
     """'scripted', 'random', a ws:// URL of `kilovla serve` or a checkpoint path -> a Policy; `ema`: the
-    checkpoint's EMA weights."""
+    checkpoint's EMA weights. A run folder, or its checkpoints/latest (or LeRobot's `last`), means the
+    run's newest complete checkpoint (`folders.policy_folder`)."""
     if spec == "scripted":
         from kilovla.envs.collect import expert_policy
 
@@ -321,7 +401,7 @@ def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim:
         from kilovla.serve.client import ServedPolicy
 
         return ServedPolicy(spec, api_key=os.environ.get("KILOVLA_API_KEY"))
-    path = Path(spec)
+    path = policy_folder(spec)
     if not path.exists():
         raise KilovlaError(f"--policy {spec!r}: not 'scripted', 'random', a ws:// URL or an existing checkpoint path")
     try:
@@ -329,4 +409,4 @@ def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim:
     except ImportError:
         raise KilovlaError(f"{path}: loading learned checkpoints needs kilovla's model layer, which this "
                            "install does not have yet") from None
-    return load_checkpoint_policy(path, ema=ema)
+    return load_checkpoint_policy(policy_folder(path), ema=ema)

@@ -48,7 +48,7 @@ from kilovla import config as config_mod
 from kilovla.data.ray_cluster import connect_ray
 from kilovla.envs.seeds import rl_train_seed
 from kilovla.errors import KilovlaError
-from kilovla.folders import RUN, claim_run_dir, clear
+from kilovla.folders import RUN, claim_run_dir, clear, policy_folder
 from kilovla.progress import StepProgress
 from kilovla.rl.compute import ComputeSection
 from kilovla.rl.core.flow import FlowSDE
@@ -162,7 +162,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     run_dir = Path(cfg.run_dir)
     folder = ckpt.resolve(resume, run_dir, "rl_state.json") if resume else None
     use = claim_run_dir(run_dir, resume, folder)  # a run_dir holding a run continues only with --resume
-    policy_dir = str(folder) if folder is not None else cfg.policy
+    policy_dir = str(folder) if folder is not None else cfg.policy and str(policy_folder(cfg.policy))
     if not policy_dir or not (Path(policy_dir) / "policy.json").is_file():
         raise KilovlaError(f"--policy {policy_dir or '(none)'}: not a policy folder (no policy.json)")
     meta = json.loads((Path(policy_dir) / "policy.json").read_text())
@@ -1001,7 +1001,7 @@ def _evaluate(folder: Path, cfg: RLConfig) -> dict:
     report = evaluate(load_policy(str(folder)), env=cfg.env.env, tasks=list(cfg.eval.tasks or cfg.env.tasks),
                       episodes=cfg.eval.episodes, batch_size=cfg.eval.batch_size, resolution=cfg.env.resolution,
                       cameras=tuple(cfg.env.cameras), max_steps=cfg.env.max_steps, seed=cfg.seed,
-                      out_dir=Path(cfg.run_dir) / "eval")
+                      out_dir=Path(cfg.run_dir) / "eval", label="rl final eval")
     return {"success_rate": report["overall_success_rate"],
             "per_task": {t: r["success_rate"] for t, r in report["per_task"].items()}}
 

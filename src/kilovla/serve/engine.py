@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
+from kilovla.folders import policy_folder
 from kilovla.models.images import resize_images
 from kilovla.models.pi05 import Pi05Model
 from kilovla.models.rtc import prefix_weights, sample_actions_rtc
@@ -83,6 +84,7 @@ class PolicyEngine:
         from kilovla.eval.closed_loop import load_policy
 
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        folder = policy_folder(folder)  # a run folder or its checkpoints/latest: the newest checkpoint
         if not (Path(folder) / "policy.json").is_file():
             raise KilovlaError(f"--policy {folder}: not a policy folder (no policy.json)")
         policy = load_policy(str(folder), ema=ema)

@@ -25,6 +25,7 @@ import torch
 from kilovla.data import DataLake, GlobalBatchPlan, LakeSource, PlanConfig, TokenLayout
 from kilovla.data.meta import DatasetMeta
 from kilovla.errors import KilovlaError
+from kilovla.folders import policy_folder
 from kilovla.models.attention import resolve_backend
 from kilovla.models.checkpoints import (is_sharded_policy_folder, load_sharded, load_weights, open_init_checkpoint,
                                         plan_load)
@@ -98,6 +99,8 @@ def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
     """Fill what the run leaves unset from the preset's fine-tuning defaults; find the tokenizer."""
     cfg = with_init_model(cfg)
     d, p = policy_defaults(cfg.policy.preset), cfg.policy
+    if p.init_from:  # a run folder or its checkpoints/latest: the run's newest complete checkpoint
+        p = dataclasses.replace(p, init_from=str(policy_folder(Path(p.init_from).expanduser())))
     pick = lambda mine, default: default if mine is None else mine  # noqa: E731
     near = [Path(p.init_from).expanduser()] if p.init_from else []
     policy = dataclasses.replace(

@@ -142,9 +142,10 @@ def cmd_data_cache(args) -> int:
 
 def cmd_data_bench(args) -> int:
     from kilovla.bench import data as data_bench
-
+    from kilovla.bench.common import suite_started
     from kilovla.progress import Heartbeat
 
+    suite_started("data")
     with Heartbeat("data bench"):
         path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size,
                               frame_cache=args.cache)
@@ -183,12 +184,16 @@ def cmd_bench(args) -> int:
                                      episodes=args.episodes, resolution=args.resolution),
         "serve": lambda: serve_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy),
     }
+    if args.suite == "table":
+        return cmd_bench_table(args)
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     if args.only is not None and args.suite != "rl":
         raise KilovlaError(f"--only selects rows of the rl suite, not of {args.suite}")
+    from kilovla.bench.common import suite_started
     from kilovla.progress import Heartbeat
 
     for suite in suites:
+        suite_started(suite)
         with Heartbeat(f"bench {suite}"):  # off a terminal: a line at least every 10 s, one per row measured
             path = runners[suite]()
         print(f"wrote {path}")
@@ -196,6 +201,21 @@ def cmd_bench(args) -> int:
         from kilovla.bench.common import write_results
 
         print("wrote {} and {}".format(*write_results(args.out, suites)))
+    return 0
+
+
+def cmd_bench_table(args) -> int:
+    """`kilovla bench table DIR_OR_JSON [--readme README.md]`: the suites' JSON as markdown tables."""
+    from kilovla.bench.common import render_tables, update_readme
+
+    if not args.path:
+        raise KilovlaError("bench table: give a <suite>.json or a folder of them, e.g. bench-results")
+    tables = render_tables(args.path)
+    if args.readme:
+        changed = update_readme(args.readme, tables)
+        print(f"{args.readme}: {'tables updated' if changed else 'tables already current'}")
+    else:
+        print(tables)
     return 0
 
 
@@ -456,7 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_data_bench)
 
     p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
-    p.add_argument("suite", choices=[*SUITES, "all"])
+    p.add_argument("suite", choices=[*SUITES, "all", "table"],
+                   help="table: render PATH's <suite>.json as markdown (README's tables) instead of measuring")
+    p.add_argument("path", nargs="?", default=None, help="table: a <suite>.json or a folder of them")
+    p.add_argument("--readme", default=None, help="table: write the tables into this README between its markers")
     _bench_flags(p)
     p.add_argument("--policy", default=None, help="rl, fp8, serve: the policy folder to fine-tune / quantize / serve (default: the "
                    "demo's checkpoint; fp8 trains one with the demo's recipe when there is none)")

@@ -16,9 +16,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kilovla.errors import KilovlaError
 from kilovla.progress import note
 
 DEFAULT_OUT = "bench-results"
+README_START = "<!-- bench-tables:start (kilovla bench table docs/bench --readme README.md) -->"
+README_END = "<!-- bench-tables:end -->"
+_load_at_start: dict[str, float | None] = {}
 
 
 @dataclass
@@ -65,6 +69,20 @@ def machine_info() -> dict:
             "python": platform.python_version()}
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): a rate measured on 2 shared cores
+    means little without it."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def suite_started(suite: str) -> None:
+    """Note the load average as a suite starts; `write_suite` records it beside the one at the end."""
+    _load_at_start[suite] = load_average()
+
+
 def median_time(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -81,7 +99,9 @@ def write_suite(suite: str, rows: list[Row], *, quick: bool, out_dir: str | Path
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{suite}.json"
-    result = {"suite": suite, "quick": quick, "machine": machine_info(), "rows": [asdict(r) for r in rows]}
+    machine = {**machine_info(), "load_avg_1m_start": _load_at_start.pop(suite, None),
+               "load_avg_1m_end": load_average()}
+    result = {"suite": suite, "quick": quick, "machine": machine, "rows": [asdict(r) for r in rows]}
     if merge and path.is_file():
         try:
             earlier = json.loads(path.read_text())
@@ -138,3 +158,97 @@ def write_results(out_dir: str | Path, suites: list[str]) -> tuple[Path, Path]:
         os.replace(tmp, out_dir / name)
         paths.append(out_dir / name)
     return paths[0], paths[1]
+
+
+# -- README's tables, rendered from the suites' JSON ----------------------------------------------------
+def describe_machine(machine: dict) -> str:
+    """One line: `AMD EPYC, 2 cores, no GPU, torch 2.13.0; load average 1.36 at start`."""
+    parts = [str(machine.get("cpu") or "unknown CPU")]
+    if machine.get("cores"):
+        parts.append(f"{machine['cores']} cores")
+    parts.append(machine["gpu"] if machine.get("gpu") else "no GPU")
+    if machine.get("torch"):
+        parts.append(f"torch {machine['torch']}")
+    text = ", ".join(parts)
+    start, end = machine.get("load_avg_1m_start"), machine.get("load_avg_1m_end")
+    loads = [f"{v:g} at {when}" for v, when in ((start, "start"), (end, "end")) if v is not None]
+    text += "; load average " + (", ".join(loads) if loads else "not recorded")
+    return text
+
+
+def render_suite(data: dict) -> str:
+    """A suite's JSON as README's markdown: a heading, the machine and load, the provenance when the
+    file carries one, the rows. The table's columns are the JSON's keys, so nothing is re-typed.
+
+    >>> print(render_suite({"suite": "x", "quick": False, "machine": {"cpu": "EPYC", "cores": 2},
+    ...     "rows": [{"name": "r", "unit": "s", "baseline": 2.0, "ours": 1.0, "ratio": 2.0, "limit": None,
+    ...               "note": "n"}]}))
+    ### `kilovla bench x`
+    <BLANKLINE>
+    EPYC, 2 cores, no GPU; load average not recorded.
+    <BLANKLINE>
+    | row | unit | baseline | ours | ratio | limit | note |
+    |---|---|---|---|---|---|---|
+    | r | s | 2 | 1 | 2 | - | n |
+    """
+    title = f"### `kilovla bench {data['suite']}{' --quick' if data.get('quick') else ''}`"
+    about = describe_machine(data.get("machine") or {}) + "."
+    kept = data.get("kept_rows")
+    if kept:
+        about += f" Rows {', '.join(kept['names'])}: an earlier run on {describe_machine(kept.get('machine') or {})}."
+    if data.get("provenance"):
+        about += f" {data['provenance']}"
+    lines = [title, "", about, "", "| row | unit | baseline | ours | ratio | limit | note |",
+             "|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        cells = [r["name"], r["unit"], *(_fmt(r.get(k)) for k in ("baseline", "ours", "ratio", "limit")),
+                 str(r.get("note", "")).replace("|", "\\|")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def suite_files(path: str | Path) -> list[Path]:
+    """`path` is one suite's JSON or a folder of them (results.json, the combined file, is not a suite)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise KilovlaError(f"{path}: no such file or folder of bench JSON")
+    files = [p for p in sorted(path.glob("*.json")) if p.name != "results.json"]
+    if not files:
+        raise KilovlaError(f"{path}: holds no <suite>.json")
+    return files
+
+
+def render_tables(path: str | Path) -> str:
+    """Every suite under `path`, one table each, in the suites' order (cli.SUITES), then any other."""
+    from kilovla.cli import SUITES
+
+    loaded = []
+    for f in suite_files(path):
+        try:
+            data = json.loads(f.read_text())
+            if not isinstance(data.get("rows"), list) or "suite" not in data:
+                raise ValueError("no suite or rows")
+        except (OSError, ValueError, AttributeError) as e:
+            raise KilovlaError(f"{f}: not a bench result ({e})") from None
+        loaded.append(data)
+    order = {s: i for i, s in enumerate(SUITES)}
+    loaded.sort(key=lambda d: (order.get(d["suite"], len(order)), d["suite"], bool(d.get("quick"))))
+    return "\n\n".join(render_suite(d) for d in loaded)
+
+
+def update_readme(readme: str | Path, tables: str) -> bool:
+    """Put `tables` between README's two markers (README_START / README_END); True if it changed."""
+    readme = Path(readme)
+    text = readme.read_text()
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise KilovlaError(f"{readme}: no '{README_START}' ... '{README_END}' block to fill")
+    new = text[:start + len(README_START)] + "\n\n" + tables + "\n\n" + text[end:]
+    if new == text:
+        return False
+    tmp = readme.with_name(f".{readme.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(new)
+    os.replace(tmp, readme)
+    return True

@@ -1,7 +1,7 @@
 """A scaling model: the estimated training step of pi05-3b and of a 30B-class pi0 on 8-1024 GPUs, for
 DDP, FSDP and a 3D layout (TP within a node x PP x FSDP on the rest), from the models' shapes.
 
-    python -m kilovla.bench.scaling_model        # the table README shows
+    python -m kilovla.bench.scaling_model        # the table docs/benchmarks.md shows
 
 What is counted, not assumed: each part's parameters (the models are built on the meta device),
 the FLOPs of a sample per layer (8 x parameters x tokens with gradient checkpointing's recomputed

@@ -259,5 +259,5 @@ def _mesh_problems(cfg: TrainConfig, world_size: int) -> list[str]:
         problems.append(f"ema_decay with {mesh} is not supported yet: drop the EMA or the {mesh}")
     if cfg.policy.lora.enabled:
         problems.append(f"policy.lora with {mesh} is not supported yet: LoRA fits a 3B model on one device "
-                        "(README, LoRA); drop one of them")
+                        "(docs/usage.md, LoRA); drop one of them")
     return problems

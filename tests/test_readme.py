@@ -66,9 +66,11 @@ def check_command(command: str, root: Path = ROOT) -> None:
     parser = cli.build_parser()
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             args, extra = parser.parse_known_args(argv)
-    except SystemExit:
+    except SystemExit as e:
+        if e.code == 0:  # `kilovla --version` / `--help`: argparse answers and exits 0
+            return
         raise AssertionError(err.getvalue().strip().splitlines()[-1]) from None
     if extra and args.func not in (cli.cmd_train, cli.cmd_rl):
         raise AssertionError(f"unrecognized arguments: {' '.join(extra)}")

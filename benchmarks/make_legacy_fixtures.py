@@ -11,7 +11,8 @@ OUT (which must not exist) gets:
                        a narrower pi0-tiny, 4 steps; EMA on (ema.safetensors)
     rl_residual_sac/   the policy folder of one residual-SAC `kilovla rl` run (Ray in-process, sync mode, 2
                        versions) from demo_checkpoint; the residual's mean layer is then set to seeded non-zero
-                       values (a 2-version run leaves the actor near its zero init, whose folder acts almost like its base)
+                       values (a 2-version run leaves the actor near its zero init: its folder acts almost like
+                       its base)
     fp8/               `kilovla quantize demo_checkpoint --eval-episodes 0`
     expected_actions.npz  a seeded observation batch, explicit flow noise, and per folder the actions of
                        the loader eval uses (`closed_loop.load_policy` + `model.sample_actions(batch, noise)`)
@@ -59,19 +60,21 @@ def demo_recipe():
 
 
 def make_demo_checkpoint(work: Path, out: Path) -> Path:
+    """`kilovla demo`'s collect and train stages with the shrunk recipe; its checkpoint's loadable files."""
     from kilovla import demo
 
     recipe = demo_recipe()
     demo.collect_demonstrations(recipe, work / "dataset")
     result = demo.train_policy(recipe, work / "dataset", work / "run", progress=False)
-    return _keep(Path(result["checkpoint"]), out / "demo_checkpoint", DEMO_FILES), work / "dataset"
+    return _keep(Path(result["checkpoint"]), out / "demo_checkpoint", DEMO_FILES)
 
 
-def make_rl_folder(policy: Path, work: Path, out: Path) -> Path:
-    """One residual-SAC run (the tiny settings of tests/test_rl.py), then a seeded non-zero residual."""
+def make_rl_folder(policy: Path, work: Path, out: Path) -> tuple[Path, tuple[float, float]]:
+    """One residual-SAC run (the tiny settings of tests/test_rl.py), then a seeded non-zero residual; also the
+    largest |weight| and |bias| of the mean layer as the run left it."""
     import ray
 
-    from kilovla.models.checkpoints import save_safetensors
+    from kilovla.models.checkpoints import read_safetensors, save_safetensors
     from kilovla.models.policy import load_checkpoint_policy
     from kilovla.rl import runner
 
@@ -89,17 +92,15 @@ def make_rl_folder(policy: Path, work: Path, out: Path) -> Path:
         ray.shutdown()
     folder = _keep(Path(summary["checkpoint"]), out / "rl_residual_sac", RL_FILES)
     # A 2-version run barely moves the actor's zero-initialised mean layer (~2e-4: a correction too small
-    # for a test to tell a loader that drops the residual from one that applies it). Seeded non-zero values, written back with the library's
-    # save_safetensors in the runner's layout (the actor's state dict, "actor." stripped), make the
-    # residual's part of the actions visible.
+    # for a test to tell a loader that drops the residual from one that applies it). Seeded non-zero
+    # values, written back with the library's save_safetensors in the runner's layout (the actor's state
+    # dict, "actor." stripped), make the residual's part of the actions visible.
     actor = load_checkpoint_policy(folder).model.actor
     trained = float(actor.mean.weight.abs().max()), float(actor.mean.bias.abs().max())
     g = torch.Generator().manual_seed(RESIDUAL_SEED)
     with torch.no_grad():
         actor.mean.weight.copy_(torch.randn(actor.mean.weight.shape, generator=g) * 0.2)
         actor.mean.bias.copy_(torch.randn(actor.mean.bias.shape, generator=g) * 0.5)
-    from kilovla.models.checkpoints import read_safetensors
-
     written = read_safetensors(folder / "residual.safetensors")
     state = actor.state_dict()
     assert set(written) == set(state), (sorted(written), sorted(state))
@@ -150,7 +151,7 @@ def served_actions(folder: Path, ema: bool, obs: dict, noise: np.ndarray) -> np.
     from kilovla.serve.engine import PolicyEngine, Request
 
     engine = PolicyEngine.load(folder, device="cpu", ema=ema, precision="fp32")
-    requests = [Request({k: (v[i] if k != "task" else v[i]) for k, v in obs.items()}, noise=noise[i])
+    requests = [Request({k: v[i] for k, v in obs.items()}, noise=noise[i])
                 for i in range(len(obs["task"]))]
     chunks, _ = engine.infer(requests)
     return np.stack(chunks)
@@ -164,14 +165,20 @@ def _keep(src: Path, dst: Path, names) -> Path:
 
 
 def _commit() -> str:
+    """The last commit that changed the src/ the fixtures were written with (not HEAD: the commit that adds
+    the fixtures changes no code), '+modified' where src/ differs from it."""
     import kilovla
 
     root = Path(kilovla.__file__).resolve().parents[2]
     try:
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        git = ["git", "-C", str(root)]
+        commit = subprocess.run([*git, "log", "-1", "--format=%H", "--", "src"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        modified = subprocess.run([*git, "status", "--porcelain", "--", "src"], capture_output=True, text=True,
+                                  check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return commit + ("+modified" if modified else "")
 
 
 def record(out: Path) -> dict:
@@ -212,14 +219,16 @@ def rl_base_difference(out: Path, obs_noise) -> float:
 
 README = """# Legacy policy folders written by {commit_short}
 
-Written by `benchmarks/make_legacy_fixtures.py` with the code of commit
-{commit} (kilovla main before issue 40's refactor), so tests/test_legacy_folders.py can check that later code still loads, evaluates
-and serves folders written then, with the same actions:
+Written by `benchmarks/make_legacy_fixtures.py` with the code (src/) of commit
+{commit} (kilovla main before issue 40's refactor),
+so tests/test_legacy_folders.py can check that later code still loads, evaluates and serves folders
+written then, with the same actions. From a checkout that has the script:
 
     git worktree add /tmp/legacy {commit_short}
     PYTHONPATH=/tmp/legacy/src python benchmarks/make_legacy_fixtures.py OUT
 
-(torch {torch}, CPU, one thread.) Only the files a policy folder is loaded from were kept.
+(torch {torch}, CPU, one thread.) Of the training and RL checkpoints only the files a policy folder is
+loaded from were kept (no optimizer state, replay buffer, learner.pt).
 
 - `demo_checkpoint/`: the checkpoint folder of a `kilovla demo` run shrunk to seconds (the demo's own
   collect and train functions: scripted Meta-World {tasks}, 2 episodes each at 32 px; pi0-tiny with a
@@ -232,7 +241,8 @@ and serves folders written then, with the same actions:
   near its zero init (largest |weight|, |bias| {trained[0]:.2g}, {trained[1]:.2g}), acting almost like its base;
   now its actions differ from the base's by up to {rl_moves:.3f} (normalised units).
 - `fp8/`: `kilovla quantize demo_checkpoint --out fp8 --eval-episodes 0 --latency-repeats 1` (block-wise
-  FP8 of the language model and action expert, W8A8 1x128, the rest bfloat16).
+  FP8 of the language model and action expert, W8A8 1x128, the rest bfloat16): quantize's whole output,
+  its report (quant_report.json, .md) included.
 - `expected_actions.npz`: `obs/<key>` (a seeded batch of {batch} observations in the policy's keys), `task`,
   `noise` (the flow noise, batch x horizon x max_action_dim), and for each of demo_checkpoint,
   demo_checkpoint_ema (its EMA weights), rl_residual_sac and fp8: `<name>/direct` (eval's loader,
@@ -253,7 +263,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="legacy-fixtures-") as tmp:
         work = Path(tmp)
-        demo_dir, _ = make_demo_checkpoint(work, out)
+        demo_dir = make_demo_checkpoint(work, out)
         _, trained = make_rl_folder(demo_dir, work, out)
         make_fp8(demo_dir, out)
     means = record(out)

@@ -213,3 +213,16 @@ def test_resume_auto_of_another_kind_of_run_is_one_line(tmp_path, dataset, capsy
     capsys.readouterr()
     assert main(["rl", f"--run_dir={run}", "--resume", "auto"]) == 2
     assert "is not of this kind of run (no rl_state.json)" in capsys.readouterr().err
+
+
+def test_an_empty_latest_pointer_names_no_checkpoint(tmp_path):
+    """An empty `latest` (a write cut short) must not name checkpoints/ itself as the checkpoint."""
+    from kilovla.folders import latest_checkpoint
+    from kilovla.train.checkpoint import latest
+
+    root = tmp_path / "checkpoints"
+    (root / "step_000002").mkdir(parents=True)
+    (root / "latest").write_text("")
+    assert latest_checkpoint(root) is None and latest(root) is None
+    (root / "latest").write_text("step_000002\n")
+    assert latest(root) == root / "step_000002"

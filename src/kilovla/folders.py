@@ -177,6 +177,14 @@ def check_new_evaluation(folder: str | Path, flag: str = "--out") -> None:
 LATEST_NAMES = ("latest", "last")
 
 
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint `root/latest` names (the pointer a run moves to a checkpoint once it is complete),
+    or None when there is no pointer, it is empty, or its folder is gone."""
+    pointer = Path(root) / "latest"
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    return Path(root) / name if name and (Path(root) / name).is_dir() else None
+
+
 def policy_folder(path: str | Path) -> Path:
     """The checkpoint folder a policy path means: a run folder, `<run>/checkpoints`,
     `<run>/checkpoints/latest` or `<run>/checkpoints/last` -> the run's newest complete checkpoint
@@ -198,12 +206,9 @@ def policy_folder(path: str | Path) -> Path:
         root = path / "checkpoints"  # a run (a checkpoint of another layout with a config.yaml is not one)
     else:
         return path
-    # The pointer train.checkpoint moves to a checkpoint once it is complete, read as its `latest` reads it
-    # (folders sits below train in the dependency order).
-    pointer = root / "latest"
-    name = pointer.read_text().strip() if pointer.is_file() else ""
-    if name and (root / name).is_dir():
-        return root / name
+    newest = latest_checkpoint(root)
+    if newest is not None:
+        return newest
     if (root / "last").is_dir():  # a LeRobot run: its own loader reads checkpoints/last
         return root / "last"
     steps = sorted(p.name for p in root.glob("step_*") if p.is_dir())

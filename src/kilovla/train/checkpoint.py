@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
+from kilovla.folders import latest_checkpoint
 from kilovla.models.checkpoints import check_fits, read_safetensors, save_safetensors
 from kilovla.models.lora import ADAPTER_EMA_FILE, ADAPTER_FILE, LoraSettings, merge_state
 from kilovla.train import distributed
@@ -256,12 +257,7 @@ def branch_at(root: Path, folder: Path) -> Path | None:
     return away
 
 
-def latest(root: Path) -> Path | None:
-    pointer = Path(root) / "latest"
-    if not pointer.is_file():
-        return None
-    folder = Path(root) / pointer.read_text().strip()
-    return folder if folder.is_dir() else None
+latest = latest_checkpoint  # an empty pointer names no checkpoint (it used to name checkpoints/ itself)
 
 
 def resolve(resume: str, run_dir: Path, marker: str = "trainer_state.json") -> Path | None:

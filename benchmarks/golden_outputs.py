@@ -310,11 +310,15 @@ def load(out: Path) -> tuple[dict, dict]:
 
 
 def git_commit() -> str | None:
+    """HEAD, with "+changes" where the checkout's src/ differs from it (what ran is then not that commit)."""
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "src"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+    return head + ("+changes" if changed else "")
 
 
 def leaves(obj, prefix: str = "") -> dict:

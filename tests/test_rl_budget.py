@@ -99,3 +99,19 @@ def test_no_closing_warning_when_the_learner_updated_or_is_ppo(tmp_path, caplog)
                                           warmup_transitions=8), time.monotonic(), _cfg())
         runner._finish(tmp_path, _summary(), time.monotonic(), _cfg("--learner.algo.name=ppo"))
     assert caplog.text == ""
+
+
+def test_the_saved_replay_is_counted_for_every_off_policy_learner():
+    """Resuming counts the stored rows whatever the ring's columns: SAC's have `reward`, filtered BC's do not."""
+    import numpy as np
+
+    from kilovla.rl.filtered_bc import SuccessReplay
+
+    ring = SuccessReplay(8)
+    ring.arrays = {"observation.state": np.zeros((8, 3), np.float32), "task": np.zeros(8, np.int64),
+                   "chunk": np.zeros((8, 4, 2), np.float32)}
+    ring.added = 5
+    arrays, _ = ring.state_dict()
+    assert runner.replay_rows({"replay": arrays}) == len(ring) == 5
+    assert runner.replay_rows({"replay": {"reward": np.zeros(7), "terminal": np.zeros(7)}}) == 7
+    assert runner.replay_rows(None) == runner.replay_rows({}) == 0

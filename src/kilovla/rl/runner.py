@@ -201,8 +201,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     learner_state = _learner_state(folder) if folder is not None else None
     if learner_state is not None:
         _check_resume_fits(cfg, folder, learner_state)
-    stored = len(learner_state["replay"]["reward"]) if learner_state and "replay" in learner_state else 0
-    warn_if_warmup_unreachable(cfg, n_action_steps, version, state.get("env_steps", 0), stored)
+    warn_if_warmup_unreachable(cfg, n_action_steps, version, state.get("env_steps", 0), replay_rows(learner_state))
     connect_ray(ray_address, num_cpus=max(2, os.cpu_count() or 2), what="kilovla rl")
     if use == "replace":
         clear(run_dir, RUN)
@@ -241,6 +240,12 @@ def _finish(run_dir: Path, summary: dict, started: float, cfg: RLConfig) -> dict
                     f" ({summary['replay_usable']} usable)" if "replay_usable" in summary else "",
                     summary["warmup_transitions"], warmup_setting(cfg.learner.algo)[0])
     return summary
+
+
+def replay_rows(learner_state: dict | None) -> int:
+    """Rows in a checkpoint's saved replay (0 without one). Residual SAC's and filtered BC's rings hold
+    different columns (`reward`, `chunk`, ...), each with one row per stored transition."""
+    return max((len(v) for v in (learner_state or {}).get("replay", {}).values()), default=0)
 
 
 def _learner_state(folder: Path) -> dict:

@@ -51,9 +51,43 @@ def test_new_output_dir_names_date_time_env_and_policy_and_never_reuses_one(tmp_
     now = datetime.datetime(2026, 12, 3, 19, 30, 5)
     first = new_output_dir(tmp_path, "metaworld", "runs/a/checkpoints/step_000120", now)
     assert first == tmp_path / "2026-12-03_19-30-05_metaworld_a-step_000120"
-    first.mkdir()
+    assert first.is_dir() and not any(first.iterdir())  # claimed by creating it
     assert new_output_dir(tmp_path, "metaworld", "runs/a/checkpoints/step_000120", now).name.endswith("_2")
     assert new_output_dir(tmp_path, "libero", "ws://gpu-host:8000", now).name == "2026-12-03_19-30-05_libero_gpu-host-8000"
+
+
+def test_two_evaluations_picking_a_folder_in_the_same_second_get_two_folders(tmp_path):
+    """Neither has written anything yet when the second picks: the name is claimed by creating it."""
+    now = datetime.datetime(2026, 12, 3, 19, 30, 5)
+    picked = [new_output_dir(tmp_path / "eval-output", "metaworld", "scripted", now) for _ in range(3)]
+    assert [p.name for p in picked] == ["2026-12-03_19-30-05_metaworld_scripted",
+                                        "2026-12-03_19-30-05_metaworld_scripted_2",
+                                        "2026-12-03_19-30-05_metaworld_scripted_3"]
+    assert all(p.is_dir() for p in picked)
+
+
+def test_an_eval_refused_after_its_folder_was_picked_leaves_no_empty_folder(tmp_path, monkeypatch, capsys):
+    from kilovla.eval import closed_loop
+
+    def refuse(*args, **kwargs):  # as evaluate refuses seeds the policy's demonstrations started from
+        raise KilovlaError("--seed 0: the policy's demonstrations started from these seeds")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(closed_loop, "evaluate", refuse)
+    assert main(["eval", *QUICK]) == 2
+    assert "error: --seed 0: the policy's demonstrations" in capsys.readouterr().err
+    assert list((tmp_path / "eval-output").iterdir()) == []
+
+
+def test_eval_out_under_a_file_is_refused_in_one_line_before_any_episode(tmp_path, monkeypatch, capsys):
+    from kilovla.eval import closed_loop
+
+    (tmp_path / "afile").write_text("not a folder")
+    monkeypatch.setattr(closed_loop, "evaluate", lambda *a, **k: pytest.fail("an episode ran"))
+    assert main(["eval", *QUICK, "--out", str(tmp_path / "afile" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"error: --out {tmp_path / 'afile' / 'sub'}: cannot create it: {tmp_path / 'afile'} "
+                           "is a file, not a folder")
 
 
 def test_evaluate_into_a_folder_replaces_the_earlier_evaluation_whole(tmp_path):

@@ -278,12 +278,17 @@ def cmd_eval(args) -> int:
                                                                 getattr(policy, "source", None) or args.policy)
     print(f"eval: report and videos go to {out}", flush=True)
     progress, update = task_progress("eval")
-    with progress:
-        report = evaluate(policy, env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
-                          batch_size=args.batch_size, n_action_steps=args.n_action_steps, num_workers=args.workers,
-                          cameras=cameras, resolution=render_resolution(policy, args.resolution),
-                          max_steps=args.max_steps, videos=args.videos, out_dir=out, replace=False, progress=update,
-                          allow_seen_seeds=args.allow_seen_seeds)
+    try:
+        with progress:
+            report = evaluate(policy, env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
+                              batch_size=args.batch_size, n_action_steps=args.n_action_steps, num_workers=args.workers,
+                              cameras=cameras, resolution=render_resolution(policy, args.resolution),
+                              max_steps=args.max_steps, videos=args.videos, out_dir=out, replace=False,
+                              progress=update, allow_seen_seeds=args.allow_seen_seeds)
+    except BaseException:
+        if args.out is None and not any(out.iterdir()):  # refused before writing: no empty folder left behind
+            out.rmdir()
+        raise
     table = Table(title=f"{report['policy']} on {report['env']} ({report['env_backend']})")
     for col in ("task", "success", "episodes", "mean steps"):
         table.add_column(col)

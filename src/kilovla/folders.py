@@ -160,12 +160,21 @@ def holds_evaluation(folder: str | Path) -> bool:
     return Path(folder).is_dir() and any((Path(folder) / m).exists() for m in EVALUATION.marker)
 
 
+def check_parent(dst: str | Path, flag: str = "") -> None:
+    """Refuse (KilovlaError) a `dst` that cannot be created as a folder because a file lies on its path
+    (`afile/sub`): said before any work, not when the first write fails."""
+    existing = next(p for p in Path(dst).absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise KilovlaError(f"{flag + ' ' if flag else ''}{dst}: cannot create it: {existing} is a file, not a folder")
+
+
 def check_new_evaluation(folder: str | Path, flag: str = "--out") -> None:
     """Refuse (KilovlaError) a `folder` that is a file or already holds an evaluation, so that a
     second evaluation never overwrites the first's report or mixes its videos in."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise KilovlaError(f"{flag} {folder}: exists and is not a folder")
+    check_parent(folder, flag)  # a file on the path: refused now, not after every episode has run
     if holds_evaluation(folder):
         found = next(m for m in EVALUATION.marker if (folder / m).exists())
         raise KilovlaError(f"{flag} {folder}: already holds an evaluation ({found}); not overwriting it: "

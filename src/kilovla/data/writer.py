@@ -39,6 +39,7 @@ from kilovla.data.meta import DEFAULT_DATA_PATH, DEFAULT_VIDEO_PATH, EPISODES_PA
 from kilovla.data.video import CODEC_NAMES, VideoEncoder, concat_videos, probe_video
 from kilovla.errors import DatasetError, KilovlaError
 from kilovla.folders import DATASET, check_replaceable
+from kilovla.folders import check_parent as _check_parent
 from kilovla.staging import remove_stale_staging, staging_path
 
 CODEBASE_VERSION = "v3.0"
@@ -62,12 +63,6 @@ def check_dataset_destination(root: str | Path, overwrite: bool = False) -> None
         raise KilovlaError(f"{root}: already exists (pass overwrite=True / --overwrite to replace it)")
     check_replaceable(root, DATASET)  # --overwrite replaces a dataset, never a folder of other files
     _check_parent(root)
-
-
-def _check_parent(dst: Path) -> None:
-    existing = next(p for p in dst.absolute().parents if p.exists())
-    if not existing.is_dir():
-        raise KilovlaError(f"{dst}: cannot create it: {existing} is a file, not a folder")
 
 
 def _staging_folder(dst: Path) -> Path:

@@ -139,8 +139,10 @@ def check_action_steps(policy, n_action_steps: int | None) -> None:
 
 
 def new_output_dir(root: str | Path, env: str, policy_spec: str, now: datetime.datetime | None = None) -> Path:
-    """A folder name under `root` no earlier evaluation has: `<UTC date>_<time>_<env>_<policy>`, as
-    LeRobot names its eval outputs; `policy_spec` is --policy (a checkpoint path gives run and step).
+    """A new, empty folder under `root`, created here: `<UTC date>_<time>_<env>_<policy>`, as LeRobot
+    names its eval outputs; `policy_spec` is --policy (a checkpoint path gives run and step). The name is
+    claimed by creating it (`_2`, `_3`, ... when taken), so two evaluations started in one second never
+    share a folder; a caller that then refuses to run removes it again (it is still empty).
 
         >>> new_output_dir("eval-output", "metaworld", "runs/a/checkpoints/step_000120",
         ...                datetime.datetime(2026, 12, 3, 19, 30, 5))
@@ -156,11 +158,15 @@ def new_output_dir(root: str | Path, env: str, policy_spec: str, now: datetime.d
         label = path.name or policy_spec
     label = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.") or "policy"
     base = Path(root) / f"{now:%Y-%m-%d_%H-%M-%S}_{env}_{label}"
+    base.parent.mkdir(parents=True, exist_ok=True)
     folder, n = base, 1
-    while folder.exists():  # two evaluations in one second
-        n += 1
-        folder = base.with_name(f"{base.name}_{n}")
-    return folder
+    while True:
+        try:
+            folder.mkdir()  # atomic: of two evaluations in one second, only one gets each name
+            return folder
+        except FileExistsError:
+            n += 1
+            folder = base.with_name(f"{base.name}_{n}")
 
 
 def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int, seed: int = 0,

@@ -202,6 +202,8 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     if learner_state is not None:
         _check_resume_fits(cfg, folder, learner_state)
     warn_if_warmup_unreachable(cfg, n_action_steps, version, state.get("env_steps", 0), replay_rows(learner_state))
+    if folder is not None:  # checked: resuming an earlier checkpoint moves the later ones aside (one warning),
+        ckpt.branch_at(run_dir / "checkpoints", folder)  # instead of rewriting them in place as this run goes on
     connect_ray(ray_address, num_cpus=max(2, os.cpu_count() or 2), what="kilovla rl")
     if use == "replace":
         clear(run_dir, RUN)
@@ -652,6 +654,7 @@ class _Roles:
             self.next_seed[w] = list(seeds.get(str(w), [first_train_seed(cfg.seed, w, e) for e in range(cfg.env.envs_per_worker)]))
             self.envs.append(self._env_worker(w))
         self.replaced = state.get("replaced_workers", 0)
+        self.held = {"updates": 0, "replay": 0}  # the learner's totals as of the newest checkpoint written
         if self.collective:  # learner rank 0 and the server meet in a process group of their own
             host, port = ray.get(self.learners[0].address.remote())
             ray.get([self.learners[0].join_weight_channel.remote(host, port, cfg.weight_sync_timeout_s),
@@ -760,6 +763,7 @@ class _Roles:
         from kilovla.models.checkpoints import save_safetensors
 
         learner_state = ray.get(self.learners[0].state.remote())
+        self.held = {"updates": int(learner_state.get("updates", 0)), "replay": replay_rows(learner_state)}
         self.refresh_seeds()
         root = Path(self.cfg.run_dir) / "checkpoints"
         folder = root / f"step_{version:06d}"
@@ -900,13 +904,15 @@ class _Loop:
 
     def learner_totals(self) -> dict:
         """Off-policy learners: the updates made, the transitions in the replay (and how many of them could
-        be sampled) and the warm-up they wait for, as of the last policy version; PPO: nothing."""
+        be sampled) and the warm-up they wait for, as of the last policy version; PPO: nothing. A run that
+        made no version (max_env_steps came first) reports what its final checkpoint's learner held."""
         setting = warmup_setting(self.cfg.learner.algo)
         if setting is None:
             return {}
         last = self.records[-1] if self.records else {}
-        out = {"learner_updates": last.get("learner/updates"), "replay_transitions": last.get("learner/replay"),
-               "warmup_transitions": setting[1]}
+        held = self.roles.held
+        out = {"learner_updates": last.get("learner/updates", held["updates"]),
+               "replay_transitions": last.get("learner/replay", held["replay"]), "warmup_transitions": setting[1]}
         if "learner/replay_usable" in last:
             out["replay_usable"] = last["learner/replay_usable"]
         return out

@@ -909,10 +909,12 @@ class _Loop:
         setting = warmup_setting(self.cfg.learner.algo)
         if setting is None:
             return {}
-        last = self.records[-1] if self.records else {}
-        held = self.roles.held
-        out = {"learner_updates": last.get("learner/updates", held["updates"]),
-               "replay_transitions": last.get("learner/replay", held["replay"]), "warmup_transitions": setting[1]}
+        if self.records:
+            last = self.records[-1]
+        else:
+            last = {"learner/updates": self.roles.held["updates"], "learner/replay": self.roles.held["replay"]}
+        out = {"learner_updates": last.get("learner/updates"), "replay_transitions": last.get("learner/replay"),
+               "warmup_transitions": setting[1]}
         if "learner/replay_usable" in last:
             out["replay_usable"] = last["learner/replay_usable"]
         return out

@@ -99,6 +99,17 @@ def test_a_run_with_no_policy_version_reports_0_updates_and_warns_last(tmp_path,
         "(learner.algo.sac.warmup_transitions)")
 
 
+def test_a_run_ended_by_max_env_steps_before_its_first_version_warns_even_with_the_warmup_reached(tmp_path, caplog):
+    loop, cfg = _loop_without_versions(["--learner.algo.name=residual_sac", "--learner.algo.sac.warmup_transitions=8",
+                                        "--max_env_steps=1"], {"updates": 0, "replay": 8})
+    with caplog.at_level(logging.WARNING):
+        runner._finish(tmp_path, {"steps": 0, "env_steps": 40, **loop.learner_totals()}, time.monotonic(), cfg)
+    assert json.loads((tmp_path / "summary.json").read_text())["learner_updates"] == 0
+    assert caplog.records[-1].getMessage() == (
+        "0 learner updates: the run ended at 40 env steps (--max_env_steps=1), before its first policy version; "
+        "the policy did not change. Raise --max_env_steps")
+
+
 def test_a_resumed_run_with_no_new_version_reports_the_checkpoints_updates(tmp_path, caplog):
     loop, cfg = _loop_without_versions(["--learner.algo.name=filtered_bc"], {"updates": 7, "replay": 300})
     with caplog.at_level(logging.WARNING):

@@ -231,16 +231,24 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
 
 def _finish(run_dir: Path, summary: dict, started: float, cfg: RLConfig) -> dict:
     """summary.json with the whole call's wall time; then, as the run's last line, a warning when an
-    off-policy learner never updated because its replay stayed below the warm-up."""
+    off-policy learner never updated: its replay stayed below the warm-up, or the run ended (max_env_steps,
+    the time budget) before its first policy version."""
     summary["total_wall_s"] = time.monotonic() - started
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     held = summary.get("replay_usable", summary.get("replay_transitions"))
-    if summary.get("learner_updates") == 0 and held is not None and held < summary["warmup_transitions"]:
+    if summary.get("learner_updates") != 0 or held is None:
+        return summary
+    if held < summary["warmup_transitions"]:
         log.warning("0 learner updates: the replay held %d transitions%s, below the warm-up of %d "
                     "(%s); the policy did not change. Lower the warm-up or run more --steps",
                     summary["replay_transitions"],
                     f" ({summary['replay_usable']} usable)" if "replay_usable" in summary else "",
                     summary["warmup_transitions"], warmup_setting(cfg.learner.algo)[0])
+    else:
+        limit = f"--max_env_steps={cfg.max_env_steps}" if cfg.max_env_steps > 0 else "the time budget"
+        log.warning("0 learner updates: the run ended at %d env steps (%s), before its first policy version; the "
+                    "policy did not change. Raise %s", summary.get("env_steps", 0), limit,
+                    "--max_env_steps" if cfg.max_env_steps > 0 else "the time budget")
     return summary
 
 

@@ -226,3 +226,16 @@ def test_an_empty_latest_pointer_names_no_checkpoint(tmp_path):
     assert latest_checkpoint(root) is None and latest(root) is None
     (root / "latest").write_text("step_000002\n")
     assert latest(root) == root / "step_000002"
+
+
+def test_collect_of_no_episodes_per_task_names_the_flag(tmp_path, capsys):
+    assert main(["collect", "--tasks", "reach-v3", "--episodes-per-task", "0", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == "error: --episodes-per-task must be at least 1, got 0"
+    assert not (tmp_path / "out").exists()
+
+
+def test_collect_into_an_existing_folder_names_the_cli_flag(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    assert main(["collect", "--tasks", "reach-v3", "--episodes-per-task", "1", "--resolution", "16",
+                 "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'out'}: already exists (--overwrite replaces it)"

@@ -545,3 +545,39 @@ def test_sigterm_under_load_answers_what_was_asked_then_exits(policy_dir):
         t.join(30)
     assert s.proc.returncode == 0 and time.monotonic() - t0 < 10
     assert closed == [1001] * 4 and f"stopped after {answered[0]} replies" in out
+
+
+def test_a_float_image_just_above_1_is_refused_showing_the_value_that_is_out_of_range():
+    from kilovla.serve.protocol import as_hwc_uint8
+
+    with pytest.raises(BadRequest, match=r"got \[0, 1.0000001\]"):  # %g would say [0, 1]
+        as_hwc_uint8(np.array([0.0, 1.0000001, 0.5], np.float32).reshape(1, 1, 3), "observation.images.scene")
+
+
+def test_serve_says_which_checkpoint_a_latest_pointer_resolved_to(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from kilovla.serve import server as server_mod
+
+    class Engine:  # what run() reads of a loaded engine; `folder` is what PolicyEngine.load resolved
+        meta, folder = SimpleNamespace(preset="pi0-tiny"), "runs/mw/checkpoints/step_000004"
+        device, bf16, sampler = "cpu", False, SimpleNamespace(enabled=False)
+
+        def warm_up(self):
+            pass
+
+    class Server:
+        answered, batcher = 0, SimpleNamespace(stats=SimpleNamespace(summary=lambda: {
+            "batches": 0, "mean_batch_size": 0.0, "queue_wait_p99_s": 0.0}))
+
+        def __init__(self, engine, cfg):
+            pass
+
+        async def serve(self, ready):
+            ready(8123)
+
+    monkeypatch.setattr(server_mod, "check_listenable", lambda host, port: None)
+    monkeypatch.setattr(server_mod.PolicyEngine, "load", classmethod(lambda cls, policy, **kw: Engine()))
+    monkeypatch.setattr(server_mod, "PolicyServer", Server)
+    assert server_mod.run("runs/mw/checkpoints/last", server_mod.ServeConfig()) == 0
+    assert "kilovla serve: pi0-tiny from runs/mw/checkpoints/step_000004 on ws://" in capsys.readouterr().out

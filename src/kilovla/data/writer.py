@@ -60,7 +60,7 @@ def check_dataset_destination(root: str | Path, overwrite: bool = False) -> None
     replace) and not under a file. `DatasetWriter` checks this first; a CLI calls it before its progress."""
     root = Path(root)
     if root.exists() and not overwrite:
-        raise KilovlaError(f"{root}: already exists (pass overwrite=True / --overwrite to replace it)")
+        raise KilovlaError(f"{root}: already exists (--overwrite replaces it)")
     check_replaceable(root, DATASET)  # --overwrite replaces a dataset, never a folder of other files
     _check_parent(root)
 

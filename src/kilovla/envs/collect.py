@@ -54,6 +54,8 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
     up to 3x the target). `progress(task, kept, target)` is called as episodes finish."""
     from kilovla.envs import metaworld
 
+    if episodes_per_task < 1:  # else the seed check below names episode -1
+        raise KilovlaError(f"--episodes-per-task must be at least 1, got {episodes_per_task}")
     check_tasks(env, tasks, metaworld.task_names() if env == "metaworld" else tasks)
     spec = env_spec(env, tasks[0], cameras=cameras, **({"max_steps": max_steps} if max_steps else {}))
     features = spec.features(resolution)

@@ -146,9 +146,16 @@ def as_hwc_uint8(image, key: str) -> np.ndarray:
     # A float image on the 0-255 scale would otherwise be scaled again and clipped to white: refuse it.
     low, high = float(a.min()), float(a.max())
     if low < 0.0 or high > 1.0:
-        raise BadRequest(f"{key}: a float image must hold values in [0, 1], got [{low:g}, {high:g}] "
+        raise BadRequest(f"{key}: a float image must hold values in [0, 1], got [{_shown(a.min())}, {_shown(a.max())}] "
                          "(send uint8 for 0-255 pixels)")
     return np.round(a.astype(np.float32) * 255.0).astype(np.uint8)
+
+
+def _shown(value: np.floating) -> str:
+    """A pixel value as short as `%g` unless that hides why it was refused: 200 -> '200', but
+    float32 1.0000001 -> '1.0000001' (not '1')."""
+    short = f"{float(value):g}"
+    return short if float(short) == float(value) else str(value)
 
 
 def to_policy_observation(obs: dict, inputs: PolicyInputs, layout: str | None = None) -> dict:

@@ -100,6 +100,17 @@ def test_a_setting_that_contradicts_the_init_from_folder_is_one_line_exit_2(data
     assert not run.exists()
 
 
+@pytest.mark.parametrize("where", ["run", "latest"])
+def test_init_from_a_run_folder_or_its_latest_brings_the_newest_checkpoints_model(narrow_policy, where):
+    from kilovla.train.config import with_init_model
+
+    run = narrow_policy.parent.parent
+    path = run if where == "run" else run / "checkpoints" / "latest"
+    cfg = with_init_model(load_config(TrainConfig, None, [f"--policy.init_from={path}"]))
+    assert cfg.policy.init_from == str(narrow_policy)  # resolved once: weights and model from one folder
+    assert cfg.policy.overrides == {"chunk_size": 4, "expert": {"mlp_dim": 48}}
+
+
 def test_settings_equal_to_the_init_from_folder_are_accepted(narrow_policy):
     from kilovla.train.config import with_init_model
 

@@ -146,9 +146,15 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
         -> preset pi05-tiny, overrides {chunk_size: 4, packing: true}
         the run sets {chunk_size: 8} -> KilovlaError naming policy.overrides.chunk_size, 8 and 4
     """
+    from pathlib import Path
+
+    from kilovla.folders import policy_folder
     from kilovla.models.checkpoints import policy_folder_model
 
     p = cfg.policy
+    if p.init_from:  # a run folder or its checkpoints/latest: the run's newest complete checkpoint, read once here
+        p = dataclasses.replace(p, init_from=str(policy_folder(Path(p.init_from).expanduser())))
+        cfg = dataclasses.replace(cfg, policy=p)
     folder = policy_folder_model(p.init_from) if p.init_from else None
     if folder is None:
         return cfg if p.preset else dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=DEFAULT_PRESET))

@@ -56,6 +56,27 @@ def test_resuming_an_earlier_checkpoint_moves_the_later_ones_away_and_keeps_it(d
     assert logged == [1, 2, 3, 4, 5, 6, 7]  # the old branch's steps 4 and 5 logged once, by the new one
 
 
+def test_resuming_a_checkpoint_of_an_abandoned_branch_branches_from_it(dataset, tmp_path):
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=5", "--checkpoint.keep=0")))
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=7", "--checkpoint.keep=0")),
+          resume=str(root / "step_000003"))
+    [first] = [p for p in root.iterdir() if p.name.startswith("abandoned-")]
+    assert _steps(first) == ["step_000004", "step_000005"] and _steps(root)[-1] == "step_000007"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=6", "--checkpoint.keep=0")),
+          resume=str(first / "step_000004"))
+    # step_4 came back as a branch point; the branch it replaced (4..7 grown from step_3) is set aside whole
+    assert _steps(root) == ["step_000001", "step_000002", "step_000003", "step_000004", "step_000005", "step_000006"]
+    assert (root / "pinned").read_text().split() == ["step_000003", "step_000004"]
+    assert (root / "latest").read_text() == "step_000006"
+    assert _steps(first) == ["step_000005"]
+    [second] = [p for p in root.iterdir() if p.name.startswith("abandoned-") and p != first]
+    assert _steps(second) == ["step_000004", "step_000005", "step_000006", "step_000007"]
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6]
+
+
 def test_resuming_the_newest_checkpoint_is_no_branch(dataset, tmp_path):
     run = tmp_path / "run"
     train(load_config(TrainConfig, None, _args(dataset, run, "--steps=2", "--checkpoint.keep=1")))

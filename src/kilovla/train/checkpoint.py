@@ -38,6 +38,9 @@ counts the current branch only and never prunes the step it grew from:
     step_2 step_3 step_4 step_5, --resume step_3 --checkpoint.keep=1, two more steps
     -> step_3 (pinned) step_5 (new), abandoned-.../step_4 step_5 (the old branch)
 
+A checkpoint inside an abandoned-*/ folder is the run's own too: resuming it branches the same way,
+and it moves back beside the current branch's (pinned), so nothing is written over another branch's.
+
 Resuming runs nothing a checkpoint folder holds: optimizer.pt, rng.pt and `state/` (its .metadata and
 non-tensor items) are unpickled through `kilovla.safe_load`'s allowlists of plain data, so a folder
 someone handed over can at worst be refused, in one line naming the file.
@@ -226,34 +229,49 @@ def branch_at(root: Path, folder: Path) -> Path | None:
     """A run resumed from `folder`, a checkpoint of this run's `root` (run_dir/checkpoints), continues
     from it: the checkpoints after it, the branch being replaced, move into
     `root/abandoned-<UTC time>/` (one warning names it), `latest` points at `folder`, and `folder` is
-    pinned against pruning. Returns the abandoned folder; None when `folder` is the newest checkpoint
-    (a plain resume) or lies outside `root` (another run's, which is only read).
+    pinned against pruning. A `folder` inside one of `root`'s abandoned-*/ folders is this run's too:
+    the current branch's checkpoints from its step on are set aside the same way and `folder` moves
+    back into `root` (where the new checkpoints are written beside it, not over the current branch's).
+    Returns the new abandoned folder; None when nothing was set aside: `folder` is the newest
+    checkpoint (a plain resume) or lies outside `root` (another run's, which is only read).
 
         step_2 step_3 step_4, branch_at(root, root / "step_2") -> root/abandoned-20261203T193000Z/ holding
         step_3 step_4; root keeps step_2, `latest` and `pinned` name step_2
+        then branch_at(root, root / "abandoned-20261203T193000Z/step_3") -> step_2 step_3 in root, both pinned
     """
     root, folder = Path(root), Path(folder)
-    if not root.is_dir() or folder.resolve().parent != root.resolve():
+    parent = folder.resolve().parent
+    revived = parent.parent == root.resolve() and parent.name.startswith(ABANDONED)
+    if not root.is_dir() or (parent != root.resolve() and not revived):
         return None
-    later = sorted((p for p in root.glob("step_*") if p.is_dir() and step_of(p) > step_of(folder)), key=step_of)
-    if not later:
+    # revived: a current-branch checkpoint of the same step is replaced by the one resumed from, so it goes too
+    later = sorted((p for p in root.glob("step_*") if p.is_dir() and step_of(p) >= step_of(folder) + (not revived)),
+                   key=step_of)
+    if not later and not revived:
         return None
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    away = root / f"{ABANDONED}{stamp}"
-    n = 1
-    while away.exists():  # two branches within a second
-        n += 1
-        away = root / f"{ABANDONED}{stamp}-{n}"
-    away.mkdir()
-    for p in later:
-        os.replace(p, away / p.name)
+    away = None
+    if later:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        away = root / f"{ABANDONED}{stamp}"
+        n = 1
+        while away.exists():  # two branches within a second
+            n += 1
+            away = root / f"{ABANDONED}{stamp}-{n}"
+        away.mkdir()
+        for p in later:
+            os.replace(p, away / p.name)
+    if revived:
+        os.replace(folder, root / folder.name)
+        folder = root / folder.name
     point_latest(root, folder)
     pinned = {name for name in pinned_names(root) if (root / name).is_dir()} | {folder.name}
     tmp = root / f".{PINNED}.{uuid.uuid4().hex[:8]}"
     tmp.write_text("".join(f"{name}\n" for name in sorted(pinned)))
     os.replace(tmp, root / PINNED)
-    log.warning("resuming from %s, not the run's newest checkpoint: its later checkpoints (%s) moved to %s",
-                folder.name, ", ".join(p.name for p in later), away)
+    log.warning("resuming from %s, not the run's newest checkpoint%s%s", folder.name,
+                f" (brought back from {parent.name}/)" if revived else "",
+                f": the current branch's later checkpoints ({', '.join(p.name for p in later)}) moved to {away}"
+                if later else "")
     return away
 
 

@@ -256,3 +256,33 @@ def test_writing_a_dataset_removes_the_staging_folders_of_dead_writers_of_that_d
     assert not killed.exists()
     assert all(p.exists() for p in (live, elsewhere, other_dest, legacy))
     assert (dest / "meta" / "info.json").is_file()
+
+
+# -- resuming with settings the saved optimizer and schedule fix ---------------------------------------------
+
+@pytest.mark.parametrize("flag, message", [
+    ("--optim.lr=0.0001", "optim.lr=0.0001 (the checkpoint's: 0.0003)"),
+    ("--optim.betas=[0.8,0.9]", "optim.betas=[0.8, 0.9] (the checkpoint's: [0.9, 0.95])"),
+    ("--optim.warmup_steps=7", "optim.warmup_steps=7 (the checkpoint's: 50)"),
+])
+def test_resuming_with_another_optimizer_setting_is_one_line_exit_2(dataset, tmp_path, capsys, flag, message):
+    run = tmp_path / "run"
+    assert main(["train", *_args(dataset, run, "--steps=2")]) == 0
+    before = (run / "config.yaml").read_text()
+    assert main(["train", *_args(dataset, run, "--steps=3", flag), "--resume=auto"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert "--policy.init_from=" in err  # the remedy: fine-tune from it in a new run
+    assert (run / "config.yaml").read_text() == before and _steps(run / "checkpoints") == ["step_000001",
+                                                                                          "step_000002"]
+
+
+def test_resuming_with_more_steps_says_how_the_stretched_schedule_moves_the_learning_rate(dataset, tmp_path, caplog):
+    run = tmp_path / "run"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=4", "--optim.warmup_steps=1")))
+    with caplog.at_level(logging.WARNING, logger="kilovla.train.checkpoint"):
+        train(load_config(TrainConfig, None, _args(dataset, run, "--steps=6", "--optim.warmup_steps=1")),
+              resume="auto")
+    [said] = [r.getMessage() for r in caplog.records if "cosine" in r.getMessage()]
+    # step 4 of 4 is the cosine's end (lr x min_lr_ratio); of 6 it is 3/5 of the way
+    assert "steps=6, the checkpoint's run had steps=4" in said and "from 3e-05 to 0.000123" in said

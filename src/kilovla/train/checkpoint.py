@@ -275,6 +275,52 @@ def branch_at(root: Path, folder: Path) -> Path | None:
     return away
 
 
+# optim.* settings the resumed optimizer and scheduler state fix: AdamW's param_groups (lr, betas,
+# weight_decay) and LambdaLR's base_lrs come back from the checkpoint, so a new value would not run;
+# warmup_steps and min_lr_ratio would bend the schedule mid-run. clip_grad_norm is read every step
+# from the config, so a new one does apply (from the resumed step on) and is not refused.
+FIXED_BY_OPTIMIZER = ("lr", "betas", "weight_decay", "warmup_steps", "min_lr_ratio")
+
+
+def check_resumed_settings(folder: Path, cfg) -> None:
+    """Refuse, in one line naming each key with both values, optim settings that differ from those the
+    checkpoint in `folder` was trained with (its config.yaml): the saved optimizer and schedule would
+    win while the run's config.yaml claimed the new ones. A larger `steps` is allowed (extending a run)
+    but stretches the cosine to the new last step, so the learning rate jumps: one warning says by how much.
+    Seed and batch sizes are checked by the plan's state (data/plan.py).
+
+        trained with optim.lr=3e-4, resumed with --optim.lr=1e-4 -> KilovlaError "... optim.lr=0.0001
+        (the checkpoint's: 0.0003) ... --policy.init_from=..."
+    """
+    import yaml
+
+    from kilovla.config import to_dict
+    from kilovla.train.optim import OptimConfig, _lr_lambda
+
+    path = Path(folder) / "config.yaml"
+    if not path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise KilovlaError(f"{path}: not a training config: {e}") from None
+    theirs, mine = saved.get("optim") or {}, to_dict(cfg.optim)
+    differ = [f"optim.{k}={mine[k]!r} (the checkpoint's: {theirs[k]!r})"
+              for k in FIXED_BY_OPTIMIZER if k in theirs and theirs[k] != mine[k]]
+    if differ:
+        raise KilovlaError(f"{folder}: cannot resume with {', '.join(differ)}: the checkpoint's optimizer and "
+                           "schedule state would run instead; resume with the checkpoint's values, or fine-tune "
+                           f"from it in a new run_dir (--policy.init_from={folder}, a fresh optimizer and schedule)")
+    old_steps, at = saved.get("steps"), json.loads((Path(folder) / "trainer_state.json").read_text())["step"]
+    if isinstance(old_steps, int) and old_steps != cfg.steps and at < cfg.steps:
+        optim = OptimConfig(**{k: v for k, v in theirs.items() if k in OptimConfig.__dataclass_fields__})
+        before, after = (_lr_lambda(optim, n)(at) * optim.lr for n in (old_steps, cfg.steps))
+        if before != after:
+            log.warning("steps=%d, the checkpoint's run had steps=%d: the cosine schedule now ends at step %d, so the "
+                        "learning rate at step %d goes from %.3g to %.3g", cfg.steps, old_steps, cfg.steps, at,
+                        before, after)
+
+
 latest = latest_checkpoint  # an empty pointer names no checkpoint (it used to name checkpoints/ itself)
 
 

@@ -88,10 +88,11 @@ def test_resuming_the_newest_checkpoint_is_no_branch(dataset, tmp_path):
 
 @pytest.fixture(scope="module")
 def narrow_policy(dataset, tmp_path_factory):
-    """A 2-step run's last checkpoint, trained with overrides the preset does not have."""
+    """A 2-step run's last checkpoint, trained with overrides and policy settings the preset does not have."""
     run = tmp_path_factory.mktemp("narrow") / "run"
     train(load_config(TrainConfig, None, _args(dataset, run, "--steps=2", "--policy.overrides.chunk_size=4",
-                                               "--policy.overrides.expert.mlp_dim=48")))
+                                               "--policy.overrides.expert.mlp_dim=48", "--policy.n_action_steps=3",
+                                               "--policy.normalization=mean_std")))
     return run / "checkpoints" / "step_000002"
 
 
@@ -107,9 +108,21 @@ def test_init_from_a_policy_folder_builds_the_model_its_weights_were_trained_wit
     assert start.keys() == after.keys() and all(torch.equal(start[k], after[k]) for k in start)  # lr 0: the folder's
 
 
+def test_init_from_a_policy_folder_brings_its_policy_interface_settings(dataset, narrow_policy, tmp_path):
+    """Unset, they are the folder's (what its weights were trained to read and emit), not the preset's."""
+    run = tmp_path / "ft"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=1", f"--policy.init_from={narrow_policy}")))
+    policy = json.loads((run / "checkpoints" / "step_000001" / "policy.json").read_text())
+    assert (policy["n_action_steps"], policy["normalization"]) == (3, "mean_std")  # preset: None, quantile
+    base = json.loads((narrow_policy / "policy.json").read_text())
+    assert policy["state_keys"] == base["state_keys"] and policy["camera_map"] == base["camera_map"]
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--policy.overrides.expert.mlp_dim=64", "policy.overrides.expert.mlp_dim=64 but policy.init_from="),
     ("--policy.preset=pi0-tiny", "policy.preset=pi0-tiny but policy.init_from="),
+    ("--policy.n_action_steps=4", "policy.n_action_steps=4 but policy.init_from="),
+    ("--policy.state_keys=[action]", "policy.state_keys=['action'] but policy.init_from="),
 ])
 def test_a_setting_that_contradicts_the_init_from_folder_is_one_line_exit_2(dataset, narrow_policy, tmp_path,
                                                                            capsys, flag, message):
@@ -117,7 +130,7 @@ def test_a_setting_that_contradicts_the_init_from_folder_is_one_line_exit_2(data
     assert main(["train", *_args(dataset, run, "--steps=1", f"--policy.init_from={narrow_policy}", flag)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
-    assert "48" in err or "pi05-tiny" in err  # the folder's value beside the run's
+    assert any(theirs in err for theirs in ("48", "pi05-tiny", "=3", "['observation.state']"))  # the folder's value
     assert not run.exists()
 
 

@@ -101,7 +101,7 @@ def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
     pick = lambda mine, default: default if mine is None else mine  # noqa: E731
     near = [Path(p.init_from).expanduser()] if p.init_from else []
     policy = dataclasses.replace(
-        p, normalization=pick(p.normalization, d.normalization),
+        p, state_keys=pick(p.state_keys, ["observation.state"]), normalization=pick(p.normalization, d.normalization),
         state_in_prompt=pick(p.state_in_prompt, d.state_in_prompt), embodiment_id=pick(p.embodiment_id, d.embodiment_id),
         image_resize=pick(p.image_resize, d.image_resize), augmentation=pick(p.augmentation, d.augmentation.to_dict()),
         tokenizer=find_tokenizer(d.tokenizer, p.tokenizer, near, p.preset))

@@ -56,6 +56,27 @@ def test_resuming_an_earlier_checkpoint_moves_the_later_ones_away_and_keeps_it(d
     assert logged == [1, 2, 3, 4, 5, 6, 7]  # the old branch's steps 4 and 5 logged once, by the new one
 
 
+def test_resuming_a_checkpoint_of_an_abandoned_branch_branches_from_it(dataset, tmp_path):
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=5", "--checkpoint.keep=0")))
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=7", "--checkpoint.keep=0")),
+          resume=str(root / "step_000003"))
+    [first] = [p for p in root.iterdir() if p.name.startswith("abandoned-")]
+    assert _steps(first) == ["step_000004", "step_000005"] and _steps(root)[-1] == "step_000007"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=6", "--checkpoint.keep=0")),
+          resume=str(first / "step_000004"))
+    # step_4 came back as a branch point; the branch it replaced (4..7 grown from step_3) is set aside whole
+    assert _steps(root) == ["step_000001", "step_000002", "step_000003", "step_000004", "step_000005", "step_000006"]
+    assert (root / "pinned").read_text().split() == ["step_000003", "step_000004"]
+    assert (root / "latest").read_text() == "step_000006"
+    assert _steps(first) == ["step_000005"]
+    [second] = [p for p in root.iterdir() if p.name.startswith("abandoned-") and p != first]
+    assert _steps(second) == ["step_000004", "step_000005", "step_000006", "step_000007"]
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6]
+
+
 def test_resuming_the_newest_checkpoint_is_no_branch(dataset, tmp_path):
     run = tmp_path / "run"
     train(load_config(TrainConfig, None, _args(dataset, run, "--steps=2", "--checkpoint.keep=1")))
@@ -67,10 +88,11 @@ def test_resuming_the_newest_checkpoint_is_no_branch(dataset, tmp_path):
 
 @pytest.fixture(scope="module")
 def narrow_policy(dataset, tmp_path_factory):
-    """A 2-step run's last checkpoint, trained with overrides the preset does not have."""
+    """A 2-step run's last checkpoint, trained with overrides and policy settings the preset does not have."""
     run = tmp_path_factory.mktemp("narrow") / "run"
     train(load_config(TrainConfig, None, _args(dataset, run, "--steps=2", "--policy.overrides.chunk_size=4",
-                                               "--policy.overrides.expert.mlp_dim=48")))
+                                               "--policy.overrides.expert.mlp_dim=48", "--policy.n_action_steps=3",
+                                               "--policy.normalization=mean_std")))
     return run / "checkpoints" / "step_000002"
 
 
@@ -86,9 +108,21 @@ def test_init_from_a_policy_folder_builds_the_model_its_weights_were_trained_wit
     assert start.keys() == after.keys() and all(torch.equal(start[k], after[k]) for k in start)  # lr 0: the folder's
 
 
+def test_init_from_a_policy_folder_brings_its_policy_interface_settings(dataset, narrow_policy, tmp_path):
+    """Unset, they are the folder's (what its weights were trained to read and emit), not the preset's."""
+    run = tmp_path / "ft"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=1", f"--policy.init_from={narrow_policy}")))
+    policy = json.loads((run / "checkpoints" / "step_000001" / "policy.json").read_text())
+    assert (policy["n_action_steps"], policy["normalization"]) == (3, "mean_std")  # preset: None, quantile
+    base = json.loads((narrow_policy / "policy.json").read_text())
+    assert policy["state_keys"] == base["state_keys"] and policy["camera_map"] == base["camera_map"]
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--policy.overrides.expert.mlp_dim=64", "policy.overrides.expert.mlp_dim=64 but policy.init_from="),
     ("--policy.preset=pi0-tiny", "policy.preset=pi0-tiny but policy.init_from="),
+    ("--policy.n_action_steps=4", "policy.n_action_steps=4 but policy.init_from="),
+    ("--policy.state_keys=[action]", "policy.state_keys=['action'] but policy.init_from="),
 ])
 def test_a_setting_that_contradicts_the_init_from_folder_is_one_line_exit_2(dataset, narrow_policy, tmp_path,
                                                                            capsys, flag, message):
@@ -96,8 +130,19 @@ def test_a_setting_that_contradicts_the_init_from_folder_is_one_line_exit_2(data
     assert main(["train", *_args(dataset, run, "--steps=1", f"--policy.init_from={narrow_policy}", flag)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
-    assert "48" in err or "pi05-tiny" in err  # the folder's value beside the run's
+    assert any(theirs in err for theirs in ("48", "pi05-tiny", "=3", "['observation.state']"))  # the folder's value
     assert not run.exists()
+
+
+@pytest.mark.parametrize("where", ["run", "latest"])
+def test_init_from_a_run_folder_or_its_latest_brings_the_newest_checkpoints_model(narrow_policy, where):
+    from kilovla.train.config import with_init_model
+
+    run = narrow_policy.parent.parent
+    path = run if where == "run" else run / "checkpoints" / "latest"
+    cfg = with_init_model(load_config(TrainConfig, None, [f"--policy.init_from={path}"]))
+    assert cfg.policy.init_from == str(narrow_policy)  # resolved once: weights and model from one folder
+    assert cfg.policy.overrides == {"chunk_size": 4, "expert": {"mlp_dim": 48}}
 
 
 def test_settings_equal_to_the_init_from_folder_are_accepted(narrow_policy):
@@ -224,3 +269,33 @@ def test_writing_a_dataset_removes_the_staging_folders_of_dead_writers_of_that_d
     assert not killed.exists()
     assert all(p.exists() for p in (live, elsewhere, other_dest, legacy))
     assert (dest / "meta" / "info.json").is_file()
+
+
+# -- resuming with settings the saved optimizer and schedule fix ---------------------------------------------
+
+@pytest.mark.parametrize("flag, message", [
+    ("--optim.lr=0.0001", "optim.lr=0.0001 (the checkpoint's: 0.0003)"),
+    ("--optim.betas=[0.8,0.9]", "optim.betas=[0.8, 0.9] (the checkpoint's: [0.9, 0.95])"),
+    ("--optim.warmup_steps=7", "optim.warmup_steps=7 (the checkpoint's: 50)"),
+])
+def test_resuming_with_another_optimizer_setting_is_one_line_exit_2(dataset, tmp_path, capsys, flag, message):
+    run = tmp_path / "run"
+    assert main(["train", *_args(dataset, run, "--steps=2")]) == 0
+    before = (run / "config.yaml").read_text()
+    assert main(["train", *_args(dataset, run, "--steps=3", flag), "--resume=auto"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert "--policy.init_from=" in err  # the remedy: fine-tune from it in a new run
+    assert (run / "config.yaml").read_text() == before and _steps(run / "checkpoints") == ["step_000001",
+                                                                                          "step_000002"]
+
+
+def test_resuming_with_more_steps_says_how_the_stretched_schedule_moves_the_learning_rate(dataset, tmp_path, caplog):
+    run = tmp_path / "run"
+    train(load_config(TrainConfig, None, _args(dataset, run, "--steps=4", "--optim.warmup_steps=1")))
+    with caplog.at_level(logging.WARNING, logger="kilovla.train.checkpoint"):
+        train(load_config(TrainConfig, None, _args(dataset, run, "--steps=6", "--optim.warmup_steps=1")),
+              resume="auto")
+    [said] = [r.getMessage() for r in caplog.records if "cosine" in r.getMessage()]
+    # step 4 of 4 is the cosine's end (lr x min_lr_ratio); of 6 it is 3/5 of the way
+    assert "steps=6, the checkpoint's run had steps=4" in said and "from 3e-05 to 0.000123" in said

@@ -190,3 +190,24 @@ def test_a_malformed_demonstration_seeds_entry_is_one_line():
 
     with pytest.raises(KilovlaError, match="demonstration_seeds must map each task to a list of seeds, got \\[1, 2\\]"):
         check_unseen_seeds([1, 2], ["reach-v3"], 0, 2)
+
+
+def test_training_on_a_dataset_without_seeds_beside_seeded_ones_records_the_seeds_as_unknown(trained, tmp_path,
+                                                                                            caplog):
+    """A partial list would let eval report 0 shared seeds where part of the data's seeds are unknown."""
+    import logging
+
+    from conftest import rewrite_parquet
+    from kilovla.config import load_config
+    from kilovla.train.trainer import TrainConfig, train
+
+    old = tmp_path / "pre-rule"  # the same demonstrations, collected before episodes recorded their seed
+    shutil.copytree(trained["dataset"], old)
+    rewrite_parquet(old / "meta/episodes/chunk-000/file-000.parquet", lambda t: t.drop_columns(["seed"]))
+    args = _train_args(trained, tmp_path, trained["dataset"], "--dataset.index=null")
+    args[2] = f"--dataset.roots=[{trained['dataset']},{old}]"
+    with caplog.at_level(logging.WARNING, logger="kilovla.train.build"):
+        saved = json.loads((Path(train(load_config(TrainConfig, None, args))["checkpoint"]) / "policy.json").read_text())
+    assert saved["demonstration_seeds"] is None
+    said = [r.getMessage() for r in caplog.records if "episode seeds" in r.getMessage()]
+    assert len(said) == 1 and str(old) in said[0] and str(trained["dataset"]) not in said[0].split(" record")[0]

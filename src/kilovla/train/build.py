@@ -25,7 +25,6 @@ import torch
 from kilovla.data import DataLake, GlobalBatchPlan, LakeSource, PlanConfig, TokenLayout
 from kilovla.data.meta import DatasetMeta
 from kilovla.errors import KilovlaError
-from kilovla.folders import policy_folder
 from kilovla.models.attention import resolve_backend
 from kilovla.models.checkpoints import (is_sharded_policy_folder, load_sharded, load_weights, open_init_checkpoint,
                                         plan_load)
@@ -99,12 +98,10 @@ def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
     """Fill what the run leaves unset from the preset's fine-tuning defaults; find the tokenizer."""
     cfg = with_init_model(cfg)
     d, p = policy_defaults(cfg.policy.preset), cfg.policy
-    if p.init_from:  # a run folder or its checkpoints/latest: the run's newest complete checkpoint
-        p = dataclasses.replace(p, init_from=str(policy_folder(Path(p.init_from).expanduser())))
     pick = lambda mine, default: default if mine is None else mine  # noqa: E731
     near = [Path(p.init_from).expanduser()] if p.init_from else []
     policy = dataclasses.replace(
-        p, normalization=pick(p.normalization, d.normalization),
+        p, state_keys=pick(p.state_keys, ["observation.state"]), normalization=pick(p.normalization, d.normalization),
         state_in_prompt=pick(p.state_in_prompt, d.state_in_prompt), embodiment_id=pick(p.embodiment_id, d.embodiment_id),
         image_resize=pick(p.image_resize, d.image_resize), augmentation=pick(p.augmentation, d.augmentation.to_dict()),
         tokenizer=find_tokenizer(d.tokenizer, p.tokenizer, near, p.preset))
@@ -169,12 +166,19 @@ def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta], init_from
 
 def demonstration_seeds(metas: list[DatasetMeta], init_from: dict | None = None) -> dict[str, list[int]] | None:
     """The datasets' episode seeds per task, merged (sorted, once each) with those of the kilovla policy
-    training starts from (its policy.json's, as it saw them too); None when none of them records any.
+    training starts from (its policy.json's, as it saw them too). None (unknown) as soon as one source
+    records none (a dataset collected before the seed rule, LeRobot's own, a start policy that says
+    null): a partial list would let eval claim that no evaluation seed was seen. One warning names them.
 
     >>> demonstration_seeds([collected_a, collected_b])  # doctest: +SKIP
     {'reach the red goal': [2000000000000000000, 2000000000000000001]}
+    >>> demonstration_seeds([collected_a, lerobot_pusht])  # doctest: +SKIP
+    None  (warning: ... lerobot_pusht records no episode seeds ...)
     """
-    per_dataset = [s for s in (m.episode_seeds() for m in metas) if s is not None]
+    per_dataset, unknown = [], []
+    for m in metas:
+        seeds = m.episode_seeds()
+        (unknown.append(str(m.root)) if seeds is None else per_dataset.append(seeds))
     if init_from is not None and init_from.get("layout") == "kilovla":
         path = Path(init_from["path"])
         meta_path = (path if path.is_dir() else path.parent) / "policy.json"
@@ -182,9 +186,11 @@ def demonstration_seeds(metas: list[DatasetMeta], init_from: dict | None = None)
             inherited = json.loads(meta_path.read_text()).get("demonstration_seeds") if meta_path.is_file() else None
         except (json.JSONDecodeError, AttributeError) as e:
             raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
-        if inherited:
-            per_dataset.append(inherited)
-    if not per_dataset:
+        (unknown.append(f"policy.init_from={path}") if inherited is None else per_dataset.append(inherited))
+    if unknown:
+        if per_dataset:  # all unknown is the plain case of data without seeds: nothing was dropped
+            log.warning("%s record(s) no episode seeds: policy.json's demonstration_seeds is null (unknown), so eval "
+                        "cannot tell which of its seeds the demonstrations started from", ", ".join(unknown))
         return None
     tasks = dict.fromkeys(t for seeds in per_dataset for t in seeds)
     return {t: sorted({s for seeds in per_dataset for s in seeds.get(t, ())}) for t in tasks}

@@ -38,6 +38,9 @@ counts the current branch only and never prunes the step it grew from:
     step_2 step_3 step_4 step_5, --resume step_3 --checkpoint.keep=1, two more steps
     -> step_3 (pinned) step_5 (new), abandoned-.../step_4 step_5 (the old branch)
 
+A checkpoint inside an abandoned-*/ folder is the run's own too: resuming it branches the same way,
+and it moves back beside the current branch's (pinned), so nothing is written over another branch's.
+
 Resuming runs nothing a checkpoint folder holds: optimizer.pt, rng.pt and `state/` (its .metadata and
 non-tensor items) are unpickled through `kilovla.safe_load`'s allowlists of plain data, so a folder
 someone handed over can at worst be refused, in one line naming the file.
@@ -226,35 +229,96 @@ def branch_at(root: Path, folder: Path) -> Path | None:
     """A run resumed from `folder`, a checkpoint of this run's `root` (run_dir/checkpoints), continues
     from it: the checkpoints after it, the branch being replaced, move into
     `root/abandoned-<UTC time>/` (one warning names it), `latest` points at `folder`, and `folder` is
-    pinned against pruning. Returns the abandoned folder; None when `folder` is the newest checkpoint
-    (a plain resume) or lies outside `root` (another run's, which is only read).
+    pinned against pruning. A `folder` inside one of `root`'s abandoned-*/ folders is this run's too:
+    the current branch's checkpoints from its step on are set aside the same way and `folder` moves
+    back into `root` (where the new checkpoints are written beside it, not over the current branch's).
+    Returns the new abandoned folder; None when nothing was set aside: `folder` is the newest
+    checkpoint (a plain resume) or lies outside `root` (another run's, which is only read).
 
         step_2 step_3 step_4, branch_at(root, root / "step_2") -> root/abandoned-20261203T193000Z/ holding
         step_3 step_4; root keeps step_2, `latest` and `pinned` name step_2
+        then branch_at(root, root / "abandoned-20261203T193000Z/step_3") -> step_2 step_3 in root, both pinned
     """
     root, folder = Path(root), Path(folder)
-    if not root.is_dir() or folder.resolve().parent != root.resolve():
+    parent = folder.resolve().parent
+    revived = parent.parent == root.resolve() and parent.name.startswith(ABANDONED)
+    if not root.is_dir() or (parent != root.resolve() and not revived):
         return None
-    later = sorted((p for p in root.glob("step_*") if p.is_dir() and step_of(p) > step_of(folder)), key=step_of)
-    if not later:
+    # revived: a current-branch checkpoint of the same step is replaced by the one resumed from, so it goes too
+    later = sorted((p for p in root.glob("step_*") if p.is_dir() and step_of(p) >= step_of(folder) + (not revived)),
+                   key=step_of)
+    if not later and not revived:
         return None
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    away = root / f"{ABANDONED}{stamp}"
-    n = 1
-    while away.exists():  # two branches within a second
-        n += 1
-        away = root / f"{ABANDONED}{stamp}-{n}"
-    away.mkdir()
-    for p in later:
-        os.replace(p, away / p.name)
+    away = None
+    if later:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        away = root / f"{ABANDONED}{stamp}"
+        n = 1
+        while away.exists():  # two branches within a second
+            n += 1
+            away = root / f"{ABANDONED}{stamp}-{n}"
+        away.mkdir()
+        for p in later:
+            os.replace(p, away / p.name)
+    if revived:
+        os.replace(folder, root / folder.name)
+        folder = root / folder.name
     point_latest(root, folder)
     pinned = {name for name in pinned_names(root) if (root / name).is_dir()} | {folder.name}
     tmp = root / f".{PINNED}.{uuid.uuid4().hex[:8]}"
     tmp.write_text("".join(f"{name}\n" for name in sorted(pinned)))
     os.replace(tmp, root / PINNED)
-    log.warning("resuming from %s, not the run's newest checkpoint: its later checkpoints (%s) moved to %s",
-                folder.name, ", ".join(p.name for p in later), away)
+    log.warning("resuming from %s, not the run's newest checkpoint%s%s", folder.name,
+                f" (brought back from {parent.name}/)" if revived else "",
+                f": the current branch's later checkpoints ({', '.join(p.name for p in later)}) moved to {away}"
+                if later else "")
     return away
+
+
+# optim.* settings the resumed optimizer and scheduler state fix: AdamW's param_groups (lr, betas,
+# weight_decay) and LambdaLR's base_lrs come back from the checkpoint, so a new value would not run;
+# warmup_steps and min_lr_ratio would bend the schedule mid-run. clip_grad_norm is read every step
+# from the config, so a new one does apply (from the resumed step on) and is not refused.
+FIXED_BY_OPTIMIZER = ("lr", "betas", "weight_decay", "warmup_steps", "min_lr_ratio")
+
+
+def check_resumed_settings(folder: Path, cfg) -> None:
+    """Refuse, in one line naming each key with both values, optim settings that differ from those the
+    checkpoint in `folder` was trained with (its config.yaml): the saved optimizer and schedule would
+    win while the run's config.yaml claimed the new ones. A larger `steps` is allowed (extending a run)
+    but stretches the cosine to the new last step, so the learning rate jumps: one warning says by how much.
+    Seed and batch sizes are checked by the plan's state (data/plan.py).
+
+        trained with optim.lr=3e-4, resumed with --optim.lr=1e-4 -> KilovlaError "... optim.lr=0.0001
+        (the checkpoint's: 0.0003) ... --policy.init_from=..."
+    """
+    import yaml
+
+    from kilovla.config import to_dict
+    from kilovla.train.optim import OptimConfig, _lr_lambda
+
+    path = Path(folder) / "config.yaml"
+    if not path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise KilovlaError(f"{path}: not a training config: {e}") from None
+    theirs, mine = saved.get("optim") or {}, to_dict(cfg.optim)
+    differ = [f"optim.{k}={mine[k]!r} (the checkpoint's: {theirs[k]!r})"
+              for k in FIXED_BY_OPTIMIZER if k in theirs and theirs[k] != mine[k]]
+    if differ:
+        raise KilovlaError(f"{folder}: cannot resume with {', '.join(differ)}: the checkpoint's optimizer and "
+                           "schedule state would run instead; resume with the checkpoint's values, or fine-tune "
+                           f"from it in a new run_dir (--policy.init_from={folder}, a fresh optimizer and schedule)")
+    old_steps, at = saved.get("steps"), json.loads((Path(folder) / "trainer_state.json").read_text())["step"]
+    if isinstance(old_steps, int) and old_steps != cfg.steps and at < cfg.steps:
+        optim = OptimConfig(**{k: v for k, v in theirs.items() if k in OptimConfig.__dataclass_fields__})
+        before, after = (_lr_lambda(optim, n)(at) * optim.lr for n in (old_steps, cfg.steps))
+        if before != after:
+            log.warning("steps=%d, the checkpoint's run had steps=%d: the cosine schedule now ends at step %d, so the "
+                        "learning rate at step %d goes from %.3g to %.3g", cfg.steps, old_steps, cfg.steps, at,
+                        before, after)
 
 
 latest = latest_checkpoint  # an empty pointer names no checkpoint (it used to name checkpoints/ itself)

@@ -32,8 +32,9 @@ class PolicyConfig:
     preset: str | None = None  # unset: the init_from policy folder's, else DEFAULT_PRESET (with_init_model)
     overrides: dict = field(default_factory=dict)  # model config fields, e.g. {"packing": true}
     camera_map: dict = field(default_factory=dict)  # empty: dataset cameras in order -> enabled model slots
-    state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
-    # Unset (None) fields take the preset's fine-tuning defaults (models/presets.py, POLICY_DEFAULTS).
+    state_keys: list[str] | None = None  # unset: the init_from policy folder's, else ["observation.state"]
+    # Unset (None) fields take the init_from policy folder's (INTERFACE), else the preset's fine-tuning
+    # defaults (models/presets.py, POLICY_DEFAULTS).
     normalization: str | None = None  # quantile, mean_std, min_max
     state_in_prompt: bool | None = None
     n_action_steps: int | None = None
@@ -138,7 +139,8 @@ def _merged(base: dict, mine: dict) -> dict:
 
 def with_init_model(cfg: TrainConfig) -> TrainConfig:
     """The run's preset and model overrides: a kilovla policy folder as `policy.init_from` brings its own
-    (the model its weights fit), under the ones the run sets that it lacks; a value the run sets that
+    (the model its weights fit), under the ones the run sets that it lacks, and the policy interface
+    (INTERFACE: state keys, cameras, ...) for the fields the run leaves unset; a value the run sets that
     differs from the folder's is refused in one line. Without such a folder an unset preset is
     DEFAULT_PRESET. Applying it twice changes nothing.
 
@@ -146,9 +148,15 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
         -> preset pi05-tiny, overrides {chunk_size: 4, packing: true}
         the run sets {chunk_size: 8} -> KilovlaError naming policy.overrides.chunk_size, 8 and 4
     """
+    from pathlib import Path
+
+    from kilovla.folders import policy_folder
     from kilovla.models.checkpoints import policy_folder_model
 
     p = cfg.policy
+    if p.init_from:  # a run folder or its checkpoints/latest: the run's newest complete checkpoint, read once here
+        p = dataclasses.replace(p, init_from=str(policy_folder(Path(p.init_from).expanduser())))
+        cfg = dataclasses.replace(cfg, policy=p)
     folder = policy_folder_model(p.init_from) if p.init_from else None
     if folder is None:
         return cfg if p.preset else dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=DEFAULT_PRESET))
@@ -162,8 +170,34 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
         if key in theirs and theirs[key] != value:
             raise KilovlaError(f"policy.overrides.{key}={value!r} but {where} {key}={theirs[key]!r}: drop the "
                                "override (the folder's is used) or start from other weights")
-    return dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=preset,
+    brought = {}
+    for key, value in _interface(p.init_from).items():
+        mine = getattr(p, key)
+        if mine is None or mine == {}:
+            brought[key] = value
+        elif mine != value:
+            raise KilovlaError(f"policy.{key}={mine!r} but {where} {key}={value!r}: drop policy.{key} (the folder's "
+                               "is used) or start from other weights")
+    return dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=preset, **brought,
                                                                overrides=_merged(overrides, dict(p.overrides))))
+
+
+# The policy-interface settings a kilovla policy folder's policy.json records that a run starting from
+# it inherits (how its weights read observations and emit actions: LeRobot's --policy.path brings the
+# input features the same way): without them a fine-tune silently dropped state dims or cameras the
+# base was trained on. Not brought: the tokenizer (found next to init_from by build.find_tokenizer),
+# the stats (recomputed on the new data), augmentation (a training choice, not the interface).
+INTERFACE = ("camera_map", "state_keys", "normalization", "state_in_prompt", "n_action_steps", "embodiment_id",
+             "image_resize")
+
+
+def _interface(folder: str) -> dict:
+    """The INTERFACE values `folder`'s policy.json records (set, non-empty ones)."""
+    import json
+    from pathlib import Path
+
+    fields = json.loads((Path(folder).expanduser() / "policy.json").read_text())  # read by policy_folder_model
+    return {k: fields[k] for k in INTERFACE if fields.get(k) not in (None, {}, [])}
 STRATEGIES = ("ddp", "fsdp")
 
 

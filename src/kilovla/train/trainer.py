@@ -87,6 +87,8 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     world = distributed.init(cfg.parallel.timeout_s, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
     run_dir = Path(cfg.run_dir)
     folder = ckpt.resolve(resume, run_dir) if resume else None
+    if folder is not None:  # before the run_dir and its config.yaml say otherwise
+        ckpt.check_resumed_settings(folder, cfg)
     use = claim_run_dir(run_dir, resume, folder, main=world.is_main)
     if folder is not None:
         at = json.loads((folder / "trainer_state.json").read_text())["step"]

@@ -121,7 +121,6 @@ def test_init_from_a_policy_folder_brings_its_policy_interface_settings(dataset,
 @pytest.mark.parametrize("flag, message", [
     ("--policy.overrides.expert.mlp_dim=64", "policy.overrides.expert.mlp_dim=64 but policy.init_from="),
     ("--policy.preset=pi0-tiny", "policy.preset=pi0-tiny but policy.init_from="),
-    ("--policy.n_action_steps=4", "policy.n_action_steps=4 but policy.init_from="),
     ("--policy.state_keys=[action]", "policy.state_keys=['action'] but policy.init_from="),
 ])
 def test_a_setting_that_contradicts_the_init_from_folder_is_one_line_exit_2(dataset, narrow_policy, tmp_path,
@@ -132,6 +131,16 @@ def test_a_setting_that_contradicts_the_init_from_folder_is_one_line_exit_2(data
     assert err.startswith("error: ") and message in err and "\n" not in err
     assert any(theirs in err for theirs in ("48", "pi05-tiny", "=3", "['observation.state']"))  # the folder's value
     assert not run.exists()
+
+
+def test_init_from_brings_n_action_steps_as_a_default_a_run_may_change(narrow_policy):
+    """How many actions of a chunk run per prediction is an execution choice, not part of the weights."""
+    from kilovla.train.config import with_init_model
+
+    brought = with_init_model(load_config(TrainConfig, None, [f"--policy.init_from={narrow_policy}"]))
+    chosen = with_init_model(load_config(TrainConfig, None, [f"--policy.init_from={narrow_policy}",
+                                                             "--policy.n_action_steps=2"]))
+    assert (brought.policy.n_action_steps, chosen.policy.n_action_steps) == (3, 2)
 
 
 @pytest.mark.parametrize("where", ["run", "latest"])

@@ -175,7 +175,7 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
         mine = getattr(p, key)
         if mine is None or mine == {}:
             brought[key] = value
-        elif mine != value:
+        elif mine != value and key not in ADJUSTABLE:
             raise KilovlaError(f"policy.{key}={mine!r} but {where} {key}={value!r}: drop policy.{key} (the folder's "
                                "is used) or start from other weights")
     return dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=preset, **brought,
@@ -189,6 +189,9 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
 # the stats (recomputed on the new data), augmentation (a training choice, not the interface).
 INTERFACE = ("camera_map", "state_keys", "normalization", "state_in_prompt", "n_action_steps", "embodiment_id",
              "image_resize")
+# Of those, how many actions of a chunk run before the next prediction is an execution choice the weights do
+# not fix: brought as the default, and a run may set another.
+ADJUSTABLE = ("n_action_steps",)
 
 
 def _interface(folder: str) -> dict:
@@ -198,6 +201,8 @@ def _interface(folder: str) -> dict:
 
     fields = json.loads((Path(folder).expanduser() / "policy.json").read_text())  # read by policy_folder_model
     return {k: fields[k] for k in INTERFACE if fields.get(k) not in (None, {}, [])}
+
+
 STRATEGIES = ("ddp", "fsdp")
 
 

@@ -14,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,23 @@ def _success(folder) -> tuple[int, tuple[float, float]]:
     return won, wilson_interval(won, EPISODES)
 
 
+def _actions_on_evaluation_starts(folder) -> list:
+    """The folder's action chunks for the evaluation's first 10 initial observations, in batches of 1 to 10, with
+    the same flow noise (torch seeded) for every folder."""
+    from kilovla.envs.base import make_env
+    from kilovla.envs.rollout import stack_observations
+    from kilovla.eval.closed_loop import episode_seeds, load_policy
+
+    policy = load_policy(str(folder))
+    env = make_env("metaworld", task="reach-v3", cameras=("scene", "wrist"), resolution=32, max_steps=HORIZON)
+    try:
+        starts = [env.reset(seed=s)[0] for s in episode_seeds(1, 0, 10)]
+    finally:
+        env.close()
+    torch.manual_seed(0)
+    return [policy.select_action(stack_observations(starts[:n], ["reach-v3"] * n)) for n in range(1, 11)]
+
+
 def _rl(policy, run_dir, env_steps, *extra) -> dict:
     from kilovla.rl import runner
 
@@ -92,6 +110,11 @@ def test_canary_residual_sac_lifts_a_miscalibrated_reach_policy_and_not_at_lr_0(
     after, after_ci = _success(learned["checkpoint"])
     assert after_ci[0] > before_ci[1], f"{before}/{EPISODES} {before_ci} -> {after}/{EPISODES} {after_ci}"
     assert after >= 0.8 * EPISODES, f"{before} -> {after}: a learner without the reward still gains ~20 points"
-    # lr 0: the residual stays the identity through training, saving and loading (the start, exactly)
+    # lr 0: the residual stays the identity through training, saving and loading: the loaded folder acts as
+    # the start, exactly. Closed loop, the same folder has scored 13 and 14 of 50 against the start's 13 depending
+    # on the process it ran in, while every action below was equal (an open finding), so the exact check is on
+    # the actions and the closed loop is held to one episode.
     frozen = _rl(weak_start, tmp_path / "lr0", 3_000, "--learner.algo.sac.actor_lr=0")
-    assert _success(frozen["checkpoint"]) == (before, before_ci)
+    for start, kept in zip(_actions_on_evaluation_starts(weak_start), _actions_on_evaluation_starts(frozen["checkpoint"])):
+        assert np.array_equal(start, kept), float(np.abs(start - kept).max())
+    assert abs(_success(frozen["checkpoint"])[0] - before) <= 1

@@ -282,6 +282,13 @@ def branch_at(root: Path, folder: Path) -> Path | None:
 FIXED_BY_OPTIMIZER = ("lr", "betas", "weight_decay", "warmup_steps", "min_lr_ratio")
 
 
+def check_same_model(folder: Path, preset: str) -> None:
+    """Refuse resuming a checkpoint of another model: the first thing a resume must agree on."""
+    saved = json.loads((Path(folder) / "policy.json").read_text())
+    if saved.get("preset") != preset:
+        raise KilovlaError(f"{folder}: a checkpoint of {saved.get('preset')!r}, not of {preset!r}")
+
+
 def check_resumed_settings(folder: Path, cfg) -> None:
     """Refuse, in one line naming each key with both values, optim settings that differ from those the
     checkpoint in `folder` was trained with (its config.yaml): the saved optimizer and schedule would
@@ -297,6 +304,7 @@ def check_resumed_settings(folder: Path, cfg) -> None:
     from kilovla.config import to_dict
     from kilovla.train.optim import OptimConfig, _lr_lambda
 
+    check_same_model(folder, cfg.policy.preset)  # another model's optimizer settings are beside the point
     path = Path(folder) / "config.yaml"
     if not path.is_file():
         return

@@ -189,9 +189,8 @@ class Trainer:
         self.step = self.plan.step
 
     def load_checkpoint(self, folder: Path) -> None:
+        ckpt.check_same_model(folder, self.cfg.policy.preset)
         saved = json.loads((folder / "policy.json").read_text())
-        if saved.get("preset") != self.cfg.policy.preset:
-            raise KilovlaError(f"{folder}: a checkpoint of {saved.get('preset')!r}, not of {self.cfg.policy.preset!r}")
         if self.lora is not None:
             check_resume_lora(folder, saved.get("lora"), self.lora_section)
         elif saved.get("lora"):

@@ -53,7 +53,7 @@ def cmd_data_validate(args) -> int:
     else:
         problems = validate_dataset(args.path)
     for p in problems:
-        print(f"error: {p}", file=sys.stderr)
+        _say_error(p)
     if problems:
         return 2
     print(f"{args.path}: valid")
@@ -619,6 +619,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _say_error(problem) -> None:
+    """One write per line: under torchrun stderr is unbuffered and every rank shares it, and print's
+    separate newline let two ranks' errors run together on one line."""
+    sys.stderr.write(f"error: {problem}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -630,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KilovlaError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _say_error(e)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

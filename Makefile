@@ -59,7 +59,7 @@ demo: system venv
 test: system venv $(LIBERO_OFFICIAL)
 	@# pytest exits 5 when it collects no test: that is a broken suite here, not a pass.
 	KILOVLA_REQUIRE_TORCHCODEC=$(if $(strip $(TORCHCODEC)),1,0) KILOVLA_LIBERO_OFFICIAL=$(LIBERO_OFFICIAL) \
-	$(BIN)/python -m pytest -q -m "not gpu"; rc=$$?; \
+	$(BIN)/python -m pytest -q -m "not gpu" --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 test-all: venv $(LIBERO_OFFICIAL)

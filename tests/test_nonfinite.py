@@ -101,14 +101,18 @@ def test_a_finite_run_writes_strict_json(dataset, tmp_path):
 
 def test_every_rank_stops_at_the_step_one_rank_s_nan_reaches(dataset, tmp_path):
     """Rank 1's data of step 2 holds the NaN; rank 0's does not. Both read the all-reduced loss, so both
-    stop at step 2 and neither waits in a collective for the other."""
+    stop at step 2 and neither waits in a collective for the other. Each rank says so before a barrier;
+    after the first rank exits torchrun may SIGTERM the other before its error line, so the error lines
+    are at least one, all of step 2."""
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KILOVLA_FAULT_NAN": "1:2"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "kilovla", "train",
            *_args(dataset, run), "--parallel.timeout_s=60"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode != 0
+    ranks = re.findall(r"rank (\d) of 2 stops at step (\d+)", proc.stderr)
+    assert sorted(ranks) == [("0", "2"), ("1", "2")], proc.stderr[-3000:]
     stops = re.findall(r"error: step (\d+): the flow-matching loss is nan", proc.stderr)
-    assert stops == ["2", "2"] and proc.stderr.count("error: ") == 2, proc.stderr[-3000:]
-    assert proc.stderr.count("exitcode  : 2") == 2 and "waited" not in proc.stderr, proc.stderr[-3000:]
+    assert stops in (["2"], ["2", "2"]) and proc.stderr.count("error: ") == len(stops), proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr and "waited" not in proc.stderr, proc.stderr[-3000:]
     assert _steps_logged(run) == [1] and _checkpoints(run) == ["step_000001"]

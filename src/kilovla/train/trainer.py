@@ -304,7 +304,13 @@ class Trainer:
         else:
             grad_norm = clip_gradients(self.trainable, cfg.optim.clip_grad_norm)
         summed = self._sum_over_ranks(totals)
-        check_finite_step(self.step, summed["loss"] / len(self.plan.global_batch(self.step - 1)), grad_norm)
+        try:
+            check_finite_step(self.step, summed["loss"] / len(self.plan.global_batch(self.step - 1)), grad_norm)
+        except KilovlaError:
+            if torch.distributed.is_initialized():  # each rank says it stopped; none leaves before all have
+                log.error("rank %d of %d stops at step %d", world.rank, world.size, self.step)
+                torch.distributed.barrier()
+            raise
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -4,7 +4,7 @@ kilovla's own keys are openpi's PyTorch port's for pi0 / pi0.5 (``paligemma_with
 ``action_in_proj``, ...) and NVIDIA's for GR00T N1.5 (``backbone.eagle_model.*``, ``action_head.*``).
 The published layouts map onto them (`detect_layout`, `map_keys`):
 
-- ``kilovla``: ``kilovla train`` / ``VLAPolicy.save``; kilovla's keys, model.safetensors + policy.json.
+- ``kilovla``: ``kilovla train`` / ``policy_folder.save_policy``; kilovla's keys, model.safetensors + policy.json.
 - ``openpi``: openpi's JAX -> PyTorch converter; unprefixed keys, bf16 by default, config.json.
 - ``lerobot``: LeRobot's pi0 / pi05 policies; every key prefixed ``model.``, config.json.
 - ``lerobot-groot``: LeRobot's GR00T policy; every key prefixed ``_groot_model.``.
@@ -28,8 +28,9 @@ meta device is materialised first), cast to the parameters' dtype: a 3B model ne
 memory, and a bf16 file gives an fp32 model when the model is fp32.
 
 Which entry point: `load_weights(model, path)` / `load_checkpoint` for any layout (streaming,
-strict); `Checkpoint.open` for ``--policy.init_from`` (train/build.py first refuses quantized
-policy folders and LoRA adapters through `kilovla.policy_folder`); `read_safetensors` when a whole state dict is wanted (resuming kilovla's own training checkpoints).
+strict); `Checkpoint.open` for ``--policy.init_from`` (train/build.open_init_checkpoint first
+refuses quantized policy folders and LoRA adapters); `read_safetensors` when a whole state dict is
+wanted (resuming kilovla's own training checkpoints).
 """
 
 from __future__ import annotations

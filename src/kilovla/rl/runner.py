@@ -726,8 +726,6 @@ class _Roles:
         """A policy folder (model.safetensors, policy.json, value_head.safetensors) plus what resumes the run."""
         import ray
 
-        from kilovla.models.checkpoints import save_safetensors
-
         learner_state = ray.get(self.learners[0].state.remote())
         self.held = {"updates": int(learner_state.get("updates", 0)), "replay": replay_rows(learner_state)}
         self.refresh_seeds()

@@ -50,8 +50,10 @@ def test_a_state_key_without_stats_is_named(tmp_path):
     meta = _meta()
     del meta.stats["observation.environment_state"]
     write_policy_json(tmp_path, meta)
+    declared = PolicyFolder.open(tmp_path).interface()
+    assert declared.state_widths == (4, None)
     with pytest.raises(KilovlaError, match="policy.json: no stats for state key 'observation.environment_state'"):
-        PolicyFolder.open(tmp_path).interface()
+        declared.checked_state_widths()
 
 
 def test_the_variants_are_read_once_and_typed(tmp_path):

@@ -31,7 +31,7 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -62,12 +62,20 @@ class Interface:
     action_dim: int
     state_dim: int
     state_keys: tuple[str, ...]
-    state_widths: tuple[int, ...]  # each state key's width, from the normalisation stats
+    state_widths: tuple[int | None, ...]  # each state key's width, from the normalisation stats (None: no stats)
     cameras: tuple[str, ...]  # env camera names ("scene")
     camera_keys: tuple[str, ...]  # the observation keys they arrive under ("observation.images.scene")
     image_size: tuple[int, int] | None  # [H, W] of the training frames; None: an earlier version's folder
     n_action_steps: int | None  # actions of a chunk that run before the next prediction; None: the whole chunk
     chunk_length: int  # actions the model predicts per chunk
+    where: str = field(default=POLICY_JSON, compare=False)  # the policy.json it was read from, for messages
+
+    def checked_state_widths(self) -> tuple[int, ...]:
+        """`state_widths`, each known (what a client must send): a key without stats is named."""
+        for key, width in zip(self.state_keys, self.state_widths):
+            if width is None:
+                raise KilovlaError(f"{self.where}: no stats for state key {key!r}")
+        return self.state_widths
 
     @classmethod
     def of(cls, meta: PolicyMeta, name: str | None = None, where: str = POLICY_JSON) -> Interface:
@@ -75,19 +83,19 @@ class Interface:
         from kilovla.models.residual import horizon
 
         return cls(name=name or meta.preset, action_dim=meta.action_dim, state_dim=meta.state_dim,
-                   state_keys=tuple(meta.state_keys), state_widths=tuple(state_width(meta, k, where) for k in meta.state_keys),
+                   state_keys=tuple(meta.state_keys), state_widths=tuple(state_width(meta, k) for k in meta.state_keys),
                    cameras=tuple(k.removeprefix("observation.images.") for k in meta.camera_map),
                    camera_keys=tuple(meta.camera_map), image_size=tuple(meta.image_size) if meta.image_size else None,
-                   n_action_steps=meta.n_action_steps, chunk_length=horizon(preset(meta.preset, **meta.overrides)))
+                   n_action_steps=meta.n_action_steps, chunk_length=horizon(preset(meta.preset, **meta.overrides)),
+                   where=where)
 
 
-def state_width(meta: PolicyMeta, key: str, where: str = POLICY_JSON) -> int:
-    """A state key's width: the length of its normalisation stats (mean, q01 or min, whichever is there)."""
+def state_width(meta: PolicyMeta, key: str) -> int | None:
+    """A state key's width: the length of its normalisation stats (mean, q01 or min, whichever is there);
+    None without stats."""
     stats = meta.stats.get(key, {})
     found = next((stats[n] for n in ("mean", "q01", "min") if n in stats), None)
-    if found is None:
-        raise KilovlaError(f"{where}: no stats for state key {key!r}")
-    return int(np.asarray(found).size)
+    return None if found is None else int(np.asarray(found).size)
 
 
 @dataclass(frozen=True)

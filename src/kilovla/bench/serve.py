@@ -75,7 +75,7 @@ def state_widths(policy: str | Path) -> dict[str, int]:
     from kilovla.policy_folder import PolicyFolder
 
     declared = PolicyFolder.open(policy).interface()
-    return dict(zip(declared.state_keys, declared.state_widths))
+    return dict(zip(declared.state_keys, declared.checked_state_widths()))
 
 
 def observations(metadata: dict, widths: dict[str, int], rng: np.random.Generator, n: int) -> list[dict]:

@@ -195,7 +195,7 @@ def _latency_batch(policy, rows: list[dict] | None):
     for key in policy.meta.camera_map:
         obs[key] = np.zeros((1, 64, 64, 3), np.uint8)
     for key in policy.meta.state_keys:
-        obs[key] = np.zeros((1, state_width(policy.meta, key)), np.float32)
+        obs[key] = np.zeros((1, state_width(policy.meta, key)), np.float32)  # a loaded policy has its stats
     return policy.processor.observation_batch(obs)
 
 

@@ -92,7 +92,7 @@ class PolicyEngine:
 
     def inputs(self) -> PolicyInputs:
         return PolicyInputs(cameras=list(self.interface.camera_keys), state_keys=list(self.interface.state_keys),
-                            state_widths=list(self.interface.state_widths))
+                            state_widths=list(self.interface.checked_state_widths()))
 
     def metadata(self) -> dict:
         """The frame a client gets on connect (openpi's `get_server_metadata()`)."""

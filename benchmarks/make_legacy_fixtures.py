@@ -75,7 +75,7 @@ def make_rl_folder(policy: Path, work: Path, out: Path) -> tuple[Path, tuple[flo
     import ray
 
     from kilovla.models.checkpoints import read_safetensors, save_safetensors
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
     from kilovla.rl import runner
 
     cfg = runner.load(None, [
@@ -95,7 +95,7 @@ def make_rl_folder(policy: Path, work: Path, out: Path) -> tuple[Path, tuple[flo
     # for a test to tell a loader that drops the residual from one that applies it). Seeded non-zero
     # values, written back with the library's save_safetensors in the runner's layout (the actor's state
     # dict, "actor." stripped), make the residual's part of the actions visible.
-    actor = load_checkpoint_policy(folder).model.actor
+    actor = load_policy_folder(folder).model.actor
     trained = float(actor.mean.weight.abs().max()), float(actor.mean.bias.abs().max())
     g = torch.Generator().manual_seed(RESIDUAL_SEED)
     with torch.no_grad():

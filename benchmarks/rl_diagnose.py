@@ -40,11 +40,11 @@ class StochasticRollout:
     """PPO's behaviour policy as a `Policy`: the actor-critic's Flow-SDE chain, executed chunk only."""
 
     def __init__(self, policy_dir: str, seed: int):
-        from kilovla.models.policy import load_checkpoint_policy
+        from kilovla.policy_folder import load_policy_folder
         from kilovla.rl.core.flow import FlowSDE
         from kilovla.rl.policy import load_actor_critic
 
-        base = load_checkpoint_policy(policy_dir)
+        base = load_policy_folder(policy_dir)
         self.model = load_actor_critic(policy_dir, FlowSDE(steps=4, noise_level=0.5)).eval()
         self.generator = torch.Generator().manual_seed(seed)
         for attr in ("name", "action_dim", "state_dim", "state_keys", "cameras", "n_action_steps", "meta"):
@@ -60,9 +60,9 @@ class StochasticRollout:
 def observations(policy_dir: str, resolution: int, per_task: int, seed: int = 5_000_000) -> list[dict]:
     """Reset observations of fresh seeds, half of them after 10 steps of the deterministic policy."""
     from kilovla.envs.metaworld import MetaWorldEnv
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
 
-    policy = load_checkpoint_policy(policy_dir)
+    policy = load_policy_folder(policy_dir)
     out = []
     for t, task in enumerate(TASKS):
         env = MetaWorldEnv(task, resolution=resolution)
@@ -85,9 +85,9 @@ def _stack(obs: list[dict]) -> dict:
 
 
 def steerability(policy_dir: str, obs: list[dict], draws: int = 16) -> dict:
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
 
-    policy = load_checkpoint_policy(policy_dir)
+    policy = load_policy_folder(policy_dir)
     batch = _stack(obs)
     n = policy.n_action_steps
     samples = []
@@ -100,9 +100,9 @@ def steerability(policy_dir: str, obs: list[dict], draws: int = 16) -> dict:
 
 
 def goal_probe(policy_dir: str, obs: list[dict]) -> dict:
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
 
-    policy = load_checkpoint_policy(policy_dir)
+    policy = load_policy_folder(policy_dir)
     batch = policy.processor.observation_batch(_stack(obs))
     with torch.no_grad():
         _, features = policy.model.velocity_field(batch)

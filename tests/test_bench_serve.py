@@ -37,7 +37,7 @@ def test_requests_use_the_policys_keys_at_its_resolution():
 
 def test_state_widths_come_from_the_folders_stats(tmp_path):
     (tmp_path / "policy.json").write_text(json.dumps({
-        "state_keys": ["observation.state", "observation.environment_state"],
+        "preset": "pi05-tiny", "state_keys": ["observation.state", "observation.environment_state"],
         "stats": {"observation.state": {"mean": [0.0] * 4}, "observation.environment_state": {"q01": [0.0] * 39}}}))
     assert serve_bench.state_widths(tmp_path) == {"observation.state": 4, "observation.environment_state": 39}
 

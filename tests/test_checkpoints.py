@@ -6,7 +6,8 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.models.checkpoints import CheckpointError, load_checkpoint, save_safetensors
-from kilovla.models.policy import VLAPolicy, load_checkpoint_policy
+from kilovla.models.policy import VLAPolicy
+from kilovla.policy_folder import load_policy_folder, save_policy
 from kilovla.models.processor import PolicyMeta
 from kilovla.models.presets import build_model
 
@@ -92,8 +93,8 @@ def _metaworld_policy(action_dim=4):
 
 def test_policy_round_trips_and_acts(tmp_path):
     policy = _metaworld_policy()
-    policy.save(tmp_path / "ckpt")
-    loaded = load_checkpoint_policy(tmp_path / "ckpt")
+    save_policy(policy, tmp_path / "ckpt")
+    loaded = load_policy_folder(tmp_path / "ckpt")
     obs = {"observation.images.scene": np.zeros((2, 40, 40, 3), np.uint8),
            "observation.images.wrist": np.full((2, 40, 40, 3), 200, np.uint8),
            "observation.state": np.zeros((2, 4), np.float32), "task": ["reach the red goal", "close the drawer"]}
@@ -109,10 +110,10 @@ def test_policy_round_trips_and_acts(tmp_path):
 def test_learned_policies_run_in_closed_loop(tmp_path):
     from kilovla.cli import main
 
-    _metaworld_policy().save(tmp_path / "ckpt")
+    save_policy(_metaworld_policy(), tmp_path / "ckpt")
     assert main(["eval", "--policy", str(tmp_path / "ckpt"), "--tasks", "reach-v3", "--episodes", "1",
                  "--resolution", "32", "--max-steps", "12", "--videos", "0", "--out", str(tmp_path / "ev")]) == 0
-    _metaworld_policy(action_dim=7).save(tmp_path / "bad")
+    save_policy(_metaworld_policy(action_dim=7), tmp_path / "bad")
     with pytest.raises(KilovlaError, match=r"action_dim 7 \(policy\) vs 4 \(metaworld\)"):
         from kilovla.eval.closed_loop import evaluate, load_policy
 

@@ -18,7 +18,8 @@ from torch import nn
 from kilovla.data.lerobot import LeRobotDataset
 from kilovla.data.stats import compute_dataset_stats, stats_to_json
 from kilovla.errors import KilovlaError
-from kilovla.models.policy import VLAPolicy, load_checkpoint_policy
+from kilovla.models.policy import VLAPolicy
+from kilovla.policy_folder import load_policy_folder, save_policy
 from kilovla.models.presets import build_model, preset
 from kilovla.models.processor import PolicyMeta
 from kilovla.quant import fp8
@@ -362,7 +363,7 @@ def folders(tmp_path_factory):
         for m in model.modules():
             if hasattr(m, "dense"):
                 m.dense.weight.normal_(0, 0.05)
-    VLAPolicy(model, meta).save(root / "policy")
+    save_policy(VLAPolicy(model, meta), root / "policy")
     out = root / "policy-fp8"
     report = quantize_policy_folder(root / "policy", out, Fp8Config(), dataset=ds, samples=32, latency_repeats=1)
     return {"root": root, "dataset": ds, "source": root / "policy", "out": out, "report": report}
@@ -390,8 +391,8 @@ def test_a_quantized_folder_stores_the_hf_fp8_layout(folders):
 
 
 def test_a_quantized_folder_loads_as_a_policy_and_acts_like_the_original(folders):
-    original = load_checkpoint_policy(folders["source"])
-    quantized = load_checkpoint_policy(folders["out"])
+    original = load_policy_folder(folders["source"])
+    quantized = load_policy_folder(folders["out"])
     layers = [m for m in quantized.model.modules() if isinstance(m, Fp8BlockLinear)]
     assert len(layers) == 28 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
     assert all(p.dtype == torch.float32 for p in quantized.model.parameters())
@@ -417,12 +418,12 @@ def test_a_scope_all_folder_stores_the_token_table_in_fp8_and_acts_like_the_orig
     assert report["size"]["reduction_percent"] > folders["report"]["size"]["reduction_percent"] + 5
     assert report["layers"][table]["output_sqnr_db"] > 25  # measured on the token ids the policy looked up
     assert report["actions"]["relative"] < 0.01
-    quantized = load_checkpoint_policy(out)
+    quantized = load_policy_folder(out)
     assert isinstance(quantized.model.get_submodule(table), Fp8BlockEmbedding)
     ds = LeRobotDataset(folders["dataset"])
     rows = ds.get_batch(np.arange(0, len(ds), 4))
     torch.manual_seed(0)
-    a = load_checkpoint_policy(folders["source"]).select_action(rows)
+    a = load_policy_folder(folders["source"]).select_action(rows)
     torch.manual_seed(0)
     b = quantized.select_action(rows)
     assert 0 < np.mean((a - b) ** 2) < 0.01 * np.asarray(rows["action"]).var(axis=0).mean()
@@ -520,7 +521,7 @@ def _metaworld_policy_folder(folder):
     meta = PolicyMeta(preset="pi05-tiny", overrides={"disabled_cameras": ["right_wrist_0_rgb"]},
                       camera_map={"observation.images.scene": "base_0_rgb", "observation.images.wrist": "left_wrist_0_rgb"},
                       state_dim=4, action_dim=4, stats=stats, n_action_steps=4)
-    VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta).save(folder)
+    save_policy(VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta), folder)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -602,12 +603,12 @@ def test_fp8_weights_load_only_into_fp8_layers(folders, tmp_path):
 # -- what the review found -------------------------------------------------------------------------------
 def _refuses_before_loading(monkeypatch):
     """Loading the weights is the first expensive step: these refusals must come before it."""
-    import kilovla.models.policy as policy_module
+    from kilovla.policy_folder import PolicyFolder
 
     def never(*args, **kwargs):
         raise AssertionError("the weights were loaded before the input was checked")
 
-    monkeypatch.setattr(policy_module, "load_checkpoint_policy", never)
+    monkeypatch.setattr(PolicyFolder, "load", never)
 
 
 def test_tiny_tiles_get_a_floored_scale_and_never_dequantize_to_nan():
@@ -672,8 +673,8 @@ def test_sqnr_is_always_a_finite_number_and_nan_counts_as_worst():
 def test_a_layer_that_outputs_nan_is_the_reports_minimum_and_the_json_stays_valid(folders):
     from kilovla.quant import report as qreport
 
-    baseline = load_checkpoint_policy(folders["source"])
-    quantized = load_checkpoint_policy(folders["out"])
+    baseline = load_policy_folder(folders["source"])
+    quantized = load_policy_folder(folders["out"])
     name = "paligemma_with_expert.gemma_expert.model.layers.0.mlp.down_proj"
     quantized.model.get_submodule(name).weight_scale_inv.fill_(float("nan"))
     rows = qreport.heldout_rows(folders["dataset"], baseline, 4)
@@ -690,8 +691,8 @@ def test_action_mse_is_in_action_units_on_the_inference_path_without_padded_step
     steps), a policy with training augmentation on: the report's numbers against a direct computation."""
     from kilovla.quant import report as qreport
 
-    baseline = load_checkpoint_policy(folders["source"])
-    quantized = load_checkpoint_policy(folders["out"])
+    baseline = load_policy_folder(folders["source"])
+    quantized = load_policy_folder(folders["out"])
     assert baseline.processor.augmentation.enabled
     rows = qreport.heldout_rows(folders["dataset"], baseline, 2)
     [row] = rows
@@ -726,7 +727,7 @@ def test_the_loader_honours_the_stored_activations(folders, tmp_path):
     assert qcfg["activations"] == "none" and "activation_scheme" not in qcfg  # HF has no weight-only scheme
     name = "paligemma_with_expert.gemma_expert.model.layers.0.mlp.up_proj"
     for folder, w8a8 in ((weight_only, False), (folders["out"], True)):
-        layer = load_checkpoint_policy(folder).model.get_submodule(name)
+        layer = load_policy_folder(folder).model.get_submodule(name)
         x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
         w = layer.dequantized_weight()
         plain, fake = F.linear(x, w, layer.bias), F.linear(fake_quantize_activations(x), w, layer.bias)
@@ -753,9 +754,9 @@ def test_an_edited_quantization_config_is_named(folders, tmp_path):
         f["quantization_config"]["activations"] = "none"
 
     with pytest.raises(KilovlaError, match=r"weight_block_size \[64, 64\] does not match the 128x128 blocks"):
-        load_checkpoint_policy(_edited_copy(folders["out"], tmp_path / "block", block))
+        load_policy_folder(_edited_copy(folders["out"], tmp_path / "block", block))
     with pytest.raises(KilovlaError, match="activation_scheme 'dynamic' contradicts activations 'none'"):
-        load_checkpoint_policy(_edited_copy(folders["out"], tmp_path / "scheme", scheme))
+        load_policy_folder(_edited_copy(folders["out"], tmp_path / "scheme", scheme))
 
 
 def test_block_size_mismatch_is_named_from_the_scale_shapes_too(tmp_path):
@@ -802,7 +803,7 @@ def test_a_damaged_quantized_file_is_named(folders, tmp_path, edit, message):
     source = tmp_path / "all"
     quantize_policy_folder(folders["source"], source, Fp8Config(scope="all"), latency_repeats=1)
     with pytest.raises(KilovlaError, match=message):
-        load_checkpoint_policy(_damaged_copy(source, tmp_path, edit))
+        load_policy_folder(_damaged_copy(source, tmp_path, edit))
 
 
 def test_a_truncated_quantized_file_is_named_not_a_traceback(folders, tmp_path):
@@ -811,7 +812,7 @@ def test_a_truncated_quantized_file_is_named_not_a_traceback(folders, tmp_path):
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[:-100])
     with pytest.raises(KilovlaError, match="lies outside the file"):
-        load_checkpoint_policy(broken)
+        load_policy_folder(broken)
 
 
 def test_a_token_table_refuses_negative_ids_as_an_embedding_does():
@@ -839,7 +840,7 @@ def test_an_fsdp_intermediate_checkpoint_is_accepted(folders, tmp_path):
     src = tmp_path / "step_000100"
     src.mkdir()
     (src / "policy.json").write_text((folders["source"] / "policy.json").read_text())
-    model = load_checkpoint_policy(folders["source"]).model
+    model = load_policy_folder(folders["source"]).model
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(src / "state"), no_dist=True)
     report = quantize_policy_folder(src, tmp_path / "q", Fp8Config(), latency_repeats=1)
     assert report["size"]["source_bytes"] is None and report["size"]["bf16_bytes"] == folders["report"]["size"]["bf16_bytes"]
@@ -919,7 +920,7 @@ def test_the_closed_loop_comparison_uses_the_envs_cameras_and_checks_them_first(
     meta = PolicyMeta(preset="pi05-tiny", overrides={"disabled_cameras": ["right_wrist_0_rgb"]},
                       camera_map={"observation.images.agentview": "base_0_rgb", "observation.images.wrist": "left_wrist_0_rgb"},
                       state_dim=8, action_dim=7, stats=stats, n_action_steps=4)
-    VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta).save(tmp_path / "lib")
+    save_policy(VLAPolicy(build_model("pi05-tiny", disabled_cameras=("right_wrist_0_rgb",)), meta), tmp_path / "lib")
     monkeypatch.setattr(libero, "expand_tasks", lambda names: names)  # no LIBERO install needed to name a task
     calls = []
 

@@ -8,7 +8,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.models.lora import LoraSettings, apply_lora, build_base, load_adapters, merge_state
-from kilovla.models.policy import load_checkpoint_policy
+from kilovla.policy_folder import load_policy_folder
 from kilovla.models.presets import build_model
 from tests.test_train import _args, _gradients, _max_diff, _metrics, _run, _trained, dataset  # noqa: F401
 
@@ -89,7 +89,7 @@ def test_a_lora_run_checkpoints_adapters_ends_merged_and_resumes_exactly(dataset
     final = straight / "checkpoints" / "step_000004"
     assert json.loads((final / "policy.json").read_text())["lora"]["merged"]
     # merged (model.safetensors) and unmerged (the adapters on their rebuilt base) sample the same actions
-    merged = load_checkpoint_policy(final).model
+    merged = load_policy_folder(final).model
     unmerged = load_adapters(build_base(section, "test"), section, final / "adapter.safetensors", "test")
     batch = _batch(merged)
     assert (_loss(merged.eval(), batch) - _loss(unmerged.eval(), batch)).abs().max() < 1e-5
@@ -97,7 +97,7 @@ def test_a_lora_run_checkpoints_adapters_ends_merged_and_resumes_exactly(dataset
     with torch.no_grad():
         assert (merged.sample_actions(obs, noise=noise) - unmerged.sample_actions(obs, noise=noise)).abs().max() < 1e-5
     # an adapters-only folder loads merged (eval, serve, rl, quantize get a plain model)
-    intermediate = load_checkpoint_policy(step2).model
+    intermediate = load_policy_folder(step2).model
     assert not any(".lora_" in n for n, _ in intermediate.named_parameters())
     on_base = load_adapters(build_base(section, "test"), section, step2 / "adapter.safetensors", "test")
     assert (_loss(intermediate.eval(), batch) - _loss(on_base.eval(), batch)).abs().max() < 1e-5

@@ -22,7 +22,8 @@ from kilovla.errors import KilovlaError
 from kilovla.models import tokenize
 from kilovla.models.checkpoints import Checkpoint, CheckpointError, load_weights, save_safetensors, save_sharded
 from kilovla.models.images import GROOT_AUGMENTATION, OPENPI_AUGMENTATION, ImageAugmentation, resize_with_pad
-from kilovla.models.policy import VLAPolicy, load_checkpoint_policy
+from kilovla.models.policy import VLAPolicy
+from kilovla.policy_folder import load_policy_folder, save_policy
 from kilovla.models.presets import build_model, policy_defaults, preset
 from kilovla.models.processor import PolicyMeta, Processor
 from kilovla.models.tokenize import (EAGLE_END, EAGLE_SYSTEM, QwenTokenizer, SentencePieceTokenizer, discretize_state,
@@ -491,13 +492,13 @@ def test_train_from_a_published_layout_records_where_it_started(dataset, tmp_pat
     frozen = [k for k in trained if k.startswith("paligemma_with_expert.paligemma.")]
     assert frozen and all(torch.equal(trained[k], start[k].to(torch.bfloat16).float()) for k in frozen)
     assert not torch.equal(trained["action_in_proj.weight"], start["action_in_proj.weight"].to(torch.bfloat16).float())
-    policy = load_checkpoint_policy(step)
+    policy = load_policy_folder(step)
     assert isinstance(policy.processor.tokenizer, SentencePieceTokenizer)
-    policy.save(tmp_path / "copy")  # a saved policy folder carries its tokenizer
+    save_policy(policy, tmp_path / "copy")  # a saved policy folder carries its tokenizer
     copied = json.loads((tmp_path / "copy" / "policy.json").read_text())
     assert copied["tokenizer"] == "tokenizer/paligemma_tokenizer.model"
     assert (tmp_path / "copy" / "tokenizer" / "paligemma_tokenizer.model").read_bytes() == sp_model.read_bytes()
-    assert isinstance(load_checkpoint_policy(tmp_path / "copy").processor.tokenizer, SentencePieceTokenizer)
+    assert isinstance(load_policy_folder(tmp_path / "copy").processor.tokenizer, SentencePieceTokenizer)
 
 
 def test_a_checkpoint_that_does_not_fit_stops_with_its_keys(dataset, tmp_path, capsys):
@@ -515,7 +516,7 @@ def test_a_checkpoint_that_does_not_fit_stops_with_its_keys(dataset, tmp_path, c
 
 def test_a_quantized_policy_folder_cannot_seed_training(dataset, tmp_path, capsys):
     meta = _meta("pi05-tiny", {}, PI_CAMERAS)
-    VLAPolicy(build_model("pi05-tiny"), meta).save(tmp_path / "fp8")
+    save_policy(VLAPolicy(build_model("pi05-tiny"), meta), tmp_path / "fp8")
     fields = json.loads((tmp_path / "fp8" / "policy.json").read_text())
     fields["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (tmp_path / "fp8" / "policy.json").write_text(json.dumps(fields))

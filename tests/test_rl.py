@@ -52,7 +52,7 @@ def _records(run_dir):
 
 
 def test_async_run_replaces_a_crashed_and_a_hung_env_worker(policy_dir, local_ray, tmp_path):
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
     from kilovla.rl import runner
 
     # the AWR loss with a KL anchor here (the sync test below trains PPO)
@@ -75,7 +75,7 @@ def test_async_run_replaces_a_crashed_and_a_hung_env_worker(policy_dir, local_ra
     assert records[0]["learner/kl_to_start"] < 1e-9 < records[-1]["learner/kl_to_start"]
     final = Path(summary["checkpoint"])
     assert (final / "value_head.safetensors").is_file()
-    assert load_checkpoint_policy(final).action_dim == 4  # an RL checkpoint is a policy folder
+    assert load_policy_folder(final).action_dim == 4  # an RL checkpoint is a policy folder
     assert 0.0 <= summary["eval"]["success_rate"] <= 1.0
 
 
@@ -189,7 +189,7 @@ SAC = ("--learner.algo.name=residual_sac", "--learner.algo.sac.warmup_transition
 
 def test_residual_sac_in_sync_mode_loses_only_a_crashed_workers_round_and_writes_a_policy_folder(policy_dir, local_ray,
                                                                                                 tmp_path):
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
     from kilovla.models.residual import ResidualPolicyModel
     from kilovla.rl import runner
 
@@ -208,7 +208,7 @@ def test_residual_sac_in_sync_mode_loses_only_a_crashed_workers_round_and_writes
         assert (final / name).is_file(), name
     assert not (final / "value_head.safetensors").exists()
     assert json.loads((final / "policy.json").read_text())["residual"]["algorithm"] == "residual_sac"
-    assert isinstance(load_checkpoint_policy(final).model, ResidualPolicyModel)
+    assert isinstance(load_policy_folder(final).model, ResidualPolicyModel)
     assert 0.0 <= summary["eval"]["success_rate"] <= 1.0
     with pytest.raises(KilovlaError, match="holds a residual actor"):  # PPO would drop the residual
         runner.run(_config(final, tmp_path / "ppo", "--steps=1"))
@@ -240,7 +240,7 @@ def test_filtered_bc_in_sync_mode_survives_a_crashed_worker_writes_a_policy_fold
         policy_dir, local_ray, tmp_path):
     """The tiny policy seldom succeeds in 30 steps: this checks the plumbing (the outcome of every episode
     counted, the folder, the replay carried through kill -9); tests/test_rl_filtered_bc.py checks the learning."""
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
     from kilovla.rl import runner
 
     summary = runner.run(_config(policy_dir, tmp_path / "run", "--mode=sync", "--steps=3", *BC),
@@ -255,7 +255,7 @@ def test_filtered_bc_in_sync_mode_survives_a_crashed_worker_writes_a_policy_fold
     assert last["learner/replay"] >= 0 and last["learner/updates"] >= 0
     final = Path(summary["checkpoint"])
     assert (final / "model.safetensors").is_file() and (final / "learner.pt").is_file()
-    assert load_checkpoint_policy(final).action_dim == 4 and not json.loads((final / "policy.json").read_text()).get("residual")
+    assert load_policy_folder(final).action_dim == 4 and not json.loads((final / "policy.json").read_text()).get("residual")
     assert 0.0 <= summary["eval"]["success_rate"] <= 1.0
 
     run = tmp_path / "killed"
@@ -298,9 +298,10 @@ def test_a_critic_of_another_width_is_relearned_from_a_policy_and_refused_on_res
     assert "starting a fresh critic" in caplog.text
     assert not torch.equal(model.value_head[2].weight, torch.ones(1, 256))
     caplog.clear()
-    meta = json.loads((folder / "policy.json").read_text())
+    from kilovla.policy_folder import PolicyFolder
+
     with caplog.at_level("WARNING"):  # and in the driver, where the user sees it (Ray keeps the actors' logs)
-        runner._check_value_head(str(folder), meta, resuming=False)
+        runner._check_value_head(PolicyFolder.open(folder), resuming=False)
     assert "starting a fresh critic" in caplog.text
     (folder / "rl_state.json").write_text(json.dumps({"version": 2, "started_from": str(folder)}))
     monkeypatch.setattr(runner, "connect_ray", lambda *a, **k: pytest.fail("Ray started before the critic was checked"))

@@ -717,17 +717,22 @@ def test_a_bad_rl_config_is_refused_in_one_line_before_ray_starts(override, mess
 
 
 def test_a_policy_that_does_not_fit_the_env_or_an_unknown_task_is_refused():
+    import dataclasses
+
+    from kilovla.policy_folder import Interface
     from kilovla.rl.runner import RLConfig, _check_policy_fits_env
 
-    fits = {"action_dim": 4, "state_dim": 43, "state_keys": ["observation.state", "observation.environment_state"],
-            "camera_map": {"observation.images.scene": "base_0_rgb"}}
-    _check_policy_fits_env(RLConfig(), "policy", fits)
+    fits = Interface(name="policy", action_dim=4, state_dim=43,
+                     state_keys=("observation.state", "observation.environment_state"), state_widths=(4, 39),
+                     cameras=("scene",), camera_keys=("observation.images.scene",), image_size=None,
+                     n_action_steps=None, chunk_length=10)
+    _check_policy_fits_env(RLConfig(), fits)
     with pytest.raises(KilovlaError, match="action_dim 7"):
-        _check_policy_fits_env(RLConfig(), "policy", {**fits, "action_dim": 7})
+        _check_policy_fits_env(RLConfig(), dataclasses.replace(fits, action_dim=7))
     cfg = RLConfig()
     cfg.env.tasks = ["reach-v9"]
     with pytest.raises(KilovlaError, match="unknown metaworld task"):
-        _check_policy_fits_env(cfg, "policy", fits)
+        _check_policy_fits_env(cfg, fits)
 
 
 def test_training_seeds_of_different_slots_workers_and_runs_never_meet():

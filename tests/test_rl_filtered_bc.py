@@ -166,6 +166,7 @@ def test_waiting_episodes_and_the_replay_survive_the_checkpoint_files_and_resume
     """A checkpoint taken mid-episode: the waiting rows go through learner.pt (weights-only) and finish after
     resume; resuming with another algorithm or replay size is refused in one line, before Ray."""
     from kilovla.errors import KilovlaError
+    from kilovla.policy_folder import write_rl_policy_files
     from kilovla.rl import runner
     from kilovla.rl.filtered_bc import SuccessReplay
 
@@ -175,7 +176,7 @@ def test_waiting_episodes_and_the_replay_survive_the_checkpoint_files_and_resume
     replay.add_segment(_segment([7, 8, 9], 10, slot=(1, 0, 0)), chunks)  # another env's, still running
     arrays, rest = replay.state_dict()
     state = {"model": {"vla.w": torch.zeros(2)}, "replay": arrays, "replay_rest": rest, "algorithm": "filtered_bc"}
-    runner.write_policy_files(tmp_path, state, {"preset": "pi05-tiny"})
+    write_rl_policy_files(tmp_path, state, {"preset": "pi05-tiny"})
     loaded = runner._learner_state(tmp_path)
     again = SuccessReplay(50)
     again.load_state_dict(loaded["replay"], loaded["replay_rest"])

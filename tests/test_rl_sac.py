@@ -165,7 +165,7 @@ def test_an_rl_folder_round_trips_through_the_checkpoint_and_every_loader(policy
     """The learner's state as the runner writes it: a policy folder (base + residual) that the policy API
     loads with the residual applied, and a learner.pt + replay.safetensors that resume it exactly."""
     from kilovla.models.checkpoints import read_safetensors
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
     from kilovla.safe_load import load_torch
 
     torch.manual_seed(0)
@@ -179,7 +179,7 @@ def test_an_rl_folder_round_trips_through_the_checkpoint_and_every_loader(policy
         torch.nn.init.normal_(agent.actor.mean.weight, std=0.2, generator=torch.Generator().manual_seed(1))
         agent.actor.mean.bias.fill_(0.4)
     folder = _write_like_the_runner(learner, policy_dir, tmp_path / "ck")
-    policy = load_checkpoint_policy(folder)
+    policy = load_policy_folder(folder)
     assert policy.model.actor.spec == agent.actor.spec
     obs = _obs(2)
     torch.manual_seed(5)
@@ -210,7 +210,7 @@ def test_an_rl_folder_round_trips_through_the_checkpoint_and_every_loader(policy
 def _write_like_the_runner(learner, policy_dir, folder):
     from pathlib import Path
 
-    from kilovla.rl.runner import write_policy_files
+    from kilovla.policy_folder import write_rl_policy_files as write_policy_files
 
     folder.mkdir(parents=True)
     write_policy_files(folder, learner.state_dict(), json.loads((Path(policy_dir) / "policy.json").read_text()))
@@ -228,11 +228,11 @@ def rl_folder(policy_dir, tmp_path_factory):
 
 
 def test_serve_answers_an_rl_folder_with_the_residual_and_refuses_rtc_for_it(rl_folder):
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
     from kilovla.serve.engine import PolicyEngine, Request
 
     engine = PolicyEngine.load(rl_folder, device="cpu")
-    policy = load_checkpoint_policy(rl_folder)
+    policy = load_policy_folder(rl_folder)
     obs = {k: v[0] for k, v in _obs(1).items() if k != "task"} | {"task": "reach the red goal"}
     served, _ = engine.infer([Request(obs, seed=3)])
     noise = engine.noise([Request(obs, seed=3)])
@@ -245,7 +245,7 @@ def test_serve_answers_an_rl_folder_with_the_residual_and_refuses_rtc_for_it(rl_
 
 
 def test_quantize_takes_the_base_of_an_rl_folder_and_keeps_its_residual(rl_folder, policy_dir, tmp_path):
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
     from kilovla.models.residual import ResidualPolicyModel
     from kilovla.quant.fp8 import Fp8Weights
     from kilovla.quant.folder import quantize_policy_folder
@@ -255,11 +255,11 @@ def test_quantize_takes_the_base_of_an_rl_folder_and_keeps_its_residual(rl_folde
     dataset = Path(policy_dir).parents[2] / "mw"  # the demonstrations the test policy was trained on
     report = quantize_policy_folder(rl_folder, tmp_path / "q", dataset=dataset, samples=8, latency_repeats=1)
     assert report["layers"] and not any(k.startswith(("base.", "actor.")) for k in report["layers"])  # the base's names
-    quantized = load_checkpoint_policy(tmp_path / "q")
+    quantized = load_policy_folder(tmp_path / "q")
     assert isinstance(quantized.model, ResidualPolicyModel)
     assert any(isinstance(m, Fp8Weights) for m in quantized.model.base.modules())
     assert not any(isinstance(m, Fp8Weights) for m in quantized.model.actor.modules())  # the actor as it was
-    original = load_checkpoint_policy(rl_folder)
+    original = load_policy_folder(rl_folder)
     for k, v in original.model.actor.state_dict().items():
         assert torch.equal(v, quantized.model.actor.state_dict()[k]), k
 
@@ -307,13 +307,13 @@ def test_the_folder_replans_as_its_residual_was_trained_and_eval_refuses_to_run_
     # asked to execute 4 would run 2 actions a chunk uncorrected: refused before any env starts
     from kilovla.errors import KilovlaError
     from kilovla.eval.closed_loop import evaluate
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
     from kilovla.rl.sac import SACConfig, SACLearner, load_residual_agent
 
     assert json.loads((Path(policy_dir) / "policy.json").read_text())["n_action_steps"] == 4
     agent = load_residual_agent(policy_dir, 2, SACConfig(), (("observation.environment_state", 39),))
     folder = _write_like_the_runner(SACLearner(agent, 0.99, SACConfig(), segments_per_step=4), policy_dir, tmp_path / "ck")
-    policy = load_checkpoint_policy(folder)
+    policy = load_policy_folder(folder)
     assert policy.n_action_steps == policy.model.actor.spec.steps == 2
     with pytest.raises(KilovlaError, match="residual corrects only the first 2 actions"):
         evaluate(policy, tasks=["reach-v3"], episodes=1, n_action_steps=4, resolution=32)

@@ -19,6 +19,7 @@ from kilovla.cli import main
 from kilovla.errors import KilovlaError
 from kilovla.models.checkpoints import read_safetensors, save_safetensors
 from kilovla.models.policy import VLAPolicy
+from kilovla.policy_folder import save_policy
 from kilovla.models.presets import build_model
 from kilovla.models.processor import PolicyMeta
 from kilovla.safe_load import UnsafeFileError, load_torch
@@ -176,7 +177,7 @@ def _sharded_policy_folder(tmp_path: Path, marker: Path) -> Path:
 
     policy = _metaworld_policy()
     folder = tmp_path / "policy"
-    policy.save(folder)
+    save_policy(policy, folder)
     (folder / "model.safetensors").unlink()
     dcp.save({"model": policy.model.state_dict()}, checkpoint_id=str(folder / "state"), no_dist=True)
     _craft(folder / "state" / ".metadata", marker, raw_pickle=True)
@@ -204,7 +205,7 @@ def test_a_state_folder_of_another_model_is_one_line_not_a_dcp_traceback(tmp_pat
     """DCP wraps every failure in a CheckpointException, a BaseException that `except Exception` misses."""
     import torch.distributed.checkpoint as dcp
 
-    folder = _metaworld_policy().save(tmp_path / "policy")
+    folder = save_policy(_metaworld_policy(), tmp_path / "policy")
     (folder / "model.safetensors").unlink()
     dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(folder / "state"), no_dist=True)
     assert main(["eval", "--policy", str(folder), "--tasks", "reach-v3", "--episodes", "1", "--resolution", "32",
@@ -230,7 +231,7 @@ def test_init_from_an_fsdp_folder_refuses_a_crafted_metadata(trained, tmp_path, 
 def _rl_checkpoint(tmp_path: Path) -> Path:
     """An RL run's checkpoint folder as the runner resumes it (policy folder + rl_state.json), no learner.pt."""
     folder = tmp_path / "run" / "checkpoints" / "step_000002"
-    _metaworld_policy().save(folder)
+    save_policy(_metaworld_policy(), folder)
     (folder / "rl_state.json").write_text(json.dumps({"version": 2, "compute_model": "real"}))
     return folder
 
@@ -351,7 +352,7 @@ def test_a_quantized_folder_follows_the_umask(tmp_path, umask_022):
     from kilovla.quant.fp8 import Fp8Config
     from kilovla.quant.folder import quantize_policy_folder
 
-    _metaworld_policy().save(tmp_path / "src")
+    save_policy(_metaworld_policy(), tmp_path / "src")
     quantize_policy_folder(tmp_path / "src", tmp_path / "q", Fp8Config(), latency_repeats=1)
     assert _mode(tmp_path / "q") == 0o755
     files = [p for p in (tmp_path / "q").rglob("*") if p.is_file()]

@@ -125,16 +125,16 @@ def test_eval_reports_no_shared_seeds_for_a_trained_policy_and_none_for_a_script
 
 def test_derived_folders_keep_the_demonstration_seeds(trained, tmp_path):
     """FP8 (policy.save), RL (policy.json's fields, the residual added) and a loaded LoRA checkpoint's meta."""
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
     from kilovla.quant.fp8 import Fp8Config
     from kilovla.quant.folder import quantize_policy_folder
-    from kilovla.rl.runner import write_policy_files
+    from kilovla.policy_folder import write_rl_policy_files as write_policy_files
 
     want = json.loads((trained["policy"] / "policy.json").read_text())["demonstration_seeds"]
     assert want == {REACH: [collect_seed(0, 0, 0), collect_seed(0, 0, 1)]}
     quantize_policy_folder(trained["policy"], tmp_path / "fp8", Fp8Config(), latency_repeats=1)
     assert json.loads((tmp_path / "fp8" / "policy.json").read_text())["demonstration_seeds"] == want
-    assert load_checkpoint_policy(tmp_path / "fp8").meta.demonstration_seeds == want
+    assert load_policy_folder(tmp_path / "fp8").meta.demonstration_seeds == want
     (tmp_path / "rl").mkdir()
     write_policy_files(tmp_path / "rl", {"model": {}}, json.loads((trained["policy"] / "policy.json").read_text()))
     assert json.loads((tmp_path / "rl" / "policy.json").read_text())["demonstration_seeds"] == want

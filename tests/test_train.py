@@ -131,14 +131,14 @@ def test_resuming_on_two_ranks_keeps_the_global_batches(dataset, reference, tmp_
 
 
 def test_a_sharded_checkpoint_resumes_on_another_world_size(dataset, reference, tmp_path):
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
 
     run = tmp_path / "sharded"
     killed = _run([*_args(dataset, run), "--parallel.strategy=fsdp"], nproc=2, env={"KILOVLA_FAULT_AFTER_STEP": "2"})
     assert killed.returncode != 0
     step2 = run / "checkpoints" / "step_000002"
     assert (step2 / "state" / ".metadata").is_file() and not (step2 / "model.safetensors").exists()
-    policy = load_checkpoint_policy(step2)  # a sharded checkpoint is still a policy folder
+    policy = load_policy_folder(step2)  # a sharded checkpoint is still a policy folder
     assert policy.action_dim == 6
     proc = _run([*_args(dataset, run), "--resume", "auto"])  # 2 ranks -> 1
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -87,7 +87,7 @@ def _latency_3b_cuda(repeats: int) -> Row:
 def _scope_all(policy, out: Path, dataset, size: dict, report: dict, evaluation, ema: bool) -> tuple[dict, list[Row]]:
     """The demo policy quantized with `--scope all`: its size on disk and the same quality rows, its
     closed-loop success on the seeds the default folder's comparison used (torch seeded alike)."""
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
 
     folder = out / "fp8-policy-all"
     shutil.rmtree(folder, ignore_errors=True)
@@ -108,7 +108,7 @@ def _scope_all(policy, out: Path, dataset, size: dict, report: dict, evaluation,
     c = report.get("closed_loop")
     if evaluation is not None and c is not None:
         torch.manual_seed(0)  # as closed_loop_summary seeds each policy's evaluation
-        result = evaluation(load_checkpoint_policy(folder))
+        result = evaluation(load_policy_folder(folder))
         quantized = {"overall": result["overall_success_rate"],
                      "per_task": {t: r["success_rate"] for t, r in result["per_task"].items()},
                      "episodes_per_task": result["episodes_per_task"]}

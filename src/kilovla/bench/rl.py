@@ -222,7 +222,9 @@ def closed_loop(policy: str, episodes: int, tasks=WEAK_TASKS) -> dict:
 
 
 def _resolution(policy: str) -> int:
-    size = json.loads((Path(policy) / "policy.json").read_text()).get("image_size")
+    from kilovla.policy_folder import PolicyFolder
+
+    size = PolicyFolder.open(policy).meta.image_size
     return max(size) if size else 64
 
 

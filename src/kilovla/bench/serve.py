@@ -72,15 +72,10 @@ QUICK = ServeBenchSize(duration_s=6.0, repeats=1, warmup=2, load_requests=256, l
 def state_widths(policy: str | Path) -> dict[str, int]:
     """Each state key's width, from the folder's policy.json stats (the metadata frame gives only
     their sum, `state_dim`): {"observation.state": 4, "observation.environment_state": 39}."""
-    meta = json.loads((Path(policy) / "policy.json").read_text())
-    widths = {}
-    for key in meta["state_keys"]:
-        stats = meta.get("stats", {}).get(key, {})
-        found = next((stats[n] for n in ("mean", "q01", "min") if n in stats), None)
-        if found is None:
-            raise KilovlaError(f"{policy}/policy.json: no stats for state key {key!r}")
-        widths[key] = int(np.asarray(found).size)
-    return widths
+    from kilovla.policy_folder import PolicyFolder
+
+    declared = PolicyFolder.open(policy).interface()
+    return dict(zip(declared.state_keys, declared.checked_state_widths()))
 
 
 def observations(metadata: dict, widths: dict[str, int], rng: np.random.Generator, n: int) -> list[dict]:

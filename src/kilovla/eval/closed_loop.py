@@ -200,9 +200,8 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
     from kilovla.models.residual import ResidualPolicyModel
 
     model = getattr(policy, "model", None)
-    if isinstance(model, ResidualPolicyModel) and n_action_steps and n_action_steps > model.actor.spec.steps:
-        raise KilovlaError(f"n_action_steps {n_action_steps}: the policy's residual corrects only the first "
-                           f"{model.actor.spec.steps} actions of a chunk; evaluate with {model.actor.spec.steps} or fewer")
+    if isinstance(model, ResidualPolicyModel) and n_action_steps:
+        model.actor.spec.check_steps(n_action_steps, f"n_action_steps {n_action_steps}", training=False)
     shared = check_unseen_seeds(getattr(getattr(policy, "meta", None), "demonstration_seeds", None), tasks, seed,
                                 episodes, env=env, allow_seen_seeds=allow_seen_seeds,
                                 who=f"policy {getattr(policy, 'name', policy)}")
@@ -370,21 +369,24 @@ def write_report(out: Path, report: dict) -> None:
 DEFAULT_RESOLUTION = 96
 
 
-def render_resolution(policy, asked: int | None) -> int:
-    """The camera resolution to evaluate `policy` at: the size of its training frames (policy.json's
-    image_size) unless `asked` says otherwise, with a warning when the two differ, or when a
-    learned policy does not record it (folders of earlier versions: DEFAULT_RESOLUTION)."""
-    meta = getattr(policy, "meta", None)
-    size = getattr(meta, "image_size", None)
+def render_resolution(policy, asked: int | None, flag: str = "--resolution") -> int:
+    """The camera resolution to evaluate or train `policy` (a loaded policy, or a folder's `Interface`) at:
+    the size of its training frames (policy.json's image_size) unless `asked` (the `flag`) says otherwise,
+    with a warning when the two differ, or when a learned policy does not record it (folders of earlier
+    versions: DEFAULT_RESOLUTION). Scripted, random and served policies render at DEFAULT_RESOLUTION."""
+    from kilovla.policy_folder import Interface
+
+    declared = policy if isinstance(policy, Interface) else getattr(policy, "meta", None)
+    size = getattr(declared, "image_size", None)
     trained = max(size) if size else None
     if asked is None:
-        if trained is None and meta is not None:
+        if trained is None and declared is not None:
             log.warning("%s: policy.json does not record its training resolution; rendering at %d px "
-                        "(--resolution sets it)", policy.name, DEFAULT_RESOLUTION)
+                        "(%s sets it)", policy.name, DEFAULT_RESOLUTION, flag)
         return trained or DEFAULT_RESOLUTION
     if trained is not None and asked != trained:
-        log.warning("rendering at %d px, but %s was trained on %dx%d frames (policy.json image_size)",
-                    asked, policy.name, *size)
+        log.warning("rendering at %d px, but %s was trained on %dx%d frames (policy.json image_size; %s asked)",
+                    asked, policy.name, *size, flag)
     return asked
 
 
@@ -410,9 +412,6 @@ def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim:
     path = policy_folder(spec)
     if not path.exists():
         raise KilovlaError(f"--policy {spec!r}: not 'scripted', 'random', a ws:// URL or an existing checkpoint path")
-    try:
-        from kilovla.models.policy import load_checkpoint_policy  # the model layer provides learned policies
-    except ImportError:
-        raise KilovlaError(f"{path}: loading learned checkpoints needs kilovla's model layer, which this "
-                           "install does not have yet") from None
-    return load_checkpoint_policy(policy_folder(path), ema=ema)
+    from kilovla.policy_folder import PolicyFolder
+
+    return PolicyFolder.open(policy_folder(path)).load(ema=ema)

@@ -4,7 +4,7 @@ kilovla's own keys are openpi's PyTorch port's for pi0 / pi0.5 (``paligemma_with
 ``action_in_proj``, ...) and NVIDIA's for GR00T N1.5 (``backbone.eagle_model.*``, ``action_head.*``).
 The published layouts map onto them (`detect_layout`, `map_keys`):
 
-- ``kilovla``: ``kilovla train`` / ``VLAPolicy.save``; kilovla's keys, model.safetensors + policy.json.
+- ``kilovla``: ``kilovla train`` / ``policy_folder.save_policy``; kilovla's keys, model.safetensors + policy.json.
 - ``openpi``: openpi's JAX -> PyTorch converter; unprefixed keys, bf16 by default, config.json.
 - ``lerobot``: LeRobot's pi0 / pi05 policies; every key prefixed ``model.``, config.json.
 - ``lerobot-groot``: LeRobot's GR00T policy; every key prefixed ``_groot_model.``.
@@ -28,8 +28,9 @@ meta device is materialised first), cast to the parameters' dtype: a 3B model ne
 memory, and a bf16 file gives an fp32 model when the model is fp32.
 
 Which entry point: `load_weights(model, path)` / `load_checkpoint` for any layout (streaming,
-strict); `open_init_checkpoint` for ``--policy.init_from`` (also refuses quantized folders);
-`read_safetensors` when a whole state dict is wanted (resuming kilovla's own training checkpoints).
+strict); `Checkpoint.open` for ``--policy.init_from`` (train/build.open_init_checkpoint first
+refuses quantized policy folders and LoRA adapters); `read_safetensors` when a whole state dict is
+wanted (resuming kilovla's own training checkpoints).
 """
 
 from __future__ import annotations
@@ -353,48 +354,6 @@ def is_sharded_policy_folder(path: str | Path) -> bool:
     path = Path(path).expanduser()
     return (path.is_dir() and not (path / "model.safetensors").exists()
             and not (path / "model.safetensors.index.json").exists() and (path / "state").is_dir())
-
-
-def policy_folder_model(path: str | Path) -> tuple[str, dict] | None:
-    """The preset and model overrides a kilovla policy folder was trained with (its policy.json), which a
-    run starting from its weights builds its model from; None for a path that is not a kilovla policy
-    folder (an openpi, LeRobot or Isaac-GR00T checkpoint, a file).
-
-        runs/a/checkpoints/step_000100 -> ("pi05-tiny", {"chunk_size": 4, "lm": {"width": 96}})
-    """
-    meta = Path(path).expanduser() / "policy.json"
-    if not meta.is_file():
-        return None
-    try:
-        fields = json.loads(meta.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{meta}: not a policy description: {e}") from None
-    if not isinstance(fields, dict) or not isinstance(fields.get("preset"), str):
-        return None
-    overrides = fields.get("overrides") or {}
-    if not isinstance(overrides, dict):
-        raise CheckpointError(f"{meta}: overrides must be a mapping of model config fields, not {overrides!r}")
-    return fields["preset"], overrides
-
-
-def open_init_checkpoint(path: str | Path) -> Checkpoint:
-    """`--policy.init_from`: a policy folder, an openpi export, a LeRobot or Isaac-GR00T folder, or a file.
-    A quantized policy folder is refused: training starts from float weights."""
-    path = Path(path).expanduser()
-    meta = path / "policy.json"
-    if meta.is_file():
-        try:
-            fields = json.loads(meta.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{meta}: not a policy description: {e}") from None
-        if isinstance(fields, dict) and "quantization_config" in fields:
-            raise CheckpointError(f"{path}: a quantized policy folder (policy.json has a quantization_config); "
-                                  "fine-tuning starts from float weights: use the folder it was quantized from")
-        lora = fields.get("lora") if isinstance(fields, dict) else None
-        if isinstance(lora, dict) and not lora.get("merged") and not (path / "model.safetensors").is_file():
-            raise CheckpointError(f"{path}: a LoRA run's adapters on their base, not weights to start from: use the "
-                                  "run's final checkpoint (merged), or resume the run with --resume")
-    return Checkpoint.open(path)
 
 
 @contextlib.contextmanager

@@ -51,6 +51,17 @@ class ResidualSpec:
         """Dims of the executed chunk (steps x action_dim): what the actor reads of the base, the critics of the action."""
         return self.steps * self.action_dim
 
+    def check_steps(self, n_action_steps: int, who: str, training: bool) -> None:
+        """The actions run per chunk against the `steps` this residual corrects: training it on needs the same
+        count (its replay and critics are of chunks of that many actions); running it, at most that many
+        (later actions would go uncorrected)."""
+        if training and n_action_steps != self.steps:
+            raise KilovlaError(f"{who}: its residual corrects {self.steps} actions per chunk; rollout.n_action_steps "
+                               f"asks for {n_action_steps}")
+        if not training and n_action_steps > self.steps:
+            raise KilovlaError(f"{who}: the policy's residual corrects only the first {self.steps} actions of a chunk; "
+                               f"evaluate with {self.steps} or fewer")
+
     def to_json(self) -> dict:
         return {"algorithm": "residual_sac", **asdict(self)}
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -196,11 +197,14 @@ _CANDIDATES = {
 }
 
 
-def find_tokenizer(kind: str, explicit: str | None, near: list[Path] = (), preset: str = "") -> str:
+def find_tokenizer(kind: str, explicit: str | None, near: list[Path] = (), preset: str = "",
+                   recorded: Callable[[], str | None] | None = None) -> str:
     """The tokenizer a policy uses, as "byte" or an absolute path.
 
-    `explicit` (``--policy.tokenizer``) wins; else a ``kind`` tokenizer is looked for in the folders
-    `near` (the checkpoint training starts from); a family that needs one and finds none stops here.
+    `explicit` (``--policy.tokenizer``) wins; else, for a family that needs one, the tokenizer the kilovla
+    policy folder training starts from names (`recorded()`, kilovla.policy_folder), else a ``kind``
+    tokenizer is looked for in the folders `near` (the checkpoint training starts from); a family that
+    needs one and finds none stops here.
     """
     if kind not in TOKENIZER_KINDS:
         raise KilovlaError(f"tokenizer kind must be one of {TOKENIZER_KINDS}, not {kind!r}")
@@ -213,13 +217,13 @@ def find_tokenizer(kind: str, explicit: str | None, near: list[Path] = (), prese
         return str(path.resolve())
     if kind == "byte":
         return "byte"
+    found = recorded() if recorded is not None else None
+    if found is not None:
+        return found
     looked = []
     for folder in near:
         folder = Path(folder)
         folder = folder if folder.is_dir() else folder.parent
-        recorded = _recorded_tokenizer(folder)
-        if recorded is not None:
-            return recorded
         for rel in _CANDIDATES[kind]:
             candidate = folder / rel
             looked.append(str(candidate))
@@ -231,21 +235,6 @@ def find_tokenizer(kind: str, explicit: str | None, near: list[Path] = (), prese
     where = f"; looked for {', '.join(looked)}" if looked else ""
     raise KilovlaError(f"{preset or 'this policy'} needs {what}: pass --policy.tokenizer=PATH or put it next to "
                        f"the checkpoint in --policy.init_from (nothing is downloaded){where}")
-
-
-def _recorded_tokenizer(folder: Path) -> str | None:
-    """The tokenizer a kilovla policy folder's policy.json names (relative to the folder or absolute)."""
-    meta = folder / "policy.json"
-    try:
-        spec = json.loads(meta.read_text()).get("tokenizer", "byte") if meta.is_file() else "byte"
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    if spec == "byte":
-        return None
-    path = folder / spec
-    if not path.exists():
-        raise KilovlaError(f"{meta}: its tokenizer {spec} is not there; pass --policy.tokenizer=PATH")
-    return str(path.resolve())
 
 
 # -- prompts -----------------------------------------------------------------------------------------

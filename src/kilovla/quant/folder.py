@@ -23,73 +23,42 @@ existing DIR is never touched.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from kilovla.errors import KilovlaError
+from kilovla.policy_folder import POLICY_JSON, Interface, PolicyFolder, save_policy, state_width
 from kilovla.quant import report as qreport
 from kilovla.staging import remove_stale_staging, staging_path
 from kilovla.quant.fp8 import (KERNELS, Fp8BlockLinear, Fp8Config, Fp8Weights, checkpoint_bytes, quantization_config,
                                quantize_model, select_layers, set_kernel)
 
-if TYPE_CHECKING:
-    from kilovla.models.processor import PolicyMeta
-
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyDescription:
-    """What `eval.closed_loop.check_compatible` compares with an env, read from policy.json alone (no
-    weights), so a policy that cannot run in the env is refused before any quantization work."""
-
-    name: str
-    action_dim: int
-    state_dim: int
-    state_keys: list
-    cameras: tuple
-
-
-def read_source(source: str | Path) -> PolicyMeta:
-    """The source folder's policy description, checked: policy.json a JSON object without a
-    `quantization_config`, and weights (model.safetensors, or an FSDP run's `state/` shards)."""
-    from kilovla.models.processor import PolicyMeta
-
+def read_source(source: str | Path) -> PolicyFolder:
+    """The source folder, checked: a policy folder with float weights (model.safetensors, an FSDP run's
+    `state/` shards, or a LoRA run's adapters)."""
     source = Path(source)
-    meta = source / "policy.json"
-    if not meta.is_file():
+    if not (source / POLICY_JSON).is_file():
         raise KilovlaError(f"{source}: not a policy folder (needs policy.json and model.safetensors)")
-    try:
-        fields = json.loads(meta.read_text())
-    except json.JSONDecodeError as e:
-        raise KilovlaError(f"{meta}: not JSON: {e}") from None
-    if not isinstance(fields, dict):
-        raise KilovlaError(f"{meta}: not a policy description: expected a JSON object, found a {type(fields).__name__}")
-    if "quantization_config" in fields:
-        raise KilovlaError(f"{source}: already quantized (policy.json has a quantization_config); "
-                           "quantize the unquantized policy it came from")
+    folder = PolicyFolder.open(source)
+    folder.refuse_quantized("quantize the unquantized policy it came from", said="already quantized")
     if not any((source / name).exists() for name in ("model.safetensors", "state", "adapter.safetensors")):
         raise KilovlaError(f"{source}: no weights (needs model.safetensors, an FSDP checkpoint's state/ shards, or a "
                            "LoRA run's adapter.safetensors)")
-    try:
-        return PolicyMeta(**fields)
-    except TypeError as e:
-        raise KilovlaError(f"{meta}: not a policy description: {e}") from None
+    return folder
 
 
-def describe_source(source: str | Path) -> PolicyDescription:
-    """The source policy's dims and cameras, as a loaded `VLAPolicy` would declare them."""
-    meta = read_source(source)
-    return PolicyDescription(meta.preset, meta.action_dim, meta.state_dim, list(meta.state_keys),
-                             tuple(k.removeprefix("observation.images.") for k in meta.camera_map))
+def describe_source(source: str | Path) -> Interface:
+    """The source policy's declared interface (dims, cameras), read from policy.json alone (no weights), so
+    a policy that cannot run in the env is refused before any quantization work."""
+    return read_source(source).interface()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -148,7 +117,7 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     run for the measurements, so it decides which FP8 kernels `kernel` can get. Everything that can be
     checked without the weights is checked first; nothing is written on any refusal.
     """
-    from kilovla.models.policy import VLAPolicy, load_checkpoint_policy
+    from kilovla.models.policy import VLAPolicy
     from kilovla.models.presets import build_model
     from kilovla.models.residual import RESIDUAL_FILE, base_of
 
@@ -160,15 +129,16 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     if kernel not in KERNELS:
         raise KilovlaError(f"--kernel must be one of {KERNELS}, not {kernel!r}")
     _check_out(out)
-    meta = read_source(source)
+    folder = read_source(source)
+    meta = folder.meta
     select_layers(build_model(meta.preset, device="meta", **meta.overrides), config.include, config.exclude, config.scope)
     if dataset is not None:
         check_dataset(dataset, meta)
-    if ema and not any((source / name).is_file() for name in ("ema.safetensors", "adapter_ema.safetensors")):
+    if ema and not folder.has_ema:
         raise KilovlaError(f"--ema: {source / 'ema.safetensors'} is missing; only runs with ema_decay write EMA weights")
     device = resolve_device(device)
 
-    baseline = load_checkpoint_policy(source, device=device, ema=ema)
+    baseline = folder.load(device, ema=ema)
     # an RL folder's base is quantized; its residual actor (a few small layers) is carried over as it is
     model = copy.deepcopy(base_of(baseline.model)).cpu()
     weight_sqnr = quantize_model(model, config)  # non-finite weights stop here, before anything is written
@@ -179,12 +149,12 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     tmp = staging_path(out)
     try:
         tmp.mkdir()
-        _write_folder(tmp, VLAPolicy(model, baseline.meta, root=source), config, list(weight_sqnr))
+        qconfig = _write_folder(tmp, VLAPolicy(model, baseline.meta, root=source), config, list(weight_sqnr))
         if baseline.meta.residual is not None:
             shutil.copy2(source / RESIDUAL_FILE, tmp / RESIDUAL_FILE)
-        quantized = load_checkpoint_policy(tmp, device=device)  # what is on disk is what gets measured
+        quantized = PolicyFolder.open(tmp).load(device)  # what is on disk is what gets measured
         set_kernel(quantized.model, kernel)
-        report = _report(source, out, tmp, baseline, quantized, config, weight_sqnr, dataset=dataset, samples=samples,
+        report = _report(source, out, tmp, qconfig, baseline, quantized, config, weight_sqnr, dataset=dataset, samples=samples,
                          evaluation=evaluation, seed=seed, latency_repeats=latency_repeats)
         report["weights"] = "ema" if ema else "last"
         qreport.write_report(tmp, report)
@@ -200,22 +170,18 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     return report
 
 
-def _write_folder(folder: Path, policy, config: Fp8Config, layers: list[str]) -> None:
-    """A policy folder as `VLAPolicy.save` writes it (tokenizer files included), then the kept layers
-    re-stored in `config.dtype` and the `quantization_config` added to policy.json."""
-    from kilovla.models.checkpoints import save_safetensors
-
-    policy.save(folder)
+def _write_folder(folder: Path, policy, config: Fp8Config, layers: list[str]) -> dict:
+    """A policy folder as `save_policy` writes it (tokenizer files included), the kept layers stored in
+    `config.dtype` and policy.json with the `quantization_config`, which is returned as written."""
     kept = _DTYPES[config.dtype]
     fp8_keys = {f"{n}.{b}" for n, m in policy.model.named_modules() if isinstance(m, Fp8Weights)
                 for b in (m.PAYLOAD, m.PAYLOAD + "_scale_inv")}
     state = {k: v if k in fp8_keys or not v.is_floating_point() else v.to(kept)
              for k, v in policy.model.state_dict().items()}
-    save_safetensors(state, folder / "model.safetensors",
-                     metadata={"format": "pt", "quant_method": "fp8", "weight_block_size": str(config.block)})
-    fields = json.loads((folder / "policy.json").read_text())
-    fields["quantization_config"] = quantization_config(config, layers, policy.model)
-    (folder / "policy.json").write_text(json.dumps(fields, indent=2))
+    qconfig = quantization_config(config, layers, policy.model)
+    save_policy(policy, folder, state=state, quantization=qconfig,
+                metadata={"format": "pt", "quant_method": "fp8", "weight_block_size": str(config.block)})
+    return PolicyFolder.open(folder).quantization  # as it reads back (JSON lists, not tuples)
 
 
 def _latency_batch(policy, rows: list[dict] | None):
@@ -229,19 +195,17 @@ def _latency_batch(policy, rows: list[dict] | None):
     for key in policy.meta.camera_map:
         obs[key] = np.zeros((1, 64, 64, 3), np.uint8)
     for key in policy.meta.state_keys:
-        width = len(policy.meta.stats[key]["q01"] if "q01" in policy.meta.stats[key] else policy.meta.stats[key]["mean"])
-        obs[key] = np.zeros((1, width), np.float32)
+        obs[key] = np.zeros((1, state_width(policy.meta, key)), np.float32)  # a loaded policy has its stats
     return policy.processor.observation_batch(obs)
 
 
-def _report(source, out, folder, baseline, quantized, config, weight_sqnr, *, dataset, samples, evaluation, seed,
+def _report(source, out, folder, qconfig, baseline, quantized, config, weight_sqnr, *, dataset, samples, evaluation, seed,
             latency_repeats) -> dict:
     from kilovla.models.residual import base_of
 
     sizes = qreport.folder_bytes(source, baseline.model.state_dict(), folder, folder)
     counts = checkpoint_bytes(base_of(baseline.model), list(weight_sqnr), config.block)
     sizes.update(fp8_params=counts["fp8_params"], total_params=counts["total_params"])
-    qconfig = json.loads((folder / "policy.json").read_text())["quantization_config"]
     report = {"source": str(source), "out": str(out), "quantization_config": qconfig,
               "size": sizes, "layers": {n: {"weight_sqnr_db": s} for n, s in weight_sqnr.items()}}
     rows = None

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kilovla.models.policy import load_checkpoint_policy
+from kilovla.policy_folder import load_policy_folder
 from kilovla.models.processor import PolicyMeta, Processor
 from kilovla.models.residual import pooled_width
 from kilovla.errors import KilovlaError
@@ -116,7 +116,7 @@ def load_actor_critic(policy_dir: str, sde: FlowSDE, n_action_steps: int | None 
 
     from kilovla.models.checkpoints import read_safetensors
 
-    policy = load_checkpoint_policy(policy_dir, device=device)
+    policy = load_policy_folder(policy_dir, device=device)
     steps = n_action_steps or policy.meta.n_action_steps or 1
     model = ActorCritic(policy.model.train(), policy.meta, sde, steps).to(device)
     head = Path(policy_dir) / "value_head.safetensors"
@@ -140,7 +140,7 @@ def load_agent(policy_dir: str, algo, sde: FlowSDE, n_action_steps: int | None =
 
 def frozen_policy(policy_dir: str) -> nn.Module:
     """A policy folder's VLA with no gradients, in eval mode: the reference of a KL penalty."""
-    return load_checkpoint_policy(policy_dir).model.eval().requires_grad_(False)
+    return load_policy_folder(policy_dir).model.eval().requires_grad_(False)
 
 
 def critic_width(config) -> int:

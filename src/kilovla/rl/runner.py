@@ -49,6 +49,7 @@ from kilovla.data.ray_cluster import connect_ray
 from kilovla.envs.seeds import rl_train_seed
 from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear, policy_folder
+from kilovla.policy_folder import POLICY_JSON, Interface, PolicyFolder, write_rl_policy_files
 from kilovla.progress import StepProgress
 from kilovla.rl.compute import ComputeSection
 from kilovla.rl.core.flow import FlowSDE
@@ -69,9 +70,6 @@ MAX_BUILD_FAILURES = 3  # a worker that dies this many times in a row before ans
 METAWORLD_MAX_REWARD = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]
 STARTUP_S = 120.0  # a new env worker's grace period to start before it counts as hung
 ALGORITHMS = ("ppo", "residual_sac", "filtered_bc")  # learner.algo.name
-# A checkpoint's weight files: (file, key prefixes of the learner's model, the prefix its keys lose)
-CHECKPOINT_FILES = (("model.safetensors", ("vla.",), "vla."), ("value_head.safetensors", ("value_head.",), "value_head."),
-                    ("residual.safetensors", ("actor.",), "actor."), ("critic.safetensors", ("critics.", "targets."), ""))
 
 
 @dataclass
@@ -163,32 +161,32 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     folder = ckpt.resolve(resume, run_dir, "rl_state.json") if resume else None
     use = claim_run_dir(run_dir, resume, folder)  # a run_dir holding a run continues only with --resume
     policy_dir = str(folder) if folder is not None else cfg.policy and str(policy_folder(cfg.policy))
-    if not policy_dir or not (Path(policy_dir) / "policy.json").is_file():
+    if not policy_dir or not (Path(policy_dir) / POLICY_JSON).is_file():
         raise KilovlaError(f"--policy {policy_dir or '(none)'}: not a policy folder (no policy.json)")
-    meta = json.loads((Path(policy_dir) / "policy.json").read_text())
-    if meta.get("quantization_config"):
-        raise KilovlaError(f"{policy_dir}: a quantized policy cannot be trained; start from the unquantized folder")
-    _check_policy_fits_env(cfg, policy_dir, meta)
+    source = PolicyFolder.open(policy_dir)
+    source.refuse_quantized("RL trains float weights: start from the folder it was quantized from")
+    declared = source.interface(name=policy_dir)
+    _check_policy_fits_env(cfg, declared)
     if cfg.eval.episodes:  # the final evaluation's seeds: refused now if demonstrations started there, not after the run
         from kilovla.eval.closed_loop import check_unseen_seeds
 
-        check_unseen_seeds(meta.get("demonstration_seeds"), list(cfg.eval.tasks or cfg.env.tasks), cfg.seed,
+        check_unseen_seeds(source.meta.demonstration_seeds, list(cfg.eval.tasks or cfg.env.tasks), cfg.seed,
                            cfg.eval.episodes, env=cfg.env.env, who=f"--policy {policy_dir}",
                            remedy="set another --seed (it also picks the final evaluation's), or --eval.episodes=0")
-    cfg = _with_policy_resolution(cfg, meta, policy_dir)
-    sde, n_action_steps = _sde(cfg, meta), cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
-    state = json.loads((folder / "rl_state.json").read_text()) if folder is not None else {}
+    cfg = _with_policy_resolution(cfg, declared)
+    sde, n_action_steps = _sde(cfg, source), cfg.rollout.n_action_steps or declared.n_action_steps or 1
+    state = source.rl_state() if folder is not None else {}  # resuming: `source` is the checkpoint
     state.setdefault("started_from", str(Path(policy_dir).resolve()))  # the KL's reference, whatever the cwd later
-    saved = _check_algorithm_fits(cfg, policy_dir, meta, n_action_steps, resuming=folder is not None)
+    saved = _check_algorithm_fits(cfg, source, n_action_steps, resuming=folder is not None)
     cfg = _with_saved_residual(cfg, saved, policy_dir)
     ppo = cfg.learner.algo.name == "ppo"
     if ppo and cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
-            and not (Path(state["started_from"]) / "policy.json").is_file():
+            and not (Path(state["started_from"]) / POLICY_JSON).is_file():
         raise KilovlaError(f"{folder}/rl_state.json: the policy this run began with, {state['started_from']}, is gone; "
                            f"it is the KL penalty's reference (learner.algo.kl_coef): put it back, or resume with "
                            f"--learner.algo.kl_coef=0")
     if ppo:
-        _check_value_head(policy_dir, meta, resuming=folder is not None)
+        _check_value_head(source, resuming=folder is not None)
     version = state.get("version", 0)
     if folder is not None and state.get("compute_model", "real") != cfg.compute.model:
         raise KilovlaError(f"{folder}: this run's model compute was {state.get('compute_model', 'real')!r} (its weights "
@@ -210,7 +208,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
     logger = MetricsLogger(run_dir, resume_step=version if folder is not None else None)
-    roles = _Roles(cfg, policy_dir, sde, n_action_steps, version, state, faults or {})
+    roles = _Roles(cfg, source, sde, n_action_steps, version, state, faults or {})
     try:
         if folder is not None:
             ray.get([lw.load_state.remote(ray.put(learner_state)) for lw in roles.learners])
@@ -295,29 +293,6 @@ def _check_resume_fits(cfg: RLConfig, folder: Path, state: dict) -> None:
         if rest["capacity"] != capacity:
             raise KilovlaError(f"{folder}: its replay buffer holds up to {rest['capacity']} entries; resume with "
                                f"--learner.algo.{section}.replay_size={rest['capacity']} (got {capacity})")
-
-
-def write_policy_files(folder: Path, learner_state: dict, meta: dict) -> None:
-    """A learner's state (`LearnerWorker.state`) as a policy folder: the weight files of CHECKPOINT_FILES,
-    the replay buffer of residual SAC or filtered BC (replay.safetensors), policy.json (with the residual's description) and
-    learner.pt, the rest (weights-only: tensors, numbers, dicts)."""
-    from kilovla.models.checkpoints import save_safetensors
-
-    learner_state, meta = dict(learner_state), dict(meta)
-    weights = learner_state.pop("model")
-    for name, prefixes, strip in CHECKPOINT_FILES:
-        part = {k.removeprefix(strip): v for k, v in weights.items() if k.startswith(prefixes)}
-        if part:
-            save_safetensors(part, folder / name)
-    if "replay" in learner_state:  # an off-policy learner's buffer: tensors, never pickled
-        save_safetensors(learner_state.pop("replay"), folder / "replay.safetensors")
-    if "residual" in learner_state:  # its weights are in the files above; resume reads them from there
-        meta["residual"] = learner_state["residual"]
-        meta["n_action_steps"] = learner_state["residual"]["steps"]  # eval and serve replan as it was trained
-    else:  # PPO keeps the weights in learner.pt too (resume reads them from there)
-        learner_state["model"] = weights
-    torch.save(learner_state, folder / "learner.pt")
-    (folder / "policy.json").write_text(json.dumps(meta, indent=2))
 
 
 def first_train_seed(run_seed: int, worker: int, env_slot: int) -> int:
@@ -472,25 +447,21 @@ def _check_sac(cfg: RLConfig) -> None:
             raise KilovlaError(f"{where} = {value} is out of range{hint}")
 
 
-def _check_algorithm_fits(cfg: RLConfig, policy_dir: str, meta: dict, n_action_steps: int,
+def _check_algorithm_fits(cfg: RLConfig, source: PolicyFolder, n_action_steps: int,
                           resuming: bool) -> ResidualSpec | None:
     """A residual folder trains on with residual SAC; PPO trains a plain VLA (it would drop the residual). A
-    residual folder's actor is loaded here, before Ray, so a missing or mismatched file is one line; returns
-    its spec (None for a folder without a residual)."""
-    if not meta.get("residual"):
+    residual folder's actor (not the VLA) is loaded here, before Ray, so a missing or mismatched file is one
+    line; returns its spec (None for a folder without a residual)."""
+    if not source.meta.residual:
         return None
     if cfg.learner.algo.name != "residual_sac":
-        raise KilovlaError(f"{policy_dir}: holds a residual actor (residual SAC); learner.algo.name={cfg.learner.algo.name} "
+        raise KilovlaError(f"{source.path}: holds a residual actor (residual SAC); learner.algo.name={cfg.learner.algo.name} "
                            f"trains the VLA itself and would drop it: continue with residual_sac, or start from the "
                            f"supervised folder it began with")
-    from kilovla.models.policy import load_checkpoint_policy
-
-    spec = load_checkpoint_policy(policy_dir).model.actor.spec
-    if spec.steps != n_action_steps:
-        raise KilovlaError(f"{policy_dir}: its residual corrects {spec.steps} actions per chunk; rollout.n_action_steps "
-                           f"asks for {n_action_steps}")
-    if not resuming and not (Path(policy_dir) / "critic.safetensors").is_file():
-        log.warning("%s/critic.safetensors: missing; the residual trains on with fresh critics", policy_dir)
+    spec = source.residual_actor().spec
+    spec.check_steps(n_action_steps, str(source.path), training=True)
+    if not resuming and not (source.path / "critic.safetensors").is_file():
+        log.warning("%s/critic.safetensors: missing; the residual trains on with fresh critics", source.path)
     return spec
 
 
@@ -502,38 +473,30 @@ def _privileged(cfg: RLConfig) -> tuple:
     return tuple(tuple(e) for e in spec.extra_state)
 
 
-def _check_value_head(policy_dir: str, meta: dict, resuming: bool) -> None:
+def _check_value_head(source: PolicyFolder, resuming: bool) -> None:
     """A value head written before the critic read the state, found here in the driver, before Ray: from
     --policy its critic is relearned (said here: the learners log inside Ray, out of the user's sight);
     a run cannot be resumed with it (its learner.pt holds the same head and its optimizer state)."""
-    from kilovla.models.presets import preset
     from kilovla.rl.policy import critic_width, stale_value_head
 
-    if not (Path(policy_dir) / "value_head.safetensors").is_file():
+    if not (source.path / "value_head.safetensors").is_file():
         return
-    note = stale_value_head(policy_dir, critic_width(preset(meta["preset"], **meta.get("overrides", {}))))
+    note = stale_value_head(str(source.path), critic_width(source.model_config()))
     if note and resuming:
-        raise KilovlaError(f"{note}: the run cannot be resumed; start a new run_dir with --policy {policy_dir}")
+        raise KilovlaError(f"{note}: the run cannot be resumed; start a new run_dir with --policy {source.path}")
     if note:
         log.warning("%s: starting a fresh critic", note)
 
 
-def _with_policy_resolution(cfg: RLConfig, meta: dict, policy_dir: str) -> RLConfig:
+def _with_policy_resolution(cfg: RLConfig, declared: Interface) -> RLConfig:
     """Rollouts and the final evaluation render at the policy's training resolution unless env.resolution
-    says otherwise (then a warning when the two differ)."""
-    from kilovla.eval.closed_loop import DEFAULT_RESOLUTION
+    says otherwise (eval's rule, `render_resolution`)."""
+    from kilovla.eval.closed_loop import render_resolution
 
-    size = meta.get("image_size")
-    trained = max(size) if size else None
-    if cfg.env.resolution is None:
-        if trained is None:
-            log.warning("%s/policy.json does not record its training resolution; rendering at %d px "
-                        "(--env.resolution sets it)", policy_dir, DEFAULT_RESOLUTION)
-        return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, resolution=trained or DEFAULT_RESOLUTION))
-    if trained is not None and cfg.env.resolution != trained:
-        log.warning("rendering at %d px (env.resolution), but %s was trained on %dx%d frames", cfg.env.resolution,
-                    policy_dir, *size)
-    return cfg
+    resolution = render_resolution(declared, cfg.env.resolution, "--env.resolution")
+    if resolution == cfg.env.resolution:
+        return cfg
+    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, resolution=resolution))
 
 
 def _with_saved_residual(cfg: RLConfig, saved: ResidualSpec | None, policy_dir: str) -> RLConfig:
@@ -555,10 +518,8 @@ def _with_saved_residual(cfg: RLConfig, saved: ResidualSpec | None, policy_dir: 
     return dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, algo=algo))
 
 
-def _check_policy_fits_env(cfg: RLConfig, policy_dir: str, meta: dict) -> None:
+def _check_policy_fits_env(cfg: RLConfig, declared: Interface) -> None:
     """The training tasks exist and the policy's action, state and cameras fit the env (from policy.json)."""
-    from types import SimpleNamespace
-
     from kilovla.envs.base import check_tasks, env_spec
     from kilovla.eval.closed_loop import check_compatible
 
@@ -569,9 +530,6 @@ def _check_policy_fits_env(cfg: RLConfig, policy_dir: str, meta: dict) -> None:
     elif not cfg.env.tasks:
         raise KilovlaError("env.tasks is empty: name the tasks to train on")
     spec = env_spec(cfg.env.env, cfg.env.tasks[0], cameras=tuple(cfg.env.cameras), max_steps=cfg.env.max_steps)
-    declared = SimpleNamespace(name=policy_dir, action_dim=meta.get("action_dim"), state_dim=meta.get("state_dim"),
-                               state_keys=list(meta.get("state_keys", ["observation.state"])),
-                               cameras=tuple(k.removeprefix("observation.images.") for k in meta.get("camera_map", {})))
     check_compatible(declared, spec)
 
 
@@ -580,11 +538,12 @@ def calibrate(cfg: RLConfig) -> ComputeSection:
     of the run's env (`calibrated.calibrate`), at batch sizes up to every env at once."""
     from kilovla.rl.calibrated import calibrate as measure, env_observation
 
-    meta = json.loads((Path(cfg.policy) / "policy.json").read_text())
-    cfg = _with_policy_resolution(cfg, meta, cfg.policy)
-    n_action_steps = cfg.rollout.n_action_steps or meta.get("n_action_steps") or 1
+    source = PolicyFolder.open(cfg.policy)
+    declared = source.interface(name=cfg.policy)
+    cfg = _with_policy_resolution(cfg, declared)
+    n_action_steps = cfg.rollout.n_action_steps or declared.n_action_steps or 1
     n_envs = cfg.env.workers * cfg.env.envs_per_worker
-    fitted = measure(cfg.policy, _sde(cfg, meta), n_action_steps, env_observation(cfg.env, cfg.seed), cfg.learner.algo,
+    fitted = measure(cfg.policy, _sde(cfg, source), n_action_steps, env_observation(cfg.env, cfg.seed), cfg.learner.algo,
                      batch_sizes=sorted({1, min(cfg.rollout.max_batch_size, n_envs), n_envs}),
                      micro_batches=sorted({min(4, cfg.learner.algo.micro_batch), cfg.learner.algo.micro_batch}),
                      threads=cfg.inference_threads)
@@ -592,10 +551,8 @@ def calibrate(cfg: RLConfig) -> ComputeSection:
     return fitted
 
 
-def _sde(cfg: RLConfig, meta: dict) -> FlowSDE:
-    from kilovla.models.presets import preset
-
-    steps = cfg.rollout.sde_steps or preset(meta["preset"], **meta.get("overrides", {})).num_inference_steps
+def _sde(cfg: RLConfig, source: PolicyFolder) -> FlowSDE:
+    steps = cfg.rollout.sde_steps or source.model_config().num_inference_steps
     return FlowSDE(steps=steps, noise_level=cfg.rollout.noise_level, stochastic=cfg.rollout.stochastic)
 
 
@@ -624,15 +581,16 @@ def _here():
 class _Roles:
     """The actors of a run, their creation, replacement and weight sync."""
 
-    def __init__(self, cfg: RLConfig, policy_dir: str, sde: FlowSDE, n_action_steps: int, version: int, state: dict,
-                 faults: dict):
+    def __init__(self, cfg: RLConfig, source: PolicyFolder, sde: FlowSDE, n_action_steps: int, version: int,
+                 state: dict, faults: dict):
         import ray
 
         from kilovla.rl import workers
 
+        policy_dir = str(source.path)
         self.cfg, self.policy_dir, self.faults = cfg, policy_dir, faults
         self.started_from = state["started_from"]  # the policy the run began with (the KL's reference)
-        self.meta = json.loads((Path(policy_dir) / "policy.json").read_text())
+        self.meta = source.meta
         self.privileged = _privileged(cfg)
         here = _here()
         self.server = workers.InferenceServer.options(scheduling_strategy=here).remote(
@@ -768,8 +726,6 @@ class _Roles:
         """A policy folder (model.safetensors, policy.json, value_head.safetensors) plus what resumes the run."""
         import ray
 
-        from kilovla.models.checkpoints import save_safetensors
-
         learner_state = ray.get(self.learners[0].state.remote())
         self.held = {"updates": int(learner_state.get("updates", 0)), "replay": replay_rows(learner_state)}
         self.refresh_seeds()
@@ -778,7 +734,7 @@ class _Roles:
         tmp = root / f".{folder.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write_policy_files(tmp, learner_state, self.meta)
+        write_rl_policy_files(tmp, learner_state, self.meta)
         state = {"version": version, "started_from": self.started_from, "compute_model": self.cfg.compute.model,
                  "next_seeds": {str(w): s for w, s in self.next_seed.items()},
                  "replaced_workers": self.replaced, **counters}

@@ -146,16 +146,14 @@ def load_residual_agent(policy_dir: str, n_action_steps: int, cfg: SACConfig, pr
     from pathlib import Path
 
     from kilovla.models.checkpoints import read_safetensors
-    from kilovla.models.policy import load_checkpoint_policy
+    from kilovla.policy_folder import load_policy_folder
     from kilovla.models.residual import ResidualPolicyModel
 
-    policy = load_checkpoint_policy(policy_dir)
+    policy = load_policy_folder(policy_dir)
     model, actor = policy.model, None
     if isinstance(model, ResidualPolicyModel):
         model, actor = model.base, model.actor
-        if actor.spec.steps != min(n_action_steps, horizon(model.config)):
-            raise KilovlaError(f"{policy_dir}: its residual corrects {actor.spec.steps} actions per chunk; "
-                               f"rollout.n_action_steps asks for {n_action_steps}")
+        actor.spec.check_steps(min(n_action_steps, horizon(model.config)), policy_dir, training=True)
     spec = actor.spec if actor is not None else residual_spec(model, policy.meta, n_action_steps, cfg)
     agent = ResidualAgent(model, policy.meta, spec, privileged if cfg.privileged else (), cfg.hidden, cfg.depth, actor)
     critics = Path(policy_dir) / "critic.safetensors"

@@ -26,6 +26,7 @@ from kilovla.folders import policy_folder
 from kilovla.models.images import resize_images
 from kilovla.models.pi05 import Pi05Model
 from kilovla.models.rtc import prefix_weights, sample_actions_rtc
+from kilovla.policy_folder import Interface, PolicyFolder
 from kilovla.serve.graphs import GraphedSampler
 from kilovla.serve.protocol import PolicyInputs
 
@@ -65,6 +66,7 @@ class PolicyEngine:
             log.warning("bf16 on %s: autocast there is slower than fp32 on most CPUs", self.device)
         self.sampler = GraphedSampler(policy.model, self.device, enabled=cuda_graphs)
         self.model, self.processor, self.meta = policy.model, policy.processor, policy.meta
+        self.interface = Interface.of(self.meta, where=f"{folder}/policy.json")
         cfg = self.model.config
         self.horizon = getattr(cfg, "chunk_size", None) or cfg.action_horizon
         self.width = cfg.max_action_dim
@@ -81,28 +83,16 @@ class PolicyEngine:
     @classmethod
     def load(cls, folder: str | Path, device: str = "auto", ema: bool = False, precision: str = "auto",
              cuda_graphs: bool = True) -> PolicyEngine:
-        from kilovla.eval.closed_loop import load_policy
-
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         folder = policy_folder(folder)  # a run folder or its checkpoints/latest: the newest checkpoint
         if not (Path(folder) / "policy.json").is_file():
             raise KilovlaError(f"--policy {folder}: not a policy folder (no policy.json)")
-        policy = load_policy(str(folder), ema=ema)
-        policy.model.to(device)
-        policy.device = torch.device(device)
+        policy = PolicyFolder.open(folder).load(device, ema=ema)
         return cls(policy, str(folder), device, precision=precision, cuda_graphs=cuda_graphs)
 
     def inputs(self) -> PolicyInputs:
-        widths = [int(np.prod(self._state_shape(k))) for k in self.meta.state_keys]
-        return PolicyInputs(cameras=list(self.meta.camera_map), state_keys=list(self.meta.state_keys),
-                            state_widths=widths)
-
-    def _state_shape(self, key: str) -> tuple[int, ...]:
-        stats = self.meta.stats.get(key, {})
-        for name in ("mean", "q01", "min"):
-            if name in stats:
-                return np.asarray(stats[name]).shape
-        raise KilovlaError(f"{self.folder}/policy.json: no stats for state key {key!r}")
+        return PolicyInputs(cameras=list(self.interface.camera_keys), state_keys=list(self.interface.state_keys),
+                            state_widths=list(self.interface.checked_state_widths()))
 
     def metadata(self) -> dict:
         """The frame a client gets on connect (openpi's `get_server_metadata()`)."""

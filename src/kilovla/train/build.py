@@ -14,7 +14,6 @@ LoRA or a parallelism plan), in the order `Trainer.__init__` calls them:
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +25,12 @@ from kilovla.data import DataLake, GlobalBatchPlan, LakeSource, PlanConfig, Toke
 from kilovla.data.meta import DatasetMeta
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import resolve_backend
-from kilovla.models.checkpoints import (is_sharded_policy_folder, load_sharded, load_weights, open_init_checkpoint,
-                                        plan_load)
+from kilovla.models.checkpoints import Checkpoint, is_sharded_policy_folder, load_sharded, load_weights, plan_load
 from kilovla.models.groot import GrootConfig, GrootModel
 from kilovla.models.presets import build_model, policy_defaults
 from kilovla.models.processor import STATS_FOR, PolicyMeta, Processor
 from kilovla.models.tokenize import find_tokenizer
+from kilovla.policy_folder import Interface, PolicyFolder
 from kilovla.train.config import TrainConfig, with_init_model
 
 log = logging.getLogger(__name__)
@@ -41,8 +40,6 @@ def check_evaluation(cfg: TrainConfig, meta: PolicyMeta) -> None:
     """The checks the first closed-loop evaluation would make (tasks known, policy fits the env's
     action, state and cameras, no evaluation seed a demonstration started from), made at start so a
     mismatch costs no training."""
-    from types import SimpleNamespace
-
     from kilovla.envs.base import check_tasks, env_spec
     from kilovla.eval.closed_loop import check_compatible, check_unseen_seeds
 
@@ -59,10 +56,7 @@ def check_evaluation(cfg: TrainConfig, meta: PolicyMeta) -> None:
     cameras = inspect.signature(evaluate).parameters["cameras"].default  # what _evaluate will run with
     spec = env_spec(cfg.eval.env, cfg.eval.tasks[0], cameras=cameras,
                     **({"max_steps": cfg.eval.max_steps} if cfg.eval.max_steps else {}))
-    policy = SimpleNamespace(name=meta.preset, action_dim=meta.action_dim, state_dim=meta.state_dim,
-                             state_keys=list(meta.state_keys),
-                             cameras=tuple(k.removeprefix("observation.images.") for k in meta.camera_map))
-    check_compatible(policy, spec)
+    check_compatible(Interface.of(meta), spec)
     check_unseen_seeds(meta.demonstration_seeds, list(cfg.eval.tasks), cfg.seed, cfg.eval.episodes, env=cfg.eval.env,
                        who="eval.every's evaluation", remedy="set another --seed (it also picks the evaluation's)")
 
@@ -100,11 +94,12 @@ def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
     d, p = policy_defaults(cfg.policy.preset), cfg.policy
     pick = lambda mine, default: default if mine is None else mine  # noqa: E731
     near = [Path(p.init_from).expanduser()] if p.init_from else []
+    start = PolicyFolder.find(near[0] if near[0].is_dir() else near[0].parent) if near else None
     policy = dataclasses.replace(
         p, state_keys=pick(p.state_keys, ["observation.state"]), normalization=pick(p.normalization, d.normalization),
         state_in_prompt=pick(p.state_in_prompt, d.state_in_prompt), embodiment_id=pick(p.embodiment_id, d.embodiment_id),
         image_resize=pick(p.image_resize, d.image_resize), augmentation=pick(p.augmentation, d.augmentation.to_dict()),
-        tokenizer=find_tokenizer(d.tokenizer, p.tokenizer, near, p.preset))
+        tokenizer=find_tokenizer(d.tokenizer, p.tokenizer, near, p.preset, start and start.recorded_tokenizer))
     return dataclasses.replace(cfg, policy=policy, freeze_vision=pick(cfg.freeze_vision, d.freeze_vision),
                                freeze_vlm=pick(cfg.freeze_vlm, d.freeze_vlm))
 
@@ -181,11 +176,8 @@ def demonstration_seeds(metas: list[DatasetMeta], init_from: dict | None = None)
         (unknown.append(str(m.root)) if seeds is None else per_dataset.append(seeds))
     if init_from is not None and init_from.get("layout") == "kilovla":
         path = Path(init_from["path"])
-        meta_path = (path if path.is_dir() else path.parent) / "policy.json"
-        try:
-            inherited = json.loads(meta_path.read_text()).get("demonstration_seeds") if meta_path.is_file() else None
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise KilovlaError(f"{meta_path}: not a policy description: {e}") from None
+        source = PolicyFolder.find(path if path.is_dir() else path.parent)
+        inherited = source.meta.demonstration_seeds if source is not None else None
         (unknown.append(f"policy.init_from={path}") if inherited is None else per_dataset.append(inherited))
     if unknown:
         if per_dataset:  # all unknown is the plain case of data without seeds: nothing was dropped
@@ -222,6 +214,20 @@ class ModelStart:
     model: torch.nn.Module | None = None
     init: object | None = None  # models.checkpoints.InitCheckpoint
     record: dict | None = None
+
+
+def open_init_checkpoint(path: str | Path) -> Checkpoint:
+    """`--policy.init_from`: a policy folder, an openpi export, a LeRobot or Isaac-GR00T folder, or a file.
+    A quantized policy folder is refused (training starts from float weights), and so are a LoRA run's
+    unmerged adapters."""
+    path = Path(path).expanduser()
+    source = PolicyFolder.find(path)
+    if source is not None:
+        source.refuse_quantized("fine-tuning starts from float weights: use the folder it was quantized from")
+        if source.adapters and not (path / "model.safetensors").is_file():
+            raise KilovlaError(f"{path}: a LoRA run's adapters on their base, not weights to start from: use the "
+                               "run's final checkpoint (merged), or resume the run with --resume")
+    return Checkpoint.open(path)
 
 
 def plan_start(cfg: TrainConfig, model_cfg) -> ModelStart:

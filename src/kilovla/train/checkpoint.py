@@ -66,9 +66,9 @@ from kilovla.errors import KilovlaError
 from kilovla.folders import latest_checkpoint
 from kilovla.models.checkpoints import check_fits, read_safetensors, save_safetensors
 from kilovla.models.lora import ADAPTER_EMA_FILE, ADAPTER_FILE, LoraSettings, merge_state
+from kilovla.policy_folder import STATE_DIR, PolicyFolder, write_policy_json
 from kilovla.train import distributed
 
-STATE_DIR = "state"
 PINNED = "pinned"
 ABANDONED = "abandoned-"
 
@@ -138,7 +138,7 @@ def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, 
                        tmp / "rng.pt")
             state = {**trainer_state, "scheduler": scheduler.state_dict(), "sharded": sharded}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-            (tmp / "policy.json").write_text(json.dumps(policy_meta, indent=2))
+            write_policy_json(tmp, policy_meta)
             (tmp / "config.yaml").write_text(config_yaml)
             (tmp / "stats.json").write_text(json.dumps(stats))
             put_in_place(tmp, folder)
@@ -282,11 +282,13 @@ def branch_at(root: Path, folder: Path) -> Path | None:
 FIXED_BY_OPTIMIZER = ("lr", "betas", "weight_decay", "warmup_steps", "min_lr_ratio")
 
 
-def check_same_model(folder: Path, preset: str) -> None:
-    """Refuse resuming a checkpoint of another model: the first thing a resume must agree on."""
-    saved = json.loads((Path(folder) / "policy.json").read_text())
-    if saved.get("preset") != preset:
-        raise KilovlaError(f"{folder}: a checkpoint of {saved.get('preset')!r}, not of {preset!r}")
+def check_same_model(folder: Path, preset: str) -> PolicyFolder:
+    """Refuse resuming a checkpoint of another model: the first thing a resume must agree on. Returns the
+    checkpoint's policy folder, read."""
+    saved = PolicyFolder.open(folder)
+    if saved.meta.preset != preset:
+        raise KilovlaError(f"{folder}: a checkpoint of {saved.meta.preset!r}, not of {preset!r}")
+    return saved
 
 
 def check_resumed_settings(folder: Path, cfg) -> None:

@@ -151,16 +151,16 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
     from pathlib import Path
 
     from kilovla.folders import policy_folder
-    from kilovla.models.checkpoints import policy_folder_model
+    from kilovla.policy_folder import PolicyFolder
 
     p = cfg.policy
     if p.init_from:  # a run folder or its checkpoints/latest: the run's newest complete checkpoint, read once here
         p = dataclasses.replace(p, init_from=str(policy_folder(Path(p.init_from).expanduser())))
         cfg = dataclasses.replace(cfg, policy=p)
-    folder = policy_folder_model(p.init_from) if p.init_from else None
+    folder = PolicyFolder.find(p.init_from) if p.init_from else None
     if folder is None:
         return cfg if p.preset else dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=DEFAULT_PRESET))
-    preset, overrides = folder
+    preset, overrides = folder.meta.preset, folder.meta.overrides
     where = f"policy.init_from={p.init_from} was trained with"
     if p.preset and p.preset != preset:
         raise KilovlaError(f"policy.preset={p.preset} but {where} preset {preset}: drop policy.preset (the folder's "
@@ -171,7 +171,7 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
             raise KilovlaError(f"policy.overrides.{key}={value!r} but {where} {key}={theirs[key]!r}: drop the "
                                "override (the folder's is used) or start from other weights")
     brought = {}
-    for key, value in _interface(p.init_from).items():
+    for key, value in _interface(folder).items():
         mine = getattr(p, key)
         if mine is None or mine == {}:
             brought[key] = value
@@ -194,13 +194,10 @@ INTERFACE = ("camera_map", "state_keys", "normalization", "state_in_prompt", "n_
 ADJUSTABLE = ("n_action_steps",)
 
 
-def _interface(folder: str) -> dict:
-    """The INTERFACE values `folder`'s policy.json records (set, non-empty ones)."""
-    import json
-    from pathlib import Path
-
-    fields = json.loads((Path(folder).expanduser() / "policy.json").read_text())  # read by policy_folder_model
-    return {k: fields[k] for k in INTERFACE if fields.get(k) not in (None, {}, [])}
+def _interface(folder) -> dict:
+    """The INTERFACE values `folder` (a PolicyFolder)'s policy.json records (set, non-empty ones)."""
+    values = {k: getattr(folder.meta, k) for k in INTERFACE if k in folder.recorded}
+    return {k: v for k, v in values.items() if v not in (None, {}, [])}
 
 
 STRATEGIES = ("ddp", "fsdp")

@@ -189,12 +189,11 @@ class Trainer:
         self.step = self.plan.step
 
     def load_checkpoint(self, folder: Path) -> None:
-        ckpt.check_same_model(folder, self.cfg.policy.preset)
-        saved = json.loads((folder / "policy.json").read_text())
+        saved = ckpt.check_same_model(folder, self.cfg.policy.preset).meta
         if self.lora is not None:
-            check_resume_lora(folder, saved.get("lora"), self.lora_section)
-        elif saved.get("lora"):
-            raise KilovlaError(f"{folder}: a LoRA run's checkpoint (rank {saved['lora'].get('rank')}): resume it with "
+            check_resume_lora(folder, saved.lora, self.lora_section)
+        elif saved.lora:
+            raise KilovlaError(f"{folder}: a LoRA run's checkpoint (rank {saved.lora.get('rank')}): resume it with "
                                "the same --policy.lora settings")
         self.load_state_dict(ckpt.load(folder, self.model, self.ema, self.optimizer, self.scheduler, self.world,
                                        adapters=self.lora is not None))

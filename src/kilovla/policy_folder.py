@@ -1,0 +1,328 @@
+"""A policy folder: the one place that reads, checks and writes what kilovla hands a trained policy on in.
+
+    model.safetensors     weights (kilovla keys); an FSDP run's intermediate checkpoints hold `state/`
+                          (torch.distributed.checkpoint shards) instead
+    ema.safetensors       the weights' moving average (a run with `ema_decay`)
+    policy.json           `PolicyMeta`: preset + config overrides, camera mapping, state keys, dims, stats,
+                          tokenizer, image processing, where training started from (`init_from`), and in
+                          a `kilovla quantize` folder its `quantization_config` (FP8 layers, quant/fp8.py)
+    adapter.safetensors   a LoRA run's intermediate checkpoints: its adapters instead of model.safetensors;
+                          policy.json `lora` names their base (models/lora.py), rebuilt and checked on load
+    residual.safetensors  an RL run's residual actor (policy.json `residual`; models/residual.py): the folder's
+                          policy is the base above plus its bounded correction of each executed chunk
+    rl_state.json         an RL checkpoint: what resumes the run (rl/runner.py)
+    tokenizer/            the tokenizer files when the policy uses a real one (`save_policy`)
+
+`PolicyFolder.open(path)` reads policy.json once; what it says is then asked of the folder, not re-read:
+
+    >>> folder = PolicyFolder.open("runs/mw/checkpoints/step_000120")  # doctest: +SKIP
+    >>> folder.interface().state_widths, folder.quantization is None   # doctest: +SKIP
+    ((4,), True)
+    >>> policy = folder.load("cpu", ema=False)                         # doctest: +SKIP
+
+The writers (`write_policy_json`, `save_policy`, `write_rl_policy_files`) are the only code that writes
+policy.json; training, RL and quantization call them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kilovla.errors import KilovlaError
+from kilovla.models.processor import PolicyMeta
+
+POLICY_JSON = "policy.json"
+EMA_FILE = "ema.safetensors"
+STATE_DIR = "state"  # an FSDP checkpoint's shards (train/checkpoint.py)
+RL_STATE = "rl_state.json"
+# An RL checkpoint's weight files: (file, key prefixes of the learner's model, the prefix its keys lose)
+CHECKPOINT_FILES = (("model.safetensors", ("vla.",), "vla."), ("value_head.safetensors", ("value_head.",), "value_head."),
+                    ("residual.safetensors", ("actor.",), "actor."), ("critic.safetensors", ("critics.", "targets."), ""))
+
+
+@dataclass(frozen=True)
+class Interface:
+    """What a policy declares to an env or a client: the dims, inputs and chunking its weights fix.
+
+        PolicyFolder.open(step).interface() -> Interface(name="pi05-tiny", action_dim=4, state_dim=4,
+            state_keys=("observation.state",), state_widths=(4,), cameras=("scene",), camera_keys=
+            ("observation.images.scene",), image_size=(32, 32), n_action_steps=5, chunk_length=10)
+    """
+
+    name: str
+    action_dim: int
+    state_dim: int
+    state_keys: tuple[str, ...]
+    state_widths: tuple[int | None, ...]  # each state key's width, from the normalisation stats (None: no stats)
+    cameras: tuple[str, ...]  # env camera names ("scene")
+    camera_keys: tuple[str, ...]  # the observation keys they arrive under ("observation.images.scene")
+    image_size: tuple[int, int] | None  # [H, W] of the training frames; None: an earlier version's folder
+    n_action_steps: int | None  # actions of a chunk that run before the next prediction; None: the whole chunk
+    chunk_length: int  # actions the model predicts per chunk
+    where: str = field(default=POLICY_JSON, compare=False)  # the policy.json it was read from, for messages
+
+    def checked_state_widths(self) -> tuple[int, ...]:
+        """`state_widths`, each known (what a client must send): a key without stats is named."""
+        for key, width in zip(self.state_keys, self.state_widths):
+            if width is None:
+                raise KilovlaError(f"{self.where}: no stats for state key {key!r}")
+        return self.state_widths
+
+    @classmethod
+    def of(cls, meta: PolicyMeta, name: str | None = None, where: str = POLICY_JSON) -> Interface:
+        from kilovla.models.presets import preset
+        from kilovla.models.residual import horizon
+
+        return cls(name=name or meta.preset, action_dim=meta.action_dim, state_dim=meta.state_dim,
+                   state_keys=tuple(meta.state_keys), state_widths=tuple(state_width(meta, k) for k in meta.state_keys),
+                   cameras=tuple(k.removeprefix("observation.images.") for k in meta.camera_map),
+                   camera_keys=tuple(meta.camera_map), image_size=tuple(meta.image_size) if meta.image_size else None,
+                   n_action_steps=meta.n_action_steps, chunk_length=horizon(preset(meta.preset, **meta.overrides)),
+                   where=where)
+
+
+def state_width(meta: PolicyMeta, key: str) -> int | None:
+    """A state key's width: the length of its normalisation stats (mean, q01 or min, whichever is there);
+    None without stats."""
+    stats = meta.stats.get(key, {})
+    found = next((stats[n] for n in ("mean", "q01", "min") if n in stats), None)
+    return None if found is None else int(np.asarray(found).size)
+
+
+@dataclass(frozen=True)
+class PolicyFolder:
+    """A checked policy folder. `quantization`: policy.json's `quantization_config` (None: float weights);
+    `recorded`: the fields policy.json holds (a folder of an earlier version lacks some; `meta` has their
+    defaults)."""
+
+    path: Path
+    meta: PolicyMeta
+    quantization: dict | None = None
+    recorded: frozenset[str] = frozenset()
+
+    @classmethod
+    def open(cls, path: str | Path) -> PolicyFolder:
+        """Read and check `path`/policy.json (KilovlaError naming the file when it is missing or not a policy)."""
+        path = Path(path).expanduser()
+        where = path / POLICY_JSON
+        if not where.is_file():
+            raise KilovlaError(f"{where}: missing; a policy folder holds policy.json and model.safetensors")
+        try:
+            fields = json.loads(where.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise KilovlaError(f"{where}: not a policy description: not JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise KilovlaError(f"{where}: not a policy description: expected a JSON object, found a "
+                               f"{type(fields).__name__}")
+        quantization = fields.pop("quantization_config", None)
+        try:
+            meta = PolicyMeta(**fields)
+        except TypeError as e:
+            raise KilovlaError(f"{where}: not a policy description: {e}") from None
+        if meta.overrides is None:
+            meta = dataclasses.replace(meta, overrides={})
+        if not isinstance(meta.preset, str) or not isinstance(meta.overrides, dict):
+            raise KilovlaError(f"{where}: not a policy description: preset must be a name and overrides a mapping "
+                               "of model config fields")
+        return cls(path, meta, quantization, frozenset(fields))
+
+    @classmethod
+    def find(cls, path: str | Path) -> PolicyFolder | None:
+        """`open`, or None where `path` is no kilovla policy folder (an openpi, LeRobot or GR00T checkpoint, a file)."""
+        path = Path(path).expanduser()
+        return cls.open(path) if (path / POLICY_JSON).is_file() else None
+
+    @property
+    def where(self) -> str:
+        return str(self.path / POLICY_JSON)
+
+    @property
+    def adapters(self) -> bool:
+        """A LoRA run's intermediate checkpoint: adapters on their base, not merged weights."""
+        return bool(self.meta.lora) and not self.meta.lora.get("merged")
+
+    @property
+    def has_ema(self) -> bool:
+        from kilovla.models.lora import ADAPTER_EMA_FILE
+
+        return any((self.path / name).is_file() for name in (EMA_FILE, ADAPTER_EMA_FILE))
+
+    @property
+    def sharded(self) -> bool:
+        """An FSDP run's intermediate checkpoint: weights only in `state/`, no model.safetensors (nor shards)."""
+        from kilovla.models.checkpoints import is_sharded_policy_folder
+
+        return is_sharded_policy_folder(self.path)
+
+    def rl_state(self) -> dict | None:
+        """rl_state.json of an RL checkpoint (None for other folders)."""
+        path = self.path / RL_STATE
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise KilovlaError(f"{path}: not JSON: {e}") from None
+
+    def refuse_quantized(self, remedy: str, said: str = "a quantized policy folder") -> None:
+        """Training, RL and quantization start from float weights: a quantized folder stops them here."""
+        if self.quantization is not None:
+            raise KilovlaError(f"{self.path}: {said} (policy.json has a quantization_config); {remedy}")
+
+    def recorded_tokenizer(self) -> str | None:
+        """The tokenizer policy.json names, as an absolute path (relative names are the folder's); None: "byte"."""
+        if self.meta.tokenizer == "byte":
+            return None
+        path = self.path / self.meta.tokenizer
+        if not path.exists():
+            raise KilovlaError(f"{self.where}: its tokenizer {self.meta.tokenizer} is not there; pass --policy.tokenizer=PATH")
+        return str(path.resolve())
+
+    def interface(self, name: str | None = None) -> Interface:
+        return Interface.of(self.meta, name, self.where)
+
+    def model_config(self):
+        """The model config the weights fit (preset + overrides), built without weights."""
+        from kilovla.models.presets import preset
+
+        return preset(self.meta.preset, **self.meta.overrides)
+
+    def residual_spec(self):
+        """The residual actor's description (models/residual.ResidualSpec), checked against the base's shape
+        without loading weights; None for a folder without a residual."""
+        from kilovla.models.residual import ResidualSpec, check_fits
+
+        if self.meta.residual is None:
+            return None
+        spec = ResidualSpec.from_json(self.meta.residual, self.where)
+        check_fits(spec, self.model_config(), self.meta.action_dim, self.where)
+        return spec
+
+    def residual_actor(self):
+        """The residual actor with its weights (residual.safetensors), checked against policy.json."""
+        from kilovla.models.checkpoints import read_safetensors
+        from kilovla.models.residual import RESIDUAL_FILE, ResidualActor
+
+        spec = self.residual_spec()
+        path = self.path / RESIDUAL_FILE
+        if not path.is_file():
+            raise KilovlaError(f"{path}: missing; policy.json names a residual actor")
+        actor = ResidualActor(spec)
+        try:
+            actor.load_state_dict(read_safetensors(path))
+        except RuntimeError as e:
+            raise KilovlaError(f"{path}: does not match policy.json's residual: {str(e).splitlines()[0]}") from None
+        return actor
+
+    def load(self, device: str | torch.device = "cpu", ema: bool = False):
+        """The folder as a `VLAPolicy` on `device`. `ema`: the exponential moving average of the weights
+        (ema.safetensors, written by a run with `ema_decay`) instead of the last weights."""
+        from kilovla.models.policy import VLAPolicy
+        from kilovla.models.residual import ResidualPolicyModel
+
+        if ema and not self.has_ema:
+            raise KilovlaError(f"{self.path / EMA_FILE}: missing; only runs with ema_decay write EMA weights")
+        model, meta = self._base_model(ema)
+        if self.adapters:  # merged on load, so every consumer (eval, serve, rl, quantize) writes plain folders
+            meta = dataclasses.replace(meta, lora={**meta.lora, "merged": True})
+        if meta.residual is not None:  # an RL folder: the base's weights, its learned residual beside them
+            model = ResidualPolicyModel(model, self.residual_actor())
+        policy = VLAPolicy(model, meta, device, root=self.path)
+        policy.source, policy.ema = str(self.path), ema  # recorded in evaluation reports
+        return policy
+
+    def _base_model(self, ema: bool):
+        from kilovla.models.checkpoints import load_checkpoint
+        from kilovla.models.presets import build_model
+        from kilovla.quant.fp8 import load_quantized_weights
+
+        meta = self.meta
+        if self.adapters:  # a LoRA run's checkpoint: its adapters on their base
+            from kilovla.models.lora import ADAPTER_EMA_FILE, ADAPTER_FILE, build_base, load_adapters, merged_model
+
+            adapters = self.path / (ADAPTER_EMA_FILE if ema else ADAPTER_FILE)
+            model = load_adapters(build_base(meta.lora, self.where), meta.lora, adapters, self.where)
+            return merged_model(model, meta.lora, meta.preset, meta.overrides), meta
+        model = build_model(meta.preset, device="meta", **meta.overrides)
+        if self.quantization is None:
+            load_checkpoint(model, self.path / EMA_FILE if ema else self.path)  # or model.safetensors, or FSDP shards
+        else:  # a `kilovla quantize` folder
+            load_quantized_weights(model, self.quantization, self.path, self.where)
+        return model, meta
+
+
+def load_policy_folder(folder: str | Path, device: str | torch.device = "cpu", ema: bool = False):
+    """`PolicyFolder.open(folder).load(device, ema)`: a policy folder as a `VLAPolicy`."""
+    return PolicyFolder.open(folder).load(device, ema)
+
+
+# -- writing ---------------------------------------------------------------------------------------------
+def write_policy_json(folder: str | Path, meta: PolicyMeta | dict, quantization: dict | None = None) -> None:
+    """policy.json, written atomically (a temporary name, then renamed): `meta` (a PolicyMeta, or its
+    fields as a dict) plus a quantized folder's `quantization_config`."""
+    folder = Path(folder)
+    fields = dataclasses.asdict(meta) if dataclasses.is_dataclass(meta) else dict(meta)
+    if quantization is not None:
+        fields["quantization_config"] = quantization
+    tmp = folder / f".{POLICY_JSON}.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(fields, indent=2))
+    os.replace(tmp, folder / POLICY_JSON)
+
+
+def save_policy(policy, folder: str | Path, *, state: dict | None = None, metadata: dict | None = None,
+                quantization: dict | None = None) -> Path:
+    """A `VLAPolicy` as a policy folder: model.safetensors (`state`, default the model's own; `metadata` in
+    its header), the tokenizer's files when it uses a real one (so the folder runs wherever it is
+    copied), and policy.json (with a quantized model's `quantization`)."""
+    from kilovla.models.checkpoints import save_safetensors
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors(policy.model.state_dict() if state is None else state, folder / "model.safetensors",
+                     metadata=metadata)
+    meta = policy.meta
+    tokenizer = getattr(policy.processor.tokenizer, "path", None)
+    if tokenizer is not None:
+        dst = folder / "tokenizer" / tokenizer.name
+        if tokenizer.resolve() != dst.resolve():
+            dst.parent.mkdir(exist_ok=True)
+            if tokenizer.is_dir():
+                shutil.copytree(tokenizer, dst, dirs_exist_ok=True)
+            else:
+                shutil.copy2(tokenizer, dst)
+        meta = dataclasses.replace(meta, tokenizer=f"tokenizer/{tokenizer.name}")
+    write_policy_json(folder, meta, quantization)
+    return folder
+
+
+def write_rl_policy_files(folder: Path, learner_state: dict, meta: PolicyMeta | dict) -> None:
+    """A learner's state (`LearnerWorker.state`) as a policy folder: the weight files of CHECKPOINT_FILES,
+    the replay buffer of residual SAC or filtered BC (replay.safetensors), policy.json (with the residual's
+    description) and learner.pt, the rest (weights-only: tensors, numbers, dicts)."""
+    from kilovla.models.checkpoints import save_safetensors
+
+    learner_state = dict(learner_state)
+    fields = dataclasses.asdict(meta) if dataclasses.is_dataclass(meta) else dict(meta)
+    weights = learner_state.pop("model")
+    for name, prefixes, strip in CHECKPOINT_FILES:
+        part = {k.removeprefix(strip): v for k, v in weights.items() if k.startswith(prefixes)}
+        if part:
+            save_safetensors(part, folder / name)
+    if "replay" in learner_state:  # an off-policy learner's buffer: tensors, never pickled
+        save_safetensors(learner_state.pop("replay"), folder / "replay.safetensors")
+    if "residual" in learner_state:  # its weights are in the files above; resume reads them from there
+        fields["residual"] = learner_state["residual"]
+        fields["n_action_steps"] = learner_state["residual"]["steps"]  # eval and serve replan as it was trained
+    else:  # PPO keeps the weights in learner.pt too (resume reads them from there)
+        learner_state["model"] = weights
+    torch.save(learner_state, folder / "learner.pt")
+    write_policy_json(folder, fields)

@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 
+from kilovla.bench.common import SUITES
 from kilovla.errors import KilovlaError
 
 
@@ -154,7 +155,6 @@ def cmd_data_bench(args) -> int:
 
 
 # -- kilovla bench ... -----------------------------------------------------------------------------
-SUITES = ("data", "lake", "envs", "packing", "pruning", "scaling", "load", "memory", "rl", "fp8", "serve")
 
 
 def cmd_bench(args) -> int:

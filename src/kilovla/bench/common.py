@@ -19,6 +19,9 @@ from pathlib import Path
 from kilovla.errors import KilovlaError
 from kilovla.progress import note
 
+# `kilovla bench SUITE`'s suites, in the order `bench all` runs them and `bench table` prints them
+SUITES = ("data", "lake", "envs", "packing", "pruning", "scaling", "load", "memory", "rl", "fp8", "serve")
+
 DEFAULT_OUT = "bench-results"
 README_START = "<!-- bench-tables:start (kilovla bench table docs/bench --readme README.md) -->"
 README_END = "<!-- bench-tables:end -->"
@@ -221,8 +224,7 @@ def suite_files(path: str | Path) -> list[Path]:
 
 
 def render_tables(path: str | Path) -> str:
-    """Every suite under `path`, one table each, in the suites' order (cli.SUITES), then any other."""
-    from kilovla.cli import SUITES
+    """Every suite under `path`, one table each, in the suites' order (SUITES), then any other."""
 
     loaded = []
     for f in suite_files(path):

@@ -116,9 +116,28 @@ def compute_dataset_stats(dataset, max_image_frames: int = 500) -> dict[str, dic
 
 
 def _refuse_non_finite(dataset, key: str) -> None:
-    from kilovla.data.validate import non_finite_problem  # validate imports this module
-
     column = dataset.columns[key]
     bad = ~np.isfinite(np.asarray(column).reshape(len(column), -1)).all(axis=1)
-    problem = non_finite_problem(dataset.meta, dataset.columns, key, int(np.argmax(bad)))
-    raise DatasetError(problem.path, problem.message)
+    raise DatasetError(*non_finite_location(dataset.meta, dataset.columns, key, int(np.argmax(bad))))
+
+
+def non_finite_location(meta, columns, name: str, row: int) -> tuple[str, str]:
+    """(file, message) for the first non-finite value of a float column: file, row of that file, column, dimension.
+
+    e.g. `.../file-000.parquet: action[1] is nan at row 5 of the file (index 5, episode 0, frame 5): ...`"""
+    eps = meta.episodes
+    ep = episode_of(eps, row)
+    rel = eps.data_file[ep]
+    file_start = int(eps.row_from[list(eps.data_file).index(rel)])  # a file holds its episodes' rows in order
+    values = np.asarray(columns[name][row]).reshape(-1)
+    dim = int(np.argmax(~np.isfinite(values)))
+    where = f"{name}[{dim}]" if np.asarray(columns[name][row]).ndim else name
+    message = (f"{where} is {values[dim]} at row {row - file_start} of the file (index {row}, episode {ep}, "
+               f"frame {row - int(eps.row_from[ep])}): every float value must be finite, a NaN or inf trains into "
+               "a NaN loss (fix the value or drop the episode)")
+    return meta.files.path(rel), message
+
+
+def episode_of(eps, row: int) -> int:
+    """The episode that holds global row `row`."""
+    return int(np.searchsorted(eps.row_to, row, side="right"))

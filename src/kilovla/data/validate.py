@@ -20,7 +20,7 @@ import numpy as np
 
 from kilovla.data.columns import open_columns
 from kilovla.data.meta import DEFAULT_VIDEO_PATH, DatasetMeta
-from kilovla.data.stats import STAT_NAMES
+from kilovla.data.stats import STAT_NAMES, episode_of, non_finite_location
 from kilovla.data.video import VideoDecoderPool, probe_video
 from kilovla.errors import DatasetError, KilovlaError
 
@@ -145,13 +145,13 @@ def _check_frames(meta: DatasetMeta, columns: dict[str, np.ndarray]) -> list[Pro
     problems = []
     if "frame_index" in first:
         row = first["frame_index"]
-        ep = _episode_of(eps, row)
+        ep = episode_of(eps, row)
         problems.append(Problem(meta.files.path(eps.data_file[ep]),
                                 f"frame_index at row {row} is {columns['frame_index'][row]}, expected "
                                 f"{row - eps.row_from[ep]} (must restart at 0 in every episode)"))
     if "timestamp" in first:
         row = first["timestamp"]
-        ep = _episode_of(eps, row)
+        ep = episode_of(eps, row)
         ts = np.asarray(columns["timestamp"][eps.row_from[ep]:eps.row_to[ep]], dtype=np.float64)
         steps = np.diff(ts)
         step = f"{np.median(steps):.6g} s" if len(steps) else "n/a"
@@ -161,34 +161,13 @@ def _check_frames(meta: DatasetMeta, columns: dict[str, np.ndarray]) -> list[Pro
                                 f"info.json fps={meta.fps} means {1 / meta.fps:.6g} s"))
     if "task_index" in first:
         row = first["task_index"]
-        problems.append(Problem(meta.files.path(eps.data_file[_episode_of(eps, row)]),
+        problems.append(Problem(meta.files.path(eps.data_file[episode_of(eps, row)]),
                                 f"task_index {columns['task_index'][row]} at row {row} is not in "
                                 f"meta/tasks (0..{len(meta.tasks) - 1})"))
     for name in floats:
         if f"finite {name}" in first:
-            problems.append(non_finite_problem(meta, columns, name, first[f"finite {name}"]))
+            problems.append(Problem(*non_finite_location(meta, columns, name, first[f"finite {name}"])))
     return problems
-
-
-def non_finite_problem(meta: DatasetMeta, columns, name: str, row: int) -> Problem:
-    """The first non-finite value of a float column, by file, row of that file, column and dimension.
-
-    e.g. `.../file-000.parquet: action[1] is nan at row 5 of the file (index 5, episode 0, frame 5): ...`"""
-    eps = meta.episodes
-    ep = _episode_of(eps, row)
-    rel = eps.data_file[ep]
-    file_start = int(eps.row_from[list(eps.data_file).index(rel)])  # a file holds its episodes' rows in order
-    values = np.asarray(columns[name][row]).reshape(-1)
-    dim = int(np.argmax(~np.isfinite(values)))
-    where = f"{name}[{dim}]" if np.asarray(columns[name][row]).ndim else name
-    return Problem(meta.files.path(rel), f"{where} is {values[dim]} at row {row - file_start} of the file "
-                                         f"(index {row}, episode {ep}, frame {row - int(eps.row_from[ep])}): every "
-                                         "float value must be finite, a NaN or inf trains into a NaN loss (fix the "
-                                         "value or drop the episode)")
-
-
-def _episode_of(eps, row: int) -> int:
-    return int(np.searchsorted(eps.row_to, row, side="right"))
 
 
 def _check_videos(meta: DatasetMeta, columns, deep: bool, progress=None) -> list[Problem]:

@@ -177,7 +177,7 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
     `train.step_samples_per_s`, the median step's rate (the progress bar shows the latest step's);
     `train.padding_fraction` the computed token positions that are padding, `train.budget_unused_fraction`
     the packed rows' token budget left empty."""
-    from kilovla.bench.common import machine_info
+    from kilovla.machine import machine_info
 
     t0 = time.perf_counter()
     recipe = recipe or (QUICK if quick else FULL)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 import uuid
@@ -17,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kilovla.errors import KilovlaError
+from kilovla.machine import load_average, machine_info
 from kilovla.progress import note
 
 # `kilovla bench SUITE`'s suites, in the order `bench all` runs them and `bench table` prints them
@@ -56,29 +56,6 @@ def _round(x: float | None) -> float | None:
     if x is None:
         return None
     return round(float(x), 4 if abs(x) < 10 else 1)
-
-
-def machine_info() -> dict:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__.split("+")[0],
-            "python": platform.python_version()}
-
-
-def load_average() -> float | None:
-    """The 1-minute load average (None where the OS has none): a rate measured on 2 shared cores
-    means little without it."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
 
 
 def suite_started(suite: str) -> None:

@@ -23,8 +23,8 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.folders import policy_folder
+from kilovla.models.family import chunk_length, family_of
 from kilovla.models.images import resize_images
-from kilovla.models.pi05 import Pi05Model
 from kilovla.models.rtc import prefix_weights, sample_actions_rtc
 from kilovla.serve.graphs import GraphedSampler
 from kilovla.serve.protocol import PolicyInputs
@@ -66,17 +66,17 @@ class PolicyEngine:
         self.sampler = GraphedSampler(policy.model, self.device, enabled=cuda_graphs)
         self.model, self.processor, self.meta = policy.model, policy.processor, policy.meta
         cfg = self.model.config
-        self.horizon = getattr(cfg, "chunk_size", None) or cfg.action_horizon
+        self.horizon = chunk_length(cfg)
         self.width = cfg.max_action_dim
         self._generator = torch.Generator().manual_seed(0)
-        self.supports_rtc = isinstance(self.model, Pi05Model)
+        self.supports_rtc = not self.meta.residual and family_of(self.model).supports_rtc
         self._lock = threading.Lock()  # one forward at a time, whichever thread asks
 
     @property
     def no_rtc(self) -> str:
         """What a refused rtc request is told the policy is: an RL residual (RTC would not guide its correction)
         or GR00T's flow."""
-        return "an RL residual policy" if self.meta.residual else "GR00T"
+        return "an RL residual policy" if self.meta.residual else family_of(self.model).title
 
     @classmethod
     def load(cls, folder: str | Path, device: str = "auto", ema: bool = False, precision: str = "auto",

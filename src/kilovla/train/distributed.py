@@ -145,20 +145,11 @@ def shutdown() -> None:
 # -- parallelism -----------------------------------------------------------------------------------
 def layer_units(model: nn.Module) -> list[list[nn.Module]]:
     """The transformer layers of a model, in forward order, each a list of modules that run as one
-    forward call (a pi0 LM layer runs its paired expert layer inside its own forward)."""
-    from kilovla.models.groot import GrootModel
-    from kilovla.models.pi05 import Pi05Model
+    forward call (the family's `fsdp_units`: a pi0 LM layer runs its paired expert layer inside its
+    own forward)."""
+    from kilovla.models.family import family_of
 
-    if isinstance(model, Pi05Model):
-        vit = model.vlm.vision_tower.vision_model.encoder.layers
-        pairs = zip(model.vlm.language_model.layers, model.expert.layers)
-        return [[b] for b in vit] + [[lm, expert] for lm, expert in pairs]
-    if isinstance(model, GrootModel):
-        head = model.action_head
-        blocks = [*model.eagle.vision_model.vision_model.encoder.layers, *model.eagle.language_model.model.layers,
-                  *head.vl_self_attention.transformer_blocks, *head.model.transformer_blocks]
-        return [[b] for b in blocks]
-    raise KilovlaError(f"no FSDP layer plan for {type(model).__name__}")
+    return family_of(model).fsdp_units(model)
 
 
 def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb: int = 25,

@@ -503,15 +503,14 @@ def select_layers(model: nn.Module, include: str | None = None, exclude: str | N
     """
     if any(isinstance(m, Fp8Weights) for m in model.modules()):
         raise KilovlaError("the model is already quantized to FP8")
-    family = family_of(model)
     exc = re.compile(exclude) if exclude else None
     owners = [(n, m) for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
     if include is None and scope == "all":
-        tower = re.compile(family.vision_tower)
+        tower = re.compile(family_of(model).vision_tower)
         pattern = f"--scope all{f' --exclude {exclude!r}' if exclude else ''}"
         chosen = [(n, m) for n, m in owners if fp8_class(n, m) and not tower.search(n) and not (exc and exc.search(n))]
     else:
-        regex = include if include is not None else family.fp8_layers
+        regex = include if include is not None else family_of(model).fp8_layers
         inc = re.compile(regex)
         pattern = f"--include {regex!r}{f' --exclude {exclude!r}' if exclude else ''}"
         chosen = [(n, m) for n, m in owners if inc.search(n) and not (exc and exc.search(n))]

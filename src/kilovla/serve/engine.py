@@ -76,7 +76,7 @@ class PolicyEngine:
     def no_rtc(self) -> str:
         """What a refused rtc request is told the policy is: an RL residual (RTC would not guide its correction)
         or GR00T's flow."""
-        return "an RL residual policy" if self.meta.residual else family_of(self.model).title
+        return "an RL residual policy" if self.meta.residual else "GR00T"
 
     @classmethod
     def load(cls, folder: str | Path, device: str = "auto", ema: bool = False, precision: str = "auto",

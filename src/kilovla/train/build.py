@@ -200,6 +200,8 @@ def apply_freeze(model, *, freeze_vision: bool = False, freeze_vlm: bool = False
                  gradient_checkpointing: bool = False) -> None:
     """Stop gradients to the vision tower (and its projector) or the whole VLM (the family's
     `freeze_groups`); switch on recompute where the family has it."""
+    if not (freeze_vision or freeze_vlm or gradient_checkpointing):
+        return
     fam = family_of(model)
     groups = fam.freeze_groups(model)
     for name, on in (("vision", freeze_vision), ("vlm", freeze_vlm)):

@@ -11,11 +11,11 @@ rank and what it was doing (`CollectiveTimeout`), never a silent hang.
   several packed rows with `no_sync`, and a static graph assumes every backward all-reduces (it
   dies at the first `no_sync` row). No `find_unused_parameters`: the models freeze what they never
   use, so every trainable parameter gets a gradient in every backward.
-- ``fsdp``: FSDP2, one unit per transformer layer (`layer_units`: ViT blocks; each paired LM/expert
-  layer of pi0/pi0.5; GR00T's Qwen layers, VL self-attention and DiT blocks), then the root for what
-  is left (embeddings, projections, norms). A unit's parameters are gathered for its forward and
-  backward only, so at most a layer or two are whole at a time. bf16 parameters with fp32 gradient
-  reduction on CUDA when training in bf16.
+- ``fsdp``: FSDP2, one unit per transformer layer (`layer_units`, the family's `fsdp_units`: ViT
+  blocks; each paired LM/expert layer of pi0/pi0.5; GR00T's Qwen layers, VL self-attention and DiT
+  blocks), then the root for what is left (embeddings, projections, norms). A unit's parameters are
+  gathered for its forward and backward only, so at most a layer or two are whole at a time. bf16
+  parameters with fp32 gradient reduction on CUDA when training in bf16.
 
 `gradient_sync(model, sync)` is the one switch for accumulation: DDP's `no_sync`, FSDP2's
 `set_requires_gradient_sync`; the trainer turns it off for every row of a step but the last.

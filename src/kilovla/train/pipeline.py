@@ -14,7 +14,8 @@ with a 1F1B schedule whose micro-batches are a replica's packed rows of the step
     split the trained part evenly, not the memory.
 
 `keep_stage(model, stage, pp)` drops from a rank's model what its stage does not run (state-dict
-keys and all), so a stage holds 1/pp of the layers. What every stage runs itself is kept on every
+keys and all; the family's `keep_stage`, models/<family>/parallelize.py, names what), so a stage
+holds 1/pp of the layers. What every stage runs itself is kept on every
 stage and stays identical: pi0.5's time MLP (its adaRMS condition enters every expert layer) and
 GR00T's timestep encoder, whose gradients are summed over the stages (`sum_shared_gradients`)
 before the optimizer step.

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
+from kilovla.models.family import chunk_length
+from kilovla.models.presets import build_model, preset
 from kilovla.models.processor import PolicyMeta
 
 POLICY_JSON = "policy.json"
@@ -79,14 +81,11 @@ class Interface:
 
     @classmethod
     def of(cls, meta: PolicyMeta, name: str | None = None, where: str = POLICY_JSON) -> Interface:
-        from kilovla.models.presets import preset
-        from kilovla.models.residual import horizon
-
         return cls(name=name or meta.preset, action_dim=meta.action_dim, state_dim=meta.state_dim,
                    state_keys=tuple(meta.state_keys), state_widths=tuple(state_width(meta, k) for k in meta.state_keys),
                    cameras=tuple(k.removeprefix("observation.images.") for k in meta.camera_map),
                    camera_keys=tuple(meta.camera_map), image_size=tuple(meta.image_size) if meta.image_size else None,
-                   n_action_steps=meta.n_action_steps, chunk_length=horizon(preset(meta.preset, **meta.overrides)),
+                   n_action_steps=meta.n_action_steps, chunk_length=chunk_length(preset(meta.preset, **meta.overrides)),
                    where=where)
 
 
@@ -192,8 +191,6 @@ class PolicyFolder:
 
     def model_config(self):
         """The model config the weights fit (preset + overrides), built without weights."""
-        from kilovla.models.presets import preset
-
         return preset(self.meta.preset, **self.meta.overrides)
 
     def residual_spec(self):
@@ -242,7 +239,6 @@ class PolicyFolder:
 
     def _base_model(self, ema: bool):
         from kilovla.models.checkpoints import load_checkpoint
-        from kilovla.models.presets import build_model
         from kilovla.quant.fp8 import load_quantized_weights
 
         meta = self.meta

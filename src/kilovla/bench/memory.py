@@ -47,8 +47,9 @@ def _batch(cfg, device):
 
     g = torch.Generator().manual_seed(0)
     cams, s = len(cfg.cameras), cfg.vision.image_size
-    horizon = getattr(cfg, "chunk_size", None) or cfg.action_horizon
-    vocab = cfg.lm.vocab_size if hasattr(cfg, "lm") else cfg.llm.vocab_size
+    from kilovla.models.family import chunk_length, vocab_size
+
+    horizon, vocab = chunk_length(cfg), vocab_size(cfg)
     batch = PaddedBatch(images=torch.rand(1, cams, 3, s, s, generator=g),
                         image_masks=torch.arange(cams).unsqueeze(0) < min(2, cams), camera_names=cfg.cameras,
                         tokens=torch.randint(1, min(vocab, 250), (1, LANGUAGE_TOKENS), generator=g),

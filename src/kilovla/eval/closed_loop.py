@@ -121,9 +121,10 @@ def task_progress(label: str):
 def chunk_length(policy) -> int | None:
     """Actions per predicted chunk: a learned policy's chunk_size (or GR00T's action_horizon); None
     where the policy does not say (scripted, served)."""
+    from kilovla.models import family
+
     config = getattr(getattr(policy, "model", None), "config", None)
-    length = getattr(config, "chunk_size", None) or getattr(config, "action_horizon", None)
-    return length or getattr(policy, "chunk", None)
+    return family.chunk_length(config) if config is not None else getattr(policy, "chunk", None)
 
 
 def check_action_steps(policy, n_action_steps: int | None) -> None:

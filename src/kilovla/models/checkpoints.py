@@ -49,17 +49,11 @@ import torch
 from torch import nn
 
 from kilovla.errors import KilovlaError
+from kilovla.models.family import families, family_of
+from kilovla.models.family import family as family_spec  # `family` names a checkpoint's family string here
 
 LAYOUTS = ("kilovla", "openpi", "lerobot", "lerobot-groot", "groot")
 _PREFIX = {"lerobot": "model.", "lerobot-groot": "_groot_model."}
-_PI_EMBED = "paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
-_PI_TIED = "paligemma_with_expert.paligemma.lm_head.weight"
-_GROOT_EMBED = "backbone.eagle_model.language_model.model.embed_tokens.weight"
-_GROOT_TIED = "backbone.eagle_model.language_model.lm_head.weight"
-_PI_UNUSED = re.compile(r"paligemma_with_expert\.gemma_expert\.lm_head\.weight$")
-_GROOT_UNUSED = re.compile(r"backbone\.eagle_model\.vision_model\.vision_model\.head\.")
-_PI05_LEGACY = re.compile(r"paligemma_with_expert\.gemma_expert\.model\."
-                          r"(layers\.\d+\.(input|post_attention)_layernorm|norm)\.weight$")
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -204,8 +198,9 @@ def detect_layout(keys: Iterable[str], folder: Path | None = None) -> str:
     for layout, prefix in _PREFIX.items():
         if keys and all(k.startswith(prefix) for k in keys):
             return layout
-    if any(k.startswith(("backbone.eagle_model.", "action_head.")) for k in keys):
-        return "groot"
+    for fam in families():  # an unprefixed file of a family with a layout of its own (Isaac-GR00T's)
+        if fam.keys.native_layout and any(k.startswith(fam.keys.own_prefixes) for k in keys):
+            return fam.keys.native_layout
     return "openpi"
 
 
@@ -213,46 +208,44 @@ def detect_layout(keys: Iterable[str], folder: Path | None = None) -> str:
 def map_keys(stored: Iterable[str], layout: str, family: str) -> tuple[dict[str, str], list[str]]:
     """Stored keys -> {kilovla key: stored key} and the stored keys dropped as known and unused.
 
-    `family`: "pi05", "pi0" or "groot" (the model's), which decides the renames (module docstring).
+    `family`: "pi05", "pi0" or "groot" (the model's checkpoint name), whose `KeyMap` decides the
+    renames (module docstring).
     """
     if layout not in LAYOUTS:
         raise KilovlaError(f"checkpoint layout must be one of {LAYOUTS}, not {layout!r}")
+    keys = family_spec(family).keys
     prefix = _PREFIX.get(layout, "")
     mapping: dict[str, str] = {}
     dropped: list[str] = []
     tied = None
-    tied_name, unused = (_GROOT_TIED, _GROOT_UNUSED) if family == "groot" else (_PI_TIED, _PI_UNUSED)
     for src in stored:
         key = src.removeprefix(prefix) if prefix and src.startswith(prefix) else src
-        if key == tied_name:
+        if key == keys.tied:
             tied = src
             continue
-        if unused.match(key):
+        renamed = None if keys.unused.match(key) else keys.rename(key, family)
+        if renamed is None:
             dropped.append(src)
             continue
-        if family == "pi05":
-            if key.startswith("state_proj.") or _PI05_LEGACY.match(key):
-                dropped.append(src)
-                continue
-            if key.startswith("action_time_mlp_"):
-                key = key.replace("action_time_mlp_", "time_mlp_", 1)
-        elif family == "pi0" and key.startswith("time_mlp_"):
-            key = key.replace("time_mlp_", "action_time_mlp_", 1)
-        mapping[key] = src
-    embed = _GROOT_EMBED if family == "groot" else _PI_EMBED
+        mapping[renamed] = src
     if tied is not None:  # the tied LM head stands in for the embedding it shares storage with
-        if embed in mapping:
+        if keys.embed in mapping:
             dropped.append(tied)
         else:
-            mapping[embed] = tied
+            mapping[keys.embed] = tied
     return mapping, dropped
 
 
 def model_family(model: nn.Module) -> str:
-    cfg = getattr(model, "config", None)
-    if hasattr(cfg, "pi05"):
-        return "pi05" if cfg.pi05 else "pi0"
-    return "groot"
+    """The model's checkpoint name: "pi05", "pi0" or "groot"."""
+    return family_of(model).checkpoint_name(model.config)
+
+
+def _checkpoint_family(layout: str, keys: Iterable[str]):
+    """The family a checkpoint's keys or layout belong to, None when neither tells."""
+    keys = list(keys)
+    return (next((f for f in families() if any(k.startswith(f.keys.own_prefixes) for k in keys)), None)
+            or next((f for f in families() if layout in f.keys.layouts), None))
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -282,12 +275,11 @@ def plan_load(model: nn.Module, checkpoint: Checkpoint, source: str | None = Non
     state = model.state_dict()
     own = {k: v.shape for k, v in state.items()}
     stored = {k: checkpoint.tensors[s].shape for k, s in mapping.items()}
-    ckpt_family = "groot" if checkpoint.layout in ("groot", "lerobot-groot") or any(
-        k.startswith("backbone.eagle_model.") for k in mapping) else "pi"
+    owner, mine = _checkpoint_family(checkpoint.layout, mapping), family_of(model)
     hint = ""
-    if (ckpt_family == "groot") != (family == "groot"):
-        hint = f" (a {checkpoint.layout} checkpoint of {'GR00T' if ckpt_family == 'groot' else 'pi0/pi0.5'}, " \
-               f"the model is {'GR00T' if family == 'groot' else family})"
+    if owner is not None and owner is not mine:
+        hint = f" (a {checkpoint.layout} checkpoint of {owner.title}, the model is " \
+               f"{family if len(mine.checkpoint_names) > 1 else mine.title})"
     check_fits(own, stored, source or str(checkpoint.path), hint)
     plan = {k: checkpoint.tensors[mapping[k]] for k in own}
     # A non-float tensor loads only into a tensor of its own dtype (an Fp8BlockLinear's FP8 payload).

@@ -3,7 +3,7 @@ post_attention_layernorm, mlp.{gate,up,down}_proj}, norm), so PaliGemma / Gemma 
 
 No decoder runs alone: pi0's prefix and action expert share every attention call. A `DecoderLayer`'s
 forward is one stream's half of such a layer, with the attention itself passed in (`attend`); the
-model family composes the two halves (models/pi05.py).
+model family composes the two halves (models/pi05/model.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Building blocks shared by the model families: Gemma RMSNorm, adaRMS, RoPE, gated MLP, time embedding."""
+"""Building blocks shared by the model families: Gemma RMSNorm, adaRMS, RoPE, gated MLP, time embedding,
+per-category linear."""
 
 from __future__ import annotations
 
@@ -79,3 +80,15 @@ def sincos_time_embedding(t: torch.Tensor, dim: int, min_period: float = 4e-3, m
     period = min_period * (max_period / min_period) ** fraction
     angles = t.double()[:, None] * (2.0 * math.pi / period)[None]
     return torch.cat([angles.sin(), angles.cos()], dim=-1).to(torch.float32)
+
+
+class CategoryLinear(nn.Module):
+    """One linear per category (GR00T's per-embodiment encoders): x (B, N, in), cat (B,) -> (B, N, out)."""
+
+    def __init__(self, categories: int, n_in: int, n_out: int):
+        super().__init__()
+        self.W = nn.Parameter(0.02 * torch.randn(categories, n_in, n_out))
+        self.b = nn.Parameter(torch.zeros(categories, n_out))
+
+    def forward(self, x, cat):
+        return torch.bmm(x, self.W[cat]) + self.b[cat][:, None]

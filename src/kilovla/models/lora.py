@@ -4,7 +4,7 @@
     apply_lora(model, settings)            # peft's lora.Linear around the family's target linears; all else frozen
     merged = merge_state(model.state_dict(), settings)   # plain kilovla keys, W + (alpha / r) B A
 
-Per-family targets (`default_targets`), as LeRobot's PEFT defaults for pi0 / pi0.5: the language
+Per-family targets (`default_targets`, each family's `lora_targets`), as LeRobot's PEFT defaults for pi0 / pi0.5: the language
 model's and the action expert's attention (q, k, v, o) and MLP (gate, up, down) projections; GR00T:
 the DiT action head's attention (to_q, to_k, to_v, to_out) and feed-forward linears, with `llm` the
 Eagle LLM's q/k/v/o too. `vision` adds the vision tower's attention and MLP on either family.
@@ -30,19 +30,11 @@ from pathlib import Path
 import torch
 
 from kilovla.errors import KilovlaError
+from kilovla.models.family import family_of
 
 ADAPTER_FILE = "adapter.safetensors"
 ADAPTER_EMA_FILE = "adapter_ema.safetensors"
 ADAPTER_NAME = "default"
-
-_PI_LM = r"paligemma_with_expert\.(paligemma\.model\.language_model|gemma_expert\.model)\.layers\.\d+\." \
-         r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
-_PI_VISION = r"paligemma_with_expert\.paligemma\.model\.vision_tower\.vision_model\.encoder\.layers\.\d+\." \
-             r"(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
-_GROOT_DIT = r"action_head\.model\.transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))"
-_GROOT_LLM = r"backbone\.eagle_model\.language_model\.model\.layers\.\d+\.self_attn\.[qkvo]_proj"
-_GROOT_VISION = r"backbone\.eagle_model\.vision_model\.vision_model\.encoder\.layers\.\d+\." \
-                r"(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
 
 
 @dataclass
@@ -78,15 +70,8 @@ class LoraSettings:
 
 
 def default_targets(model: torch.nn.Module, settings: LoraSettings) -> str:
-    from kilovla.models.groot import GrootModel
-
-    if isinstance(model, GrootModel):
-        parts = [_GROOT_DIT] + ([_GROOT_LLM] if settings.llm else []) + ([_GROOT_VISION] if settings.vision else [])
-    else:
-        if settings.llm:
-            raise KilovlaError("policy.lora.llm is GR00T's switch: pi0 / pi0.5 adapt their language model by default")
-        parts = [_PI_LM] + ([_PI_VISION] if settings.vision else [])
-    return "|".join(f"({p})" for p in parts)
+    """The family's targets (its `lora_targets`), with the vision tower / Eagle LLM where asked."""
+    return family_of(model).lora_targets(settings.vision, settings.llm)
 
 
 def targets_of(model: torch.nn.Module, settings: LoraSettings) -> str:

@@ -24,6 +24,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.models.batch import PaddedBatch
+from kilovla.models.family import chunk_length, family_of, vocab_size
 from kilovla.models.images import RESIZE_MODES, ImageAugmentation, resize_images
 from kilovla.models.tokenize import (EAGLE_IMAGE_TOKEN, PAD, eagle_prompt_ids, load_tokenizer, openpi_prompt_ids,
                                      pad_prompts, truncate)
@@ -107,12 +108,12 @@ class Processor:
         self.augmentation = ImageAugmentation.from_dict(meta.augmentation)
         if meta.image_resize not in RESIZE_MODES:
             raise KilovlaError(f"image_resize must be one of {RESIZE_MODES}, not {meta.image_resize!r}")
-        self.image_token_id = getattr(model_config, "image_token_id", None)
+        self.image_token_id = family_of(model_config).image_token_id(model_config)
         self._check_tokenizer()
 
     def _check_tokenizer(self) -> None:
         cfg, tok = self.cfg, self.tokenizer
-        vocab = cfg.lm.vocab_size if hasattr(cfg, "lm") else cfg.llm.vocab_size
+        vocab = vocab_size(cfg)
         if tok.vocab_size > vocab:
             raise KilovlaError(f"the {tok.kind} tokenizer {getattr(tok, 'path', '') or ''} has {tok.vocab_size} "
                                f"tokens, the model's embedding {vocab}")
@@ -194,7 +195,7 @@ class Processor:
         actions = np.asarray(row["action"], np.float32)
         if actions.ndim != 3:
             raise KilovlaError("training rows need an action window: set delta_timestamps for 'action'")
-        horizon = getattr(self.cfg, "chunk_size", None) or self.cfg.action_horizon
+        horizon = chunk_length(self.cfg)
         if actions.shape[1] != horizon:
             raise KilovlaError(f"the dataset's action window has {actions.shape[1]} steps, the model predicts {horizon}")
         padded = torch.zeros(len(actions), horizon, self.cfg.max_action_dim)

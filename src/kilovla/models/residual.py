@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kilovla.errors import KilovlaError
+from kilovla.models.family import chunk_length, family_of
 
 RESIDUAL_FILE = "residual.safetensors"
 LOG_STD_RANGE = (-5.0, 1.0)
@@ -134,10 +135,6 @@ class ResidualActor(nn.Module):
         return self._chunk(squashed, base), logp
 
 
-def horizon(config) -> int:
-    return getattr(config, "chunk_size", None) or config.action_horizon
-
-
 class ResidualPolicyModel(nn.Module):
     """A base model plus its residual, with the base's interface: `sample_actions` returns the base's chunk
     with the deterministic correction added to its executed part (the rest as the base samples it)."""
@@ -159,7 +156,7 @@ class ResidualPolicyModel(nn.Module):
         field, features = self.base.velocity_field(batch)
         b = batch.state.shape[0]
         if noise is None:
-            noise = torch.randn(b, horizon(cfg), cfg.max_action_dim, device=batch.state.device)
+            noise = torch.randn(b, chunk_length(cfg), cfg.max_action_dim, device=batch.state.device)
         chunk = self.base.integrate(field, noise)
         base = chunk[:, : spec.steps, : spec.action_dim]
         delta = self.actor.deterministic(features, batch.state, base).to(chunk.dtype)
@@ -176,14 +173,14 @@ def base_of(model: nn.Module) -> nn.Module:
 def pooled_width(config) -> int:
     """Width of the pooled prefix features `velocity_field` returns: GR00T's LLM width; pi0 / pi0.5 the last
     layer's keys and values."""
-    return config.llm.width if hasattr(config, "llm") else 2 * config.lm.kv_heads * config.lm.head_dim
+    return family_of(config).pooled_width(config)
 
 
 def check_fits(spec: ResidualSpec, config, action_dim: int, where: str) -> None:
     """The residual was made for a base of this shape (features, state width, chunk, action dims)."""
     want = (pooled_width(config), config.max_state_dim, action_dim)
     got = (spec.features, spec.state_dim, spec.action_dim)
-    if got != want or spec.steps > horizon(config):
+    if got != want or spec.steps > chunk_length(config):
         raise KilovlaError(f"{where}: the residual reads {got[0]} features and {got[1]} state dims and corrects "
                            f"{spec.steps} x {got[2]} actions; this base gives {want[0]}, {want[1]} and "
-                           f"{horizon(config)} x {want[2]}")
+                           f"{chunk_length(config)} x {want[2]}")

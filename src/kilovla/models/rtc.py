@@ -66,10 +66,11 @@ def sample_actions_rtc(model, batch, noise: torch.Tensor, prefix: torch.Tensor, 
     """Euler sampling of a pi0 / pi0.5 model (openpi's convention: noise at t = 1, actions at t = 0)
     with RTC guidance. noise, prefix (B, H, A) normalised and zero-padded; weights (B, H, A);
     max_guidance_weight: one beta, or one per row (B,), so rows of a batch do not share theirs."""
-    from kilovla.models.pi05 import Pi05Model
+    from kilovla.models.family import family_of
 
-    if not isinstance(model, Pi05Model):
-        raise KilovlaError("real-time chunking is implemented for pi0 / pi0.5 policies; GR00T refuses rtc")
+    if not family_of(model).supports_rtc:
+        raise KilovlaError(f"real-time chunking is implemented for pi0 / pi0.5 policies; {family_of(model).title} "
+                           "refuses rtc")
     n = model.config.num_inference_steps
     with torch.no_grad():
         field, _ = model.velocity_field(batch)

@@ -23,8 +23,8 @@ divide by zero and dequantize its zeros to ``0 * inf = NaN``. Non-finite weights
 
 ``kernel="auto"`` (the default) takes the fastest available; a kernel that cannot run falls back
 to ``emulate`` with one warning line per reason. Which layers are quantized is a regex over module
-names (`select_layers`); each family's default takes the language model and the action expert
-(GR00T: the LLM layers and the DiT) and keeps the vision tower, norms, projectors and embeddings.
+names (`select_layers`); each family's default (its `fp8_layers`, models/<family>/spec.py) takes the
+language model and the action expert (GR00T: the LLM layers and the DiT) and keeps the vision tower, norms, projectors and embeddings.
 ``scope="all"`` takes every layer whose weight can be blocked outside the vision tower: Linear
 layers, the token table (`Fp8BlockEmbedding`: rows dequantized as they are looked up) and GR00T's
 per-embodiment Linear (`Fp8BlockCategoryLinear`: a (C, in, out) stack blocked matrix by matrix). Those
@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kilovla.errors import KilovlaError
+from kilovla.models.family import family_of
+from kilovla.models.layers import CategoryLinear
 
 log = logging.getLogger(__name__)
 
@@ -56,24 +58,10 @@ ACTIVATIONS = ("1x128", "none")
 SQNR_CAP_DB = 300.0  # what `sqnr_db` reports for "no noise"; float64 round-off measures far less
 SCALE_FLOOR = torch.finfo(torch.float32).tiny  # smallest normal float32: 1 / SCALE_FLOOR is finite
 
-# Module-name regexes of the layers each family quantizes by default: the attention and MLP
-# projections of the language model and of the action expert (pi0 / pi0.5), of the truncated LLM
-# and of the DiT (GR00T). Everything else (vision tower, adaRMS / AdaLayerNorm, projectors, time
-# MLPs, embeddings, GR00T's per-embodiment encoders and its VL self-attention) stays as it is.
-_PI_LAYERS = (r"^paligemma_with_expert\.(paligemma\.model\.language_model|gemma_expert\.model)"
-              r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
-FAMILY_DEFAULTS = {
-    "pi05": _PI_LAYERS,
-    "pi0": _PI_LAYERS,
-    "groot": (r"^(backbone\.eagle_model\.language_model\.model\.layers\.\d+"
-              r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
-              r"|action_head\.model\.transformer_blocks\.\d+\.(attn1\.(to_[qkv]|to_out\.0)|ff\.net\.(0\.proj|2)))$"),
-}
 # `--scope all`: every layer whose weight can be blocked (Linear, GR00T's per-embodiment Linear, token
-# tables) except the vision tower's. The paper keeps only the vision tower in high precision; the
-# family defaults leave the token table alone too, which caps pi0.5-3B at 34 % smaller than bf16.
-_PI_TOWER = r"^paligemma_with_expert\.paligemma\.model\.vision_tower\."
-VISION_TOWERS = {"pi05": _PI_TOWER, "pi0": _PI_TOWER, "groot": r"^backbone\.eagle_model\.vision_model\."}
+# tables) except the vision tower's (each family's `vision_tower`). The paper keeps only the vision tower
+# in high precision; the family defaults (`fp8_layers`) leave the token table alone too, which caps
+# pi0.5-3B at 34 % smaller than bf16.
 SCOPES = ("default", "all")
 _TOKEN_TABLE = re.compile(r"(^|\.)embed_tokens$")
 
@@ -498,8 +486,6 @@ def set_kernel(model: nn.Module, kernel: str) -> None:
 def fp8_class(name: str, module: nn.Module) -> type[Fp8Weights] | None:
     """The FP8 module that can replace `module` (None: its weight cannot be blocked). Embeddings only
     as token tables (``embed_tokens``, read by index); positional tables are read whole as ``.weight``."""
-    from kilovla.models.groot import CategoryLinear
-
     if isinstance(module, nn.Embedding):
         return Fp8BlockEmbedding if _TOKEN_TABLE.search(name) else None
     return {nn.Linear: Fp8BlockLinear, CategoryLinear: Fp8BlockCategoryLinear}.get(type(module))
@@ -512,22 +498,19 @@ def select_layers(model: nn.Module, include: str | None = None, exclude: str | N
     With ``include`` the regex is searched in the names of the modules that own parameters, and a
     match whose weight cannot be blocked (a norm's 1-D weight, a conv's 4-D kernel, a positional
     table read whole) stops with a message naming it. Without it, ``scope`` decides: "default" is the
-    family's regex (`FAMILY_DEFAULTS`), "all" every layer that can be blocked outside the vision tower.
+    family's regex (its `fp8_layers`), "all" every layer that can be blocked outside the vision tower.
     ``exclude`` then removes matches.
     """
-    from kilovla.models.checkpoints import model_family
-
     if any(isinstance(m, Fp8Weights) for m in model.modules()):
         raise KilovlaError("the model is already quantized to FP8")
-    family = model_family(model)
     exc = re.compile(exclude) if exclude else None
     owners = [(n, m) for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
     if include is None and scope == "all":
-        tower = re.compile(VISION_TOWERS[family])
+        tower = re.compile(family_of(model).vision_tower)
         pattern = f"--scope all{f' --exclude {exclude!r}' if exclude else ''}"
         chosen = [(n, m) for n, m in owners if fp8_class(n, m) and not tower.search(n) and not (exc and exc.search(n))]
     else:
-        regex = include if include is not None else FAMILY_DEFAULTS[family]
+        regex = include if include is not None else family_of(model).fp8_layers
         inc = re.compile(regex)
         pattern = f"--include {regex!r}{f' --exclude {exclude!r}' if exclude else ''}"
         chosen = [(n, m) for n, m in owners if inc.search(n) and not (exc and exc.search(n))]

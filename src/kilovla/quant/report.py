@@ -32,13 +32,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kilovla.models.family import chunk_length
 from kilovla.quant.fp8 import Fp8Weights, sqnr_db
 
 CAPTURE_ROWS = 4096  # activation rows (or token ids) per layer for its output SQNR, in whole calls
-
-
-def chunk_length(config) -> int:
-    return getattr(config, "chunk_size", None) or config.action_horizon
 
 
 def heldout_rows(dataset: str | Path, policy, samples: int, batch_size: int = 16) -> list[dict]:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kilovla.models.family import chunk_length
 from kilovla.policy_folder import load_policy_folder
 from kilovla.models.processor import PolicyMeta, Processor
 from kilovla.models.residual import pooled_width
@@ -38,7 +39,7 @@ class ActorCritic(nn.Module):
         self.vla, self.meta, self.sde = vla, meta, sde
         self.processor = Processor(vla.config, meta)
         cfg = vla.config
-        self.horizon = getattr(cfg, "chunk_size", None) or cfg.action_horizon
+        self.horizon = chunk_length(cfg)
         self.n_action_steps = min(n_action_steps, self.horizon)
         mask = torch.zeros(self.horizon, cfg.max_action_dim)
         mask[: self.n_action_steps, : meta.action_dim] = 1.0

@@ -42,8 +42,9 @@ import torch
 from torch import nn
 
 from kilovla.errors import KilovlaError
+from kilovla.models.family import chunk_length
 from kilovla.models.processor import PolicyMeta, Processor
-from kilovla.models.residual import ResidualActor, ResidualSpec, horizon, mlp, pooled_width
+from kilovla.models.residual import ResidualActor, ResidualSpec, mlp, pooled_width
 from kilovla.rl.core import trajectory
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class ResidualAgent(nn.Module):
         batch = self.processor.observation_batch(obs)
         field, features = self.vla.velocity_field(batch)
         cfg, spec = self.vla.config, self.spec
-        noise = torch.randn(batch.state.shape[0], horizon(cfg), cfg.max_action_dim, generator=generator)
+        noise = torch.randn(batch.state.shape[0], chunk_length(cfg), cfg.max_action_dim, generator=generator)
         chunk = self.vla.integrate(field, noise)
         base = chunk[:, : spec.steps, : spec.action_dim].float()
         delta, _ = self.actor.sample(features, batch.state, base, generator)  # exploring: the actor's Gaussian
@@ -135,7 +136,7 @@ class ResidualAgent(nn.Module):
 
 def residual_spec(vla: nn.Module, meta: PolicyMeta, n_action_steps: int, cfg: SACConfig) -> ResidualSpec:
     config = vla.config
-    return ResidualSpec(steps=min(n_action_steps, horizon(config)), action_dim=meta.action_dim,
+    return ResidualSpec(steps=min(n_action_steps, chunk_length(config)), action_dim=meta.action_dim,
                         features=pooled_width(config), state_dim=config.max_state_dim, scale=cfg.res_scale,
                         hidden=cfg.hidden, depth=cfg.depth, init_std=cfg.init_std, shared=cfg.shared)
 
@@ -153,7 +154,7 @@ def load_residual_agent(policy_dir: str, n_action_steps: int, cfg: SACConfig, pr
     model, actor = policy.model, None
     if isinstance(model, ResidualPolicyModel):
         model, actor = model.base, model.actor
-        actor.spec.check_steps(min(n_action_steps, horizon(model.config)), policy_dir, training=True)
+        actor.spec.check_steps(min(n_action_steps, chunk_length(model.config)), policy_dir, training=True)
     spec = actor.spec if actor is not None else residual_spec(model, policy.meta, n_action_steps, cfg)
     agent = ResidualAgent(model, policy.meta, spec, privileged if cfg.privileged else (), cfg.hidden, cfg.depth, actor)
     critics = Path(policy_dir) / "critic.safetensors"

@@ -23,8 +23,8 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.folders import policy_folder
+from kilovla.models.family import chunk_length, family_of
 from kilovla.models.images import resize_images
-from kilovla.models.pi05 import Pi05Model
 from kilovla.models.rtc import prefix_weights, sample_actions_rtc
 from kilovla.policy_folder import Interface, PolicyFolder
 from kilovla.serve.graphs import GraphedSampler
@@ -68,10 +68,10 @@ class PolicyEngine:
         self.model, self.processor, self.meta = policy.model, policy.processor, policy.meta
         self.interface = Interface.of(self.meta, where=f"{folder}/policy.json")
         cfg = self.model.config
-        self.horizon = getattr(cfg, "chunk_size", None) or cfg.action_horizon
+        self.horizon = chunk_length(cfg)
         self.width = cfg.max_action_dim
         self._generator = torch.Generator().manual_seed(0)
-        self.supports_rtc = isinstance(self.model, Pi05Model)
+        self.supports_rtc = not self.meta.residual and family_of(self.model).supports_rtc
         self._lock = threading.Lock()  # one forward at a time, whichever thread asks
 
     @property

@@ -26,7 +26,7 @@ from kilovla.data.meta import DatasetMeta
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import resolve_backend
 from kilovla.models.checkpoints import Checkpoint, is_sharded_policy_folder, load_sharded, load_weights, plan_load
-from kilovla.models.groot import GrootConfig, GrootModel
+from kilovla.models.family import chunk_length, family_of, vocab_size
 from kilovla.models.presets import build_model, policy_defaults
 from kilovla.models.processor import STATS_FOR, PolicyMeta, Processor
 from kilovla.models.tokenize import find_tokenizer
@@ -82,7 +82,7 @@ def start_weights(cfg: TrainConfig, d) -> None:
 
 def check_tokenizer_size(processor: Processor, model_cfg) -> None:
     tok = processor.tokenizer
-    vocab = model_cfg.lm.vocab_size if hasattr(model_cfg, "lm") else model_cfg.llm.vocab_size
+    vocab = vocab_size(model_cfg)
     if tok.kind != "byte" and tok.vocab_size < 0.5 * vocab:
         log.warning("the %s tokenizer %s has %d tokens, under half the model's %d-token embedding: is it the "
                     "tokenizer of these weights?", tok.kind, getattr(tok, "path", "") or "", tok.vocab_size, vocab)
@@ -105,7 +105,7 @@ def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
 
 
 def chunk_of(model_cfg) -> int:
-    return getattr(model_cfg, "chunk_size", None) or model_cfg.action_horizon
+    return chunk_length(model_cfg)
 
 
 def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta], init_from: dict | None = None) -> PolicyMeta:
@@ -190,19 +190,20 @@ def demonstration_seeds(metas: list[DatasetMeta], init_from: dict | None = None)
 
 def apply_freeze(model, *, freeze_vision: bool = False, freeze_vlm: bool = False,
                  gradient_checkpointing: bool = False) -> None:
-    """Stop gradients to the vision tower (and its projector) or the whole VLM; switch on recompute."""
-    groot = isinstance(model, GrootModel)
-    if freeze_vision:
-        parts = [model.eagle.vision_model, model.eagle.mlp1] if groot else [model.vlm.vision_tower, model.vlm.multi_modal_projector]
-        for p in parts:
-            p.requires_grad_(False)
-    if freeze_vlm:
-        (model.backbone if groot else model.paligemma_with_expert.paligemma).requires_grad_(False)
+    """Stop gradients to the vision tower (and its projector) or the whole VLM (the family's
+    `freeze_groups`); switch on recompute where the family has it."""
+    if not (freeze_vision or freeze_vlm or gradient_checkpointing):
+        return
+    fam = family_of(model)
+    groups = fam.freeze_groups(model)
+    for name, on in (("vision", freeze_vision), ("vlm", freeze_vlm)):
+        for part in groups[name] if on else ():
+            part.requires_grad_(False)
     if gradient_checkpointing:
-        if groot:
-            log.warning("gradient checkpointing is implemented for pi0/pi0.5; GR00T trains without it")
-        else:
+        if fam.gradient_checkpointing:
             model.gradient_checkpointing = True
+        else:
+            log.warning("gradient checkpointing is not implemented for %s; it trains without it", fam.title)
 
 
 @dataclass
@@ -269,11 +270,10 @@ def build_processor(cfg: TrainConfig, model_cfg, meta: PolicyMeta) -> Processor:
 
 def token_layout(model_cfg, meta: PolicyMeta) -> TokenLayout:
     """How many tokens the model spends on a sample, as the plan counts them."""
-    suffix = model_cfg.action_head_tokens if isinstance(model_cfg, GrootConfig) else chunk_of(model_cfg)
     return TokenLayout(tokens_per_camera=model_cfg.vision.tokens, cameras=tuple(meta.camera_map),
                        max_language_tokens=model_cfg.max_language_tokens,
                        state_tokens=4 * meta.state_dim if meta.state_in_prompt else 0,
-                       action_horizon=suffix + (0 if getattr(model_cfg, "pi05", True) else 1))
+                       action_horizon=family_of(model_cfg).action_tokens(model_cfg))
 
 
 def build_data(cfg: TrainConfig, model_cfg, meta: PolicyMeta, processor: Processor,
@@ -343,7 +343,5 @@ def update_ema(ema: dict[str, torch.Tensor] | None, model: torch.nn.Module, deca
 
 
 def flow_time(model) -> callable:
-    """The family's flow time from a Beta(1.5, 1) draw: GR00T's t runs from noise (0) to actions (1)."""
-    if isinstance(model, GrootModel):
-        return lambda beta: (0.999 - beta) / 0.999
-    return lambda beta: beta * 0.999 + 0.001
+    """The family's flow time from a Beta(1.5, 1) draw (GR00T's t runs from noise (0) to actions (1))."""
+    return family_of(model).flow_time

@@ -11,11 +11,11 @@ rank and what it was doing (`CollectiveTimeout`), never a silent hang.
   several packed rows with `no_sync`, and a static graph assumes every backward all-reduces (it
   dies at the first `no_sync` row). No `find_unused_parameters`: the models freeze what they never
   use, so every trainable parameter gets a gradient in every backward.
-- ``fsdp``: FSDP2, one unit per transformer layer (`layer_units`: ViT blocks; each paired LM/expert
-  layer of pi0/pi0.5; GR00T's Qwen layers, VL self-attention and DiT blocks), then the root for what
-  is left (embeddings, projections, norms). A unit's parameters are gathered for its forward and
-  backward only, so at most a layer or two are whole at a time. bf16 parameters with fp32 gradient
-  reduction on CUDA when training in bf16.
+- ``fsdp``: FSDP2, one unit per transformer layer (`layer_units`, the family's `fsdp_units`: ViT
+  blocks; each paired LM/expert layer of pi0/pi0.5; GR00T's Qwen layers, VL self-attention and DiT
+  blocks), then the root for what is left (embeddings, projections, norms). A unit's parameters are
+  gathered for its forward and backward only, so at most a layer or two are whole at a time. bf16
+  parameters with fp32 gradient reduction on CUDA when training in bf16.
 
 `gradient_sync(model, sync)` is the one switch for accumulation: DDP's `no_sync`, FSDP2's
 `set_requires_gradient_sync`; the trainer turns it off for every row of a step but the last.
@@ -145,20 +145,11 @@ def shutdown() -> None:
 # -- parallelism -----------------------------------------------------------------------------------
 def layer_units(model: nn.Module) -> list[list[nn.Module]]:
     """The transformer layers of a model, in forward order, each a list of modules that run as one
-    forward call (a pi0 LM layer runs its paired expert layer inside its own forward)."""
-    from kilovla.models.groot import GrootModel
-    from kilovla.models.pi05 import Pi05Model
+    forward call (the family's `fsdp_units`: a pi0 LM layer runs its paired expert layer inside its
+    own forward)."""
+    from kilovla.models.family import family_of
 
-    if isinstance(model, Pi05Model):
-        vit = model.vlm.vision_tower.vision_model.encoder.layers
-        pairs = zip(model.vlm.language_model.layers, model.expert.layers)
-        return [[b] for b in vit] + [[lm, expert] for lm, expert in pairs]
-    if isinstance(model, GrootModel):
-        head = model.action_head
-        blocks = [*model.eagle.vision_model.vision_model.encoder.layers, *model.eagle.language_model.model.layers,
-                  *head.vl_self_attention.transformer_blocks, *head.model.transformer_blocks]
-        return [[b] for b in blocks]
-    raise KilovlaError(f"no FSDP layer plan for {type(model).__name__}")
+    return family_of(model).fsdp_units(model)
 
 
 def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb: int = 25,

@@ -14,7 +14,8 @@ with a 1F1B schedule whose micro-batches are a replica's packed rows of the step
     split the trained part evenly, not the memory.
 
 `keep_stage(model, stage, pp)` drops from a rank's model what its stage does not run (state-dict
-keys and all), so a stage holds 1/pp of the layers. What every stage runs itself is kept on every
+keys and all; the family's `keep_stage`, models/<family>/parallelize.py, names what), so a stage
+holds 1/pp of the layers. What every stage runs itself is kept on every
 stage and stays identical: pi0.5's time MLP (its adaRMS condition enters every expert layer) and
 GR00T's timestep encoder, whose gradients are summed over the stages (`sum_shared_gradients`)
 before the optimizer step.
@@ -42,13 +43,13 @@ import torch.distributed as dist
 from torch import nn
 
 from kilovla.errors import KilovlaError
+from kilovla.models.family import family_of
 
 
 def depth(model_cfg) -> int:
-    """The layers pipeline stages split: pi0's paired LM / expert layers, GR00T's DiT blocks."""
-    from kilovla.models.groot import GrootConfig
-
-    return model_cfg.dit.depth if isinstance(model_cfg, GrootConfig) else model_cfg.lm.depth
+    """The layers pipeline stages split (the family's `pp_depth`): pi0's paired LM / expert layers,
+    GR00T's DiT blocks."""
+    return family_of(model_cfg).pp_depth(model_cfg)
 
 
 def stage_layers(model_cfg, pp: int, stage: int) -> range:
@@ -71,52 +72,11 @@ class _Dropped(nn.Module):
 
 
 def keep_stage(model: nn.Module, stage: int, pp: int) -> list[str]:
-    """Drop what `stage` of `pp` does not run from the model, in place; returns the names of the
-    parameters every stage keeps (their gradients are summed over the stages)."""
-    from kilovla.models.groot import GrootModel
-    from kilovla.models.pi05 import Pi05Model
-
-    if isinstance(model, GrootModel):
-        return _keep_groot_stage(model, stage, pp)
-    if not isinstance(model, Pi05Model):
-        raise KilovlaError(f"no pipeline plan for {type(model).__name__}")
-    own = stage_layers(model.config, pp, stage)
-    for layers in (model.vlm.language_model.layers, model.expert.layers):
-        for i in range(len(layers)):
-            if i not in own:
-                layers[i] = _Dropped()
-    if stage > 0:  # the embeddings run on the first stage only
-        vlm = model.vlm
-        vlm.vision_tower, vlm.multi_modal_projector = _Dropped(), _Dropped()
-        if hasattr(vlm.language_model, "embed_tokens"):
-            vlm.language_model.embed_tokens = _Dropped()
-        for name in ("action_in_proj", "state_proj", "action_time_mlp_in", "action_time_mlp_out"):
-            if hasattr(model, name):
-                setattr(model, name, _Dropped())
-    if stage < pp - 1:  # the head runs on the last stage only
-        model.expert.norm, model.action_out_proj = _Dropped(), _Dropped()
-        model.vlm.language_model.norm = _Dropped()
+    """Drop what `stage` of `pp` does not run from the model, in place (the family's `keep_stage`);
+    returns the names of the parameters every stage keeps (their gradients are summed over the stages)."""
+    shared = family_of(model).keep_stage(model, stage_layers(model.config, pp, stage), stage, pp, _Dropped)
     model.pipeline_stage = (stage, pp)
-    shared = [n for n, _ in model.named_parameters() if n.startswith(("time_mlp_in.", "time_mlp_out."))]
     return shared
-
-
-def _keep_groot_stage(model: nn.Module, stage: int, pp: int) -> list[str]:
-    head = model.action_head
-    own = stage_layers(model.config, pp, stage)
-    blocks = head.model.transformer_blocks
-    for i in range(len(blocks)):
-        if i not in own:
-            blocks[i] = _Dropped()
-    if stage > 0:  # the backbone, the VL self-attention and the DiT's input encoders run on the first stage
-        model.backbone = _Dropped()
-        for name in ("vlln", "vl_self_attention", "state_encoder", "action_encoder", "future_tokens",
-                     "position_embedding"):
-            setattr(head, name, _Dropped())
-    if stage < pp - 1:  # the output projections and the decoder on the last
-        head.model.proj_out_1, head.model.proj_out_2, head.action_decoder = _Dropped(), _Dropped(), _Dropped()
-    model.pipeline_stage = (stage, pp)
-    return [n for n, _ in model.named_parameters() if n.startswith("action_head.model.timestep_encoder.")]
 
 
 def sum_shared_gradients(shared: list[torch.Tensor], world) -> None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kilovla.errors import KilovlaError
+from kilovla.models.family import family_of
 
 
 class _SumGradient(torch.autograd.Function):
@@ -56,32 +57,15 @@ def _sum_gradient_hook(group):
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
-    """(layer, key/value heads) of each layer tensor parallelism shards."""
-    from kilovla.models.groot import GrootModel
-    from kilovla.models.pi05 import Pi05Model
-
-    if isinstance(model, Pi05Model):
-        c = model.config
-        return ([(layer, c.lm.kv_heads) for layer in model.vlm.language_model.layers]
-                + [(layer, c.expert.kv_heads) for layer in model.expert.layers])
-    if isinstance(model, GrootModel):
-        return [(block, model.config.dit.heads) for block in model.action_head.model.transformer_blocks]
-    raise KilovlaError(f"no tensor-parallel plan for {type(model).__name__}")
+    """(layer, key/value heads) of each layer tensor parallelism shards (the family's plan)."""
+    return family_of(model).tp_layers(model)
 
 
 def tp_problems(model_cfg, tp: int) -> list[str]:
     """What of a model config a tp degree does not divide (query heads, key/value heads that are
     neither divisible nor single, widths), from the config alone: checked before any work."""
-    from kilovla.models.groot import GrootConfig
-
-    if isinstance(model_cfg, GrootConfig):
-        d = model_cfg.dit
-        parts = {"DiT": (d.heads, d.heads, 4 * d.width)}
-    else:
-        parts = {"language model": (model_cfg.lm.heads, model_cfg.lm.kv_heads, model_cfg.lm.mlp_dim),
-                 "action expert": (model_cfg.expert.heads, model_cfg.expert.kv_heads, model_cfg.expert.mlp_dim)}
     problems = []
-    for part, (heads, kv, mlp) in parts.items():
+    for part, (heads, kv, mlp) in family_of(model_cfg).tp_parts(model_cfg).items():
         if heads % tp:
             problems.append(f"the {part}'s {heads} query heads")
         if kv % tp and kv != 1:
@@ -89,20 +73,6 @@ def tp_problems(model_cfg, tp: int) -> list[str]:
         if mlp % tp:
             problems.append(f"the {part}'s MLP width {mlp}")
     return [f"parallel.tp={tp} does not divide {p}" for p in problems]
-
-
-_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "to_q", "to_k", "to_v", "proj_in")  # the rest: row-wise
-
-
-def _plan_linears(layer: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The projections of one layer that take part, by their short names."""
-    if hasattr(layer, "attn1"):  # a GR00T DiT block (diffusers' names)
-        a, ff = layer.attn1, layer.ff.net
-        return [("to_q", a.to_q), ("to_k", a.to_k), ("to_v", a.to_v), ("to_out", a.to_out[0]),
-                ("proj_in", ff[0].proj), ("proj_out", ff[2])]
-    a, m = layer.self_attn, layer.mlp
-    return [("q_proj", a.q_proj), ("k_proj", a.k_proj), ("v_proj", a.v_proj), ("o_proj", a.o_proj),
-            ("gate_proj", m.gate_proj), ("up_proj", m.up_proj), ("down_proj", m.down_proj)]
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
@@ -114,20 +84,16 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     if problems:
         raise KilovlaError("; ".join(problems))
     group = tp_mesh.get_group()
+    split = family_of(model).tp_split
     for layer, kv in decoder_layers(model):
         if not any(True for _ in layer.parameters()):  # another pipeline stage's layer
             continue
-        plan, hooked = {}, []
-        for name, lin in _plan_linears(layer):
-            path = _path_in(layer, lin)
-            if name in ("k_proj", "v_proj", "to_k", "to_v") and kv % tp:  # whole on every rank
-                hooked.append(lin)
-            elif name in _COLWISE:
-                plan[path] = ColwiseParallel()
-            else:
-                plan[path] = RowwiseParallel()
+        spec = split(layer)
+        whole_kv = kv % tp != 0  # computed whole on every rank
+        plan = {_path_in(layer, lin): ColwiseParallel() for lin in spec.column + (() if whole_kv else spec.kv)}
+        plan.update({_path_in(layer, lin): RowwiseParallel() for lin in spec.row})
         parallelize_module(layer, tp_mesh, plan)
-        for lin in hooked:
+        for lin in spec.kv if whole_kv else ():
             lin.register_forward_hook(_sum_gradient_hook(group))
     return model
 

@@ -47,6 +47,11 @@ from kilovla.models.vision import ViTConfig, VisionTower
 OPENPI_CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
 
 
+def flow_time(beta: torch.Tensor) -> torch.Tensor:
+    """openpi's flow time from a Beta(1.5, 1) draw: t runs from actions (0.001) to noise (1)."""
+    return beta * 0.999 + 0.001
+
+
 @dataclass(frozen=True, kw_only=True)
 class Pi05Config:
     vision: ViTConfig = field(default_factory=ViTConfig)
@@ -406,7 +411,7 @@ class Pi05Model(nn.Module):
     # -- training ------------------------------------------------------------------------------------
     def sample_time(self, n: int, device) -> torch.Tensor:
         beta = torch.distributions.Beta(torch.tensor(1.5, device=device), torch.tensor(1.0, device=device))
-        return beta.sample((n,)) * 0.999 + 0.001
+        return flow_time(beta.sample((n,)))
 
     def forward(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None,
                 time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -38,8 +38,13 @@ from kilovla.models.attention import (BACKENDS, VarlenSpec, additive, attend_den
                                       resolve_backend)
 from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix, padded_prefix
 from kilovla.models.language import DecoderConfig
-from kilovla.models.layers import GatedMLP, apply_rope
+from kilovla.models.layers import CategoryLinear, GatedMLP, apply_rope
 from kilovla.models.vision import ViTConfig, VisionTower
+
+
+def flow_time(beta: torch.Tensor) -> torch.Tensor:
+    """GR00T's flow time from a Beta(1.5, 1) draw: t runs from noise (0) to actions (1)."""
+    return (0.999 - beta) / 0.999
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,16 +307,6 @@ class _DiT(nn.Module):
         self.proj_out_2 = nn.Linear(d.width, d.output_dim)
 
 
-class CategoryLinear(nn.Module):
-    def __init__(self, categories: int, n_in: int, n_out: int):
-        super().__init__()
-        self.W = nn.Parameter(0.02 * torch.randn(categories, n_in, n_out))
-        self.b = nn.Parameter(torch.zeros(categories, n_out))
-
-    def forward(self, x, cat):
-        return torch.bmm(x, self.W[cat]) + self.b[cat][:, None]
-
-
 class _CategoryMLP(nn.Module):
     def __init__(self, categories, n_in, hidden, n_out):
         super().__init__()
@@ -507,7 +502,7 @@ class GrootModel(nn.Module):
 
     def sample_time(self, n: int, device) -> torch.Tensor:
         beta = torch.distributions.Beta(torch.tensor(1.5, device=device), torch.tensor(1.0, device=device))
-        return (0.999 - beta.sample((n,))) / 0.999
+        return flow_time(beta.sample((n,)))
 
     def _embodiment(self, batch) -> torch.Tensor:
         if batch.embodiment_id is not None:

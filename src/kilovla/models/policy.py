@@ -11,15 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kilovla.models.groot import GrootModel
-from kilovla.models.pi05 import Pi05Model
 from kilovla.models.processor import PolicyMeta, Processor
 
 
 class VLAPolicy:
     """`root`: the policy folder, where a relative tokenizer path in `meta` points."""
 
-    def __init__(self, model: Pi05Model | GrootModel, meta: PolicyMeta, device: str | torch.device = "cpu",
+    def __init__(self, model: torch.nn.Module, meta: PolicyMeta, device: str | torch.device = "cpu",
                  root: str | Path | None = None):
         self.model, self.meta, self.device = model.to(device).eval(), meta, torch.device(device)
         self.processor = Processor(model.config, meta, root)

@@ -54,6 +54,7 @@ from kilovla.data.writer import _atomic_write_text
 from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear
 from kilovla.models.batch import PaddedBatch
+from kilovla.models.family import family_of
 from kilovla.models.presets import build_model, policy_defaults, preset
 from kilovla.progress import StepProgress
 from kilovla.train import checkpoint as ckpt
@@ -480,7 +481,7 @@ def _tensor_tokens(batch, model_cfg, layout: TokenLayout, real: float) -> float:
     else:
         language = max(model_cfg.max_language_tokens, batch.tokens.shape[1])
     # GR00T's Eagle prompt (image_token_id) holds the image tokens among its language tokens.
-    images = 0 if getattr(model_cfg, "image_token_id", None) is not None else \
+    images = 0 if family_of(model_cfg).image_token_id(model_cfg) is not None else \
         len(model_cfg.enabled_cameras) * layout.tokens_per_camera
     return float(batch.batch_size * (images + language + layout.state_tokens + layout.action_horizon))
 

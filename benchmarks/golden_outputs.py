@@ -141,6 +141,7 @@ def record_eval(ckpt: Path) -> dict:
 
     from kilovla.envs import rollout
     from kilovla.eval import closed_loop
+    from kilovla.eval.settings import EvalSettings
 
     policy = closed_loop.load_policy(str(ckpt), ema=True)
     calls: list[tuple[np.ndarray, np.ndarray]] = []
@@ -165,9 +166,8 @@ def record_eval(ckpt: Path) -> dict:
         namespace["run_episodes"] = recording_run
     torch.manual_seed(TORCH_SEED)
     try:
-        report = closed_loop.evaluate(policy, tasks=list(EVAL_TASKS), episodes=EVAL_EPISODES, seed=EVAL_SEED,
-                                      batch_size=EVAL_EPISODES, resolution=closed_loop.render_resolution(policy, None),
-                                      progress=lambda *a: None)
+        settings = EvalSettings(tasks=EVAL_TASKS, episodes=EVAL_EPISODES, seed=EVAL_SEED, batch_size=EVAL_EPISODES)
+        report = closed_loop.evaluate(policy, settings, progress=lambda *a: None)
     finally:
         for namespace in patched:
             namespace["run_episodes"] = run_episodes

@@ -180,16 +180,17 @@ def main() -> None:
     parser.add_argument("--ppo-minutes", type=float, default=6.0)
     args = parser.parse_args()
     from kilovla.eval.closed_loop import evaluate, load_policy
+    from kilovla.eval.settings import EvalSettings
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = json.loads((Path(args.policy) / "policy.json").read_text())
     resolution = max(meta.get("image_size") or [64])
     t0 = time.monotonic()
-    common = dict(tasks=list(TASKS), episodes=args.episodes, batch_size=10, seed=1, resolution=resolution)
+    settings = EvalSettings(tasks=TASKS, episodes=args.episodes, batch_size=10, seed=1, resolution=resolution)
     torch.manual_seed(0)
-    deterministic = evaluate(load_policy(args.policy), **common)
-    stochastic = evaluate(StochasticRollout(args.policy, seed=0), **common)
+    deterministic = evaluate(load_policy(args.policy), settings)
+    stochastic = evaluate(StochasticRollout(args.policy, seed=0), settings)
     obs = observations(args.policy, resolution, per_task=100)
     result = {"policy": args.policy, "episodes_per_task": args.episodes,
               "success_deterministic": deterministic["overall_success_rate"],

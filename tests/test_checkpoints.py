@@ -116,8 +116,9 @@ def test_learned_policies_run_in_closed_loop(tmp_path):
     save_policy(_metaworld_policy(action_dim=7), tmp_path / "bad")
     with pytest.raises(KilovlaError, match=r"action_dim 7 \(policy\) vs 4 \(metaworld\)"):
         from kilovla.eval.closed_loop import evaluate, load_policy
+        from kilovla.eval.settings import EvalSettings
 
-        evaluate(load_policy(str(tmp_path / "bad")), tasks=["reach-v3"], episodes=1)
+        evaluate(load_policy(str(tmp_path / "bad")), EvalSettings(tasks=["reach-v3"], episodes=1))
 
 
 def test_checkpoint_folders_are_pruned_in_step_order_and_replaced_whole(tmp_path):

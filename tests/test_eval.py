@@ -10,6 +10,7 @@ from kilovla.data import LeRobotDataset
 from kilovla.envs.collect import collect
 from kilovla.eval.closed_loop import evaluate, load_policy
 from kilovla.eval.intervals import wilson_interval
+from kilovla.eval.settings import EvalSettings
 from kilovla.errors import KilovlaError
 from kilovla.policy import RandomPolicy
 
@@ -18,8 +19,8 @@ FAST = {"resolution": 32, "max_steps": 60}
 
 
 def test_scripted_policy_succeeds_and_reports(tmp_path):
-    report = evaluate(load_policy("scripted"), tasks=["reach-v3"], episodes=2, batch_size=2, videos=1,
-                      out_dir=tmp_path, **FAST)
+    report = evaluate(load_policy("scripted"), EvalSettings(tasks=["reach-v3"], episodes=2, batch_size=2, videos=1, **FAST),
+                      out_dir=tmp_path)
     assert report["overall_success_rate"] == 1.0
     r = report["per_task"]["reach-v3"]
     assert r["episodes"] == 2 and 0 < r["mean_steps"] < 60
@@ -46,7 +47,7 @@ def test_wilson_interval_narrows_with_episodes_and_refuses_impossible_counts():
 
 
 def test_random_policy_stays_near_zero():
-    report = evaluate(RandomPolicy(4, seed=0), tasks=["push-v3"], episodes=3, batch_size=3, **FAST)
+    report = evaluate(RandomPolicy(4, seed=0), EvalSettings(tasks=["push-v3"], episodes=3, batch_size=3, **FAST))
     assert report["overall_success_rate"] == 0.0
 
 
@@ -70,7 +71,7 @@ class _FirstObservations:
 def test_evaluation_seeds_are_fixed():
     def first_observations(seed):
         policy = _FirstObservations()
-        evaluate(policy, tasks=["reach-v3"], episodes=3, batch_size=3, seed=seed, resolution=16, max_steps=2)
+        evaluate(policy, EvalSettings(tasks=["reach-v3"], episodes=3, batch_size=3, seed=seed, resolution=16, max_steps=2))
         return np.array(policy.first)
 
     a, b, other = first_observations(0), first_observations(0), first_observations(1)
@@ -83,7 +84,7 @@ def test_a_policy_that_does_not_fit_the_env_is_refused():
     policy = RandomPolicy(7)
     policy.action_dim, policy.cameras = 7, ("agentview",)
     with pytest.raises(KilovlaError, match=r"action_dim 7 \(policy\) vs 4 \(metaworld\); cameras"):
-        evaluate(policy, tasks=["reach-v3"], episodes=1, **FAST)
+        evaluate(policy, EvalSettings(tasks=["reach-v3"], episodes=1, **FAST))
 
 
 def test_a_crashed_env_process_fails_its_task_only(tmp_path):
@@ -100,8 +101,9 @@ def test_a_crashed_env_process_fails_its_task_only(tmp_path):
                 if worker.pid not in helpers:  # env workers are forked by the forkserver
                     os.kill(worker.pid, signal.SIGKILL)
 
-    report = evaluate(load_policy("scripted"), tasks=["reach-v3", "drawer-close-v3"], episodes=3, batch_size=1,
-                      num_workers=1, progress=kill_worker, out_dir=tmp_path, resolution=32, max_steps=100)
+    settings = EvalSettings(tasks=["reach-v3", "drawer-close-v3"], episodes=3, batch_size=1, workers=1, resolution=32,
+                            max_steps=100)
+    report = evaluate(load_policy("scripted"), settings, progress=kill_worker, out_dir=tmp_path)
     crashed = report["per_task"]["reach-v3"]
     assert "crashed" in crashed["error"] and crashed["seeds_running"]
     # The expert solves every episode it finishes; the ones the crash cut off count as failures.
@@ -188,12 +190,12 @@ def _count_renders(monkeypatch) -> list:
 def test_evaluation_renders_only_the_frames_a_policy_or_a_video_looks_at(monkeypatch, tmp_path):
     rendered = _count_renders(monkeypatch)
     policy = _ChunkPolicy()
-    report = evaluate(policy, tasks=["reach-v3"], episodes=2, batch_size=2, resolution=32, max_steps=20)
+    report = evaluate(policy, EvalSettings(tasks=["reach-v3"], episodes=2, batch_size=2, resolution=32, max_steps=20))
     assert report["per_task"]["reach-v3"]["mean_steps"] == 20
     assert len(rendered) == 2 + policy.calls * 2  # the two resets, and each chunk's last observation
     rendered.clear()
-    report = evaluate(load_policy("scripted"), tasks=["reach-v3"], episodes=3, batch_size=3, resolution=32,
-                      max_steps=20, videos=1, out_dir=tmp_path)
+    report = evaluate(load_policy("scripted"), EvalSettings(tasks=["reach-v3"], episodes=3, batch_size=3, resolution=32,
+                                                            max_steps=20, videos=1), out_dir=tmp_path)
     steps = [int(s) for s in [report["per_task"]["reach-v3"]["mean_steps"]]]
     assert len(rendered) <= 3 + 20  # the state-only expert: the resets and the recorded episode's frames
     [video] = (tmp_path / "videos" / "reach-v3").glob("*.mp4")

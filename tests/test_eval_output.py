@@ -10,6 +10,7 @@ import pytest
 from kilovla.cli import main
 from kilovla.errors import KilovlaError
 from kilovla.eval.closed_loop import evaluate, load_policy, new_output_dir
+from kilovla.eval.settings import EvalSettings
 from kilovla.folders import policy_folder
 from kilovla.policy import RandomPolicy
 
@@ -95,8 +96,8 @@ def test_evaluate_into_a_folder_replaces_the_earlier_evaluation_whole(tmp_path):
     report (a stale failure video must not sit beside a new success), a file of the user's stays."""
     _earlier_evaluation(tmp_path / "ev")
     (tmp_path / "ev" / "notes.txt").write_text("mine")
-    evaluate(load_policy("scripted"), tasks=["reach-v3"], episodes=1, batch_size=1, videos=1, out_dir=tmp_path / "ev",
-             resolution=32, max_steps=60)
+    evaluate(load_policy("scripted"), EvalSettings(tasks=["reach-v3"], episodes=1, batch_size=1, videos=1, resolution=32,
+                                                   max_steps=60), out_dir=tmp_path / "ev")
     assert [p.name for p in (tmp_path / "ev" / "videos" / "reach-v3").iterdir()] == ["episode_000_success.mp4"]
     assert "old" not in json.loads((tmp_path / "ev" / "report.json").read_text())
     assert (tmp_path / "ev" / "notes.txt").read_text() == "mine"
@@ -107,30 +108,30 @@ def test_evaluate_without_replace_refuses_an_earlier_evaluation_before_any_episo
     policy = RandomPolicy(4)
     policy.select_action = lambda obs: pytest.fail("an episode ran")
     with pytest.raises(KilovlaError, match="already holds an evaluation"):
-        evaluate(policy, tasks=["reach-v3"], episodes=1, out_dir=tmp_path / "ev", replace=False, resolution=16)
+        evaluate(policy, EvalSettings(tasks=["reach-v3"], episodes=1, resolution=16), out_dir=tmp_path / "ev", replace=False)
 
 
 # -- n_action_steps ------------------------------------------------------------------------------------
 def test_more_action_steps_than_the_chunk_holds_are_refused_naming_the_chunk():
     with pytest.raises(KilovlaError, match="^n_action_steps 99: the policy predicts chunks of 8 actions; "
                                            "execute 8 or fewer per chunk$"):
-        evaluate(RandomPolicy(4, chunk=8), tasks=["reach-v3"], episodes=1, n_action_steps=99, resolution=16)
+        evaluate(RandomPolicy(4, chunk=8), EvalSettings(tasks=["reach-v3"], episodes=1, n_action_steps=99, resolution=16))
     with pytest.raises(KilovlaError, match="n_action_steps 0: must be >= 1"):
-        evaluate(RandomPolicy(4, chunk=8), tasks=["reach-v3"], episodes=1, n_action_steps=0, resolution=16)
+        evaluate(RandomPolicy(4, chunk=8), EvalSettings(tasks=["reach-v3"], episodes=1, n_action_steps=0, resolution=16))
 
 
 # -- what an evaluation says while it runs -------------------------------------------------------------
 def test_progress_counts_finished_episodes_so_it_only_rises():
     """Episodes end out of order (the expert solves some seeds sooner): the count is how many ended."""
     heard = []
-    evaluate(load_policy("scripted"), tasks=["reach-v3"], episodes=6, batch_size=6, resolution=16, max_steps=60,
+    evaluate(load_policy("scripted"), EvalSettings(tasks=["reach-v3"], episodes=6, batch_size=6, resolution=16, max_steps=60),
              progress=lambda task, done, total: heard.append((task, done, total)))
     assert heard == [("reach-v3", n, 6) for n in range(7)]
 
 
 def test_an_evaluation_without_progress_of_its_own_says_what_runs_and_its_success_rate(capsys):
     """What train's in-training eval and RL's final eval get: lines off a terminal, the rate at the end."""
-    evaluate(load_policy("scripted"), tasks=["reach-v3"], episodes=2, batch_size=2, resolution=16, max_steps=60,
+    evaluate(load_policy("scripted"), EvalSettings(tasks=["reach-v3"], episodes=2, batch_size=2, resolution=16, max_steps=60),
              label="eval at step 2")
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "eval at step 2: starting"
@@ -231,3 +232,14 @@ def test_a_checkpoint_of_another_layout_with_a_config_yaml_is_not_taken_for_a_ru
     (tmp_path / "export" / "config.yaml").write_text("model: pi05\n")
     (tmp_path / "export" / "model.safetensors").write_bytes(b"")
     assert policy_folder(tmp_path / "export") == tmp_path / "export"
+
+
+def test_evaluate_takes_the_settings_fields_as_keywords_too():
+    """rl/runner.py's final evaluation passes the fields, not an EvalSettings: the same episodes run."""
+    fields = dict(tasks=["reach-v3"], episodes=2, batch_size=2, resolution=16, max_steps=30, seed=3)
+    by_settings = evaluate(load_policy("scripted"), EvalSettings(**fields), progress=lambda *a: None)
+    by_fields = evaluate(load_policy("scripted"), env="metaworld", cameras=("scene", "wrist"), progress=lambda *a: None,
+                         **fields)
+    assert by_fields["per_task"] == by_settings["per_task"] and by_fields["cameras"] == ["scene", "wrist"]
+    with pytest.raises(TypeError, match="not both"):
+        evaluate(load_policy("scripted"), EvalSettings(**fields), episodes=1)

@@ -924,11 +924,12 @@ def test_the_closed_loop_comparison_uses_the_envs_cameras_and_checks_them_first(
     monkeypatch.setattr(libero, "expand_tasks", lambda names: names)  # no LIBERO install needed to name a task
     calls = []
 
-    def fake_evaluate(policy, **kwargs):
-        closed_loop.check_compatible(policy, libero.spec(kwargs["tasks"][0], cameras=kwargs["cameras"]))
-        calls.append(kwargs)
+    def fake_evaluate(policy, settings, **kwargs):
+        spec = settings.spec()
+        closed_loop.check_compatible(policy, libero.spec(settings.tasks[0], cameras=spec.cameras))
+        calls.append({"cameras": spec.cameras, "max_steps": settings.max_steps})
         return {"overall_success_rate": 0.5, "per_task": {"libero_spatial/0": {"success_rate": 0.5}},
-                "episodes_per_task": kwargs["episodes"]}
+                "episodes_per_task": settings.episodes}
 
     monkeypatch.setattr(closed_loop, "evaluate", fake_evaluate)
     common = ["--env", "libero", "--tasks", "libero_spatial/0", "--eval-episodes", "2", "--latency-repeats", "1"]

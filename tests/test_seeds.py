@@ -118,9 +118,11 @@ def test_eval_refuses_seeds_a_demonstration_started_from(trained, tmp_path, caps
 
 
 def test_eval_reports_no_shared_seeds_for_a_trained_policy_and_none_for_a_scripted_one(trained):
-    fast = dict(tasks=["reach-v3"], episodes=2, batch_size=2, resolution=32, max_steps=2)
-    assert evaluate(load_policy(str(trained["policy"])), **fast)["demonstration_seeds_shared"] == 0
-    assert evaluate(load_policy("scripted"), **fast)["demonstration_seeds_shared"] is None  # records no demonstrations
+    from kilovla.eval.settings import EvalSettings
+
+    fast = EvalSettings(tasks=["reach-v3"], episodes=2, batch_size=2, resolution=32, max_steps=2)
+    assert evaluate(load_policy(str(trained["policy"])), fast)["demonstration_seeds_shared"] == 0
+    assert evaluate(load_policy("scripted"), fast)["demonstration_seeds_shared"] is None  # records no demonstrations
 
 
 def test_derived_folders_keep_the_demonstration_seeds(trained, tmp_path):

@@ -220,35 +220,17 @@ def cmd_bench_table(args) -> int:
 
 
 # -- kilovla collect / eval ------------------------------------------------------------------------
-def _tasks(env: str, spec: str) -> list[str]:
-    names = [t.strip() for t in spec.split(",") if t.strip()]
-    if env == "metaworld":
-        from kilovla.envs import metaworld
-
-        if len(names) == 1 and names[0].lower() in ("mt10", "mt50", "default"):
-            return metaworld.task_set(names[0])
-        return names
-    if env == "libero":
-        from kilovla.envs import libero
-
-        return libero.expand_tasks(names)
-    from kilovla.envs import ENV_NAMES
-
-    raise KilovlaError(f"unknown env {env!r}; available: {', '.join(ENV_NAMES)}")
-
-
-def _env_cameras(env: str, flag: str | None) -> tuple[str, ...]:
-    """--cameras as given, else the env's default cameras (what its spec declares)."""
-    from kilovla.envs.base import env_spec
-
-    return tuple(flag.split(",")) if flag else env_spec(env, "").cameras
+def _cameras(flag: str | None) -> tuple[str, ...] | None:
+    """--cameras as given; None: the env's own (its `EnvType.cameras`)."""
+    return tuple(flag.split(",")) if flag else None
 
 
 def cmd_collect(args) -> int:
+    from kilovla.envs.base import env_type
     from kilovla.envs.collect import collect
     from kilovla.eval.closed_loop import task_progress
 
-    tasks = _tasks(args.env, args.tasks)
+    tasks = env_type(args.env).tasks(args.tasks)
     progress, update = task_progress("collect")
     with progress:
         report = collect(args.out, env=args.env, tasks=tasks, episodes_per_task=args.episodes_per_task,
@@ -264,27 +246,27 @@ def cmd_collect(args) -> int:
 def cmd_eval(args) -> int:
     from rich.table import Table
 
-    from kilovla.eval.closed_loop import (check_action_steps, evaluate, load_policy, new_output_dir, render_resolution,
-                                          task_progress)
+    from kilovla.envs.base import env_type
+    from kilovla.eval.closed_loop import check_action_steps, evaluate, load_policy, new_output_dir, task_progress
+    from kilovla.eval.settings import EvalSettings
     from kilovla.folders import check_new_evaluation
 
-    tasks = _tasks(args.env, args.tasks)
+    tasks = env_type(args.env).tasks(args.tasks)
     if args.out is not None:  # a folder the user named: never overwrite an evaluation in it
         check_new_evaluation(args.out)
     policy = load_policy(args.policy, env=args.env, seed=args.seed, ema=args.ema)
     check_action_steps(policy, args.n_action_steps)
-    cameras = _env_cameras(args.env, args.cameras)
+    settings = EvalSettings(env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
+                            batch_size=args.batch_size, workers=args.workers, cameras=_cameras(args.cameras),
+                            resolution=args.resolution, max_steps=args.max_steps, n_action_steps=args.n_action_steps,
+                            videos=args.videos, allow_seen_seeds=args.allow_seen_seeds)
     out = args.out if args.out is not None else new_output_dir("eval-output", args.env,
                                                                 getattr(policy, "source", None) or args.policy)
     print(f"eval: report and videos go to {out}", flush=True)
     progress, update = task_progress("eval")
     try:
         with progress:
-            report = evaluate(policy, env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
-                              batch_size=args.batch_size, n_action_steps=args.n_action_steps, num_workers=args.workers,
-                              cameras=cameras, resolution=render_resolution(policy, args.resolution),
-                              max_steps=args.max_steps, videos=args.videos, out_dir=out, replace=False,
-                              progress=update, allow_seen_seeds=args.allow_seen_seeds)
+            report = evaluate(policy, settings, out_dir=out, replace=False, progress=update)
     except BaseException:
         if args.out is None and not any(out.iterdir()):  # refused before writing: no empty folder left behind
             out.rmdir()
@@ -348,28 +330,21 @@ def cmd_quantize(args) -> int:
         raise KilovlaError(f"--eval-episodes {args.eval_episodes}: must be >= 0 (0 skips the closed-loop comparison)")
     evaluation = None
     if args.eval_episodes:
-        from kilovla.envs.base import env_spec
-        from kilovla.eval.closed_loop import check_compatible, evaluate, render_resolution, task_progress
+        from kilovla.envs.base import env_type
+        from kilovla.eval.closed_loop import evaluate, task_progress
+        from kilovla.eval.settings import EvalSettings
         from kilovla.quant.folder import describe_source
 
-        tasks = _tasks(args.env, args.tasks)
-        cameras = _env_cameras(args.env, args.cameras)
-        if args.env == "metaworld":
-            from kilovla.envs import metaworld
-            from kilovla.envs.base import check_tasks
-
-            check_tasks(args.env, tasks, metaworld.task_names())
-        steps = {"max_steps": args.max_steps} if args.max_steps else {}
+        settings = EvalSettings(env=args.env, tasks=env_type(args.env).tasks(args.tasks), episodes=args.eval_episodes,
+                                seed=args.seed, batch_size=args.batch_size, workers=args.workers,
+                                cameras=_cameras(args.cameras), resolution=args.resolution, max_steps=args.max_steps)
         # Before the weights are even loaded: a policy that cannot run in the env fails in a second.
-        check_compatible(describe_source(args.policy_dir), env_spec(args.env, tasks[0], cameras=cameras, **steps))
+        settings.check_fits(describe_source(args.policy_dir))
 
         def evaluation(policy):
             progress, update = task_progress(f"eval {policy.name}")
             with progress:
-                return evaluate(policy, env=args.env, tasks=tasks, episodes=args.eval_episodes, seed=args.seed,
-                                batch_size=args.batch_size, resolution=render_resolution(policy, args.resolution),
-                                num_workers=args.workers, label=f"eval {policy.name}",
-                                cameras=cameras, max_steps=args.max_steps, progress=update)
+                return evaluate(policy, settings, label=f"eval {policy.name}", progress=update)
 
     report = quantize_policy_folder(args.policy_dir, args.out, config, dataset=args.dataset, samples=args.samples,
                                     evaluation=evaluation, seed=args.seed, latency_repeats=args.latency_repeats,

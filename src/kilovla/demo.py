@@ -34,6 +34,7 @@ from kilovla.envs.collect import collect
 from kilovla.envs.metaworld import DEFAULT_TASKS
 from kilovla.errors import KilovlaError
 from kilovla.eval.intervals import wilson_interval
+from kilovla.eval.settings import EvalSettings
 from kilovla.folders import DATASET, DEMO, DEMO_MARKER, RUN, check_replaceable, clear
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,13 @@ class DemoRecipe:
 
     def replace(self, **changes) -> DemoRecipe:
         return dataclasses.replace(self, **changes)
+
+    def evaluation(self) -> EvalSettings:
+        """The closed loop both the learned policy and the scripted expert are evaluated on (videos: the
+        learned policy's)."""
+        return EvalSettings(tasks=self.tasks, episodes=self.eval_episodes, seed=self.eval_seed, batch_size=5,
+                            resolution=self.resolution, workers=self.workers, n_action_steps=self.n_action_steps,
+                            videos=self.videos_per_task)
 
 
 FULL = DemoRecipe()
@@ -157,15 +165,15 @@ def evaluate_both(recipe: DemoRecipe, checkpoint: str, out: Path, train_seeds: d
         if shared:
             raise KilovlaError(f"{task}: evaluation seeds {sorted(shared)[:5]} were also demonstration seeds; "
                                "choose another eval_seed")
-    common = dict(tasks=tasks, episodes=recipe.eval_episodes, seed=recipe.eval_seed, batch_size=5,
-                  resolution=recipe.resolution, num_workers=recipe.workers, n_action_steps=recipe.n_action_steps)
+    settings = recipe.evaluation()
     progress, update = task_progress("eval policy")
     with progress:
-        learned = evaluate(load_policy(checkpoint, ema=bool(recipe.ema_decay)), out_dir=out / "eval-policy",
-                           videos=recipe.videos_per_task, progress=update, **common)
+        learned = evaluate(load_policy(checkpoint, ema=bool(recipe.ema_decay)), settings, out_dir=out / "eval-policy",
+                           progress=update)
     progress, update = task_progress("eval expert")
     with progress:
-        expert = evaluate(load_policy("scripted"), out_dir=out / "eval-expert", progress=update, **common)
+        expert = evaluate(load_policy("scripted"), dataclasses.replace(settings, videos=0), out_dir=out / "eval-expert",
+                          progress=update)
     return learned, expert
 
 

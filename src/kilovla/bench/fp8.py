@@ -127,6 +127,7 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
     from kilovla.bench.rl import default_policy
     from kilovla.envs.collect import collect
     from kilovla.eval.closed_loop import evaluate, task_progress
+    from kilovla.eval.settings import EvalSettings
 
     size = QUICK if quick else FULL
     out = Path(out_dir)
@@ -165,11 +166,14 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
 
     ema = (Path(policy) / "ema.safetensors").is_file()  # the demo evaluates its EMA weights: quantize those
 
-    def evaluation(p):  # on the demo's evaluation seeds, disjoint from the demonstrations'
+    # on the demo's evaluation seeds, disjoint from the demonstrations'
+    settings = EvalSettings(tasks=tasks, episodes=n, seed=DEMO_FULL.eval_seed, batch_size=10, resolution=resolution,
+                            workers=2)
+
+    def evaluation(p):
         progress, update = task_progress(f"eval {p.name}")
         with progress:
-            return evaluate(p, tasks=tasks, episodes=n, seed=DEMO_FULL.eval_seed, batch_size=10, resolution=resolution,
-                            num_workers=2, progress=update)
+            return evaluate(p, settings, progress=update)
 
     report = quantize_policy_folder(policy, quantized_dir, Fp8Config(), dataset=dataset, samples=size["samples"],
                                     evaluation=evaluation if n else None, latency_repeats=size["latency_repeats"],

@@ -208,10 +208,11 @@ def closed_loop(policy: str, episodes: int, tasks=WEAK_TASKS) -> dict:
 
     from kilovla.eval.closed_loop import evaluate, load_policy
     from kilovla.eval.intervals import wilson_interval
+    from kilovla.eval.settings import EvalSettings
 
     torch.manual_seed(EVAL_SEED)  # the base's initial noise: the same draws before and after
-    report = evaluate(load_policy(policy), tasks=list(tasks), episodes=episodes, batch_size=10, seed=EVAL_SEED,
-                      resolution=_resolution(policy), num_workers=2)
+    report = evaluate(load_policy(policy), EvalSettings(tasks=tasks, episodes=episodes, batch_size=10, seed=EVAL_SEED,
+                                                        resolution=_resolution(policy), workers=2))
     per_task = {}
     for t, r in report["per_task"].items():
         won = round(r["success_rate"] * episodes)

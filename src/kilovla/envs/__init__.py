@@ -15,6 +15,6 @@ import os
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
 
-from kilovla.envs.base import ENV_NAMES, EnvSpec, env_spec, make_env  # noqa: E402
+from kilovla.envs.base import ENV_NAMES, EnvSpec, EnvType, env_spec, env_type, make_env  # noqa: E402
 
-__all__ = ["ENV_NAMES", "EnvSpec", "env_spec", "make_env"]
+__all__ = ["ENV_NAMES", "EnvSpec", "EnvType", "env_spec", "env_type", "make_env"]

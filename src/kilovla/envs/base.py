@@ -1,11 +1,28 @@
-"""Env registry: `make_env("metaworld", task="push-v3", ...)` and what every env declares."""
+"""Env registry: one `EnvType` per simulator owns everything a caller needs to know about that env.
+
+    env = env_type("metaworld")
+    env.tasks("MT10")                 -> the MT10 task names ('a,b' lists names; LIBERO expands suites)
+    env.check_tasks(["push-v9"])      -> KilovlaError naming the valid tasks
+    env.spec("push-v3")               -> EnvSpec: action/state dims, cameras, episode length, fps
+    env.expert(noise_std=0.1, seed=0) -> its scripted expert, a batched Policy (what `collect` records)
+    env.make(task="push-v3", resolution=96)         -> a gymnasium env
+    env.render_resolution(policy, asked=None)       -> the pixels a policy's cameras render at
+
+Each simulator module `envs/<name>.py` defines its `EnvType` subclass and one instance, `ENV`;
+`ENV_NAMES` lists the modules. A module is imported by name on first use (`env_type`), so the
+simulators import this module (EnvSpec, EnvType), never the other way round, and a heavy simulator
+loads only when it is asked for. `make_env` and `env_spec` are the by-name shortcuts.
+"""
 
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 
 from kilovla.errors import KilovlaError
+
+log = logging.getLogger(__name__)
 
 ENV_NAMES = ("metaworld", "libero")
 
@@ -36,23 +53,87 @@ class EnvSpec:
         return feats
 
 
-def _module(name: str):
-    """The simulator's module, imported by name on first use: each simulator module imports this one
-    (EnvSpec), never the other way round, and a heavy simulator loads only when it is asked for."""
-    return importlib.import_module(f"kilovla.envs.{name}")
+class EnvType:
+    """One simulator: its name, tasks and task sets, spec (dims, cameras, fps), scripted expert and
+    env factory. Subclasses set the class attributes and override what their simulator provides."""
+
+    name: str
+    fps: int
+    cameras: tuple[str, ...]  # the cameras an evaluation renders unless told otherwise
+    robot: str  # meta/info.json's robot_type of a recorded dataset: `<name>-<robot>`
+    resolution = 96  # pixels for a policy that does not record its training resolution
+
+    def task_names(self) -> list[str] | None:
+        """Every valid task; None where the names are not listed (only an empty list is refused)."""
+        return None
+
+    def tasks(self, text: str) -> list[str]:
+        """A --tasks value -> task names: comma-separated names (a subclass adds its task sets)."""
+        return [t.strip() for t in text.split(",") if t.strip()]
+
+    def check_tasks(self, tasks: list[str]) -> list[str]:
+        valid = self.task_names()
+        if valid is None:
+            if not tasks:
+                raise KilovlaError(f"no {self.name} tasks given")
+            return tasks
+        return check_tasks(self.name, tasks, valid)
+
+    def spec(self, task: str = "", cameras: tuple[str, ...] | None = None, max_steps: int | None = None) -> EnvSpec:
+        """The env's declared dims for `task`; None keeps the env's own cameras and step limit."""
+        raise NotImplementedError
+
+    def make(self, **kwargs):
+        """A gymnasium env; kwargs go to the simulator's env class (task, cameras, resolution, ...)."""
+        raise NotImplementedError
+
+    def expert(self, noise_std: float = 0.0, seed: int = 0):
+        with_experts = [n for n in ENV_NAMES if type(env_type(n)).expert is not EnvType.expert]
+        raise KilovlaError(f"no scripted experts for env {self.name!r}; collect supports: {', '.join(with_experts)}")
+
+    def dataset_task_names(self, task: str) -> tuple[str, ...]:
+        """The names a dataset may give this env's task: its own (a subclass adds the instruction)."""
+        return (task,)
+
+    def backend(self) -> str:
+        """The simulator and its version, as reports record them."""
+        raise NotImplementedError
+
+    def render_resolution(self, policy, asked: int | None, flag: str = "--resolution") -> int:
+        """The camera resolution to evaluate or train `policy` (a loaded policy, or a folder's `Interface`) at:
+        the size of its training frames (policy.json's image_size) unless `asked` (the `flag`) says otherwise,
+        with a warning when the two differ, or when a learned policy does not record it (folders of earlier
+        versions: `self.resolution`). Scripted, random and served policies render at `self.resolution`."""
+        from kilovla.policy_folder import Interface
+
+        declared = policy if isinstance(policy, Interface) else getattr(policy, "meta", None)
+        size = getattr(declared, "image_size", None)
+        trained = max(size) if size else None
+        if asked is None:
+            if trained is None and declared is not None:
+                log.warning("%s: policy.json does not record its training resolution; rendering at %d px "
+                            "(%s sets it)", policy.name, self.resolution, flag)
+            return trained or self.resolution
+        if trained is not None and asked != trained:
+            log.warning("rendering at %d px, but %s was trained on %dx%d frames (policy.json image_size; %s asked)",
+                        asked, policy.name, *size, flag)
+        return asked
+
+
+def env_type(name: str) -> EnvType:
+    """The registered env called `name` (its module, `kilovla.envs.<name>`, imported on first use)."""
+    if name not in ENV_NAMES:
+        raise KilovlaError(f"unknown env {name!r}; available: {', '.join(ENV_NAMES)}")
+    return importlib.import_module(f"kilovla.envs.{name}").ENV
 
 
 def make_env(name: str, **kwargs):
     """A gymnasium env by simulator name; kwargs go to that simulator's env class."""
-    if name not in ENV_NAMES:
-        raise KilovlaError(f"unknown env {name!r}; available: {', '.join(ENV_NAMES)}")
-    return _module(name).make(**kwargs)
+    return env_type(name).make(**kwargs)
 
 
 def env_spec(name: str, task: str, **kwargs) -> EnvSpec:
-    if name not in ENV_NAMES:
-        raise KilovlaError(f"unknown env {name!r}; available: {', '.join(ENV_NAMES)}")
-    return _module(name).spec(task, **kwargs)
+    return env_type(name).spec(task, **kwargs)
 
 
 def check_tasks(env: str, tasks: list[str], valid: list[str]) -> list[str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kilovla.data.writer import DatasetWriter
-from kilovla.envs.base import check_tasks, env_spec
+from kilovla.envs.base import env_type
 from kilovla.envs.rollout import run_episodes, stack_observations
 from kilovla.envs.seeds import SEED_RULE, collect_seed
 from kilovla.envs.vector import EnvConfig, EnvPool
@@ -37,14 +37,6 @@ class CollectReport:
     frames: int = 0
 
 
-def expert_policy(env: str, noise_std: float, seed: int):
-    if env == "metaworld":
-        from kilovla.envs.metaworld import MetaWorldExpertPolicy
-
-        return MetaWorldExpertPolicy(noise_std=noise_std, seed=seed)
-    raise KilovlaError(f"no scripted experts for env {env!r}; collect supports: metaworld")
-
-
 def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episodes_per_task: int,
             cameras: tuple[str, ...] = ("scene", "wrist"), resolution: int = 96, noise_std: float = 0.0,
             seed: int = 0, max_steps: int | None = None, batch_size: int = 4, num_workers: int = 0,
@@ -52,22 +44,21 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
             progress=None) -> CollectReport:
     """Write `episodes_per_task` successful episodes per task (attempts continue until reached,
     up to 3x the target). `progress(task, kept, target)` is called as episodes finish."""
-    from kilovla.envs import metaworld
-
     if episodes_per_task < 1:  # else the seed check below names episode -1
         raise KilovlaError(f"--episodes-per-task must be at least 1, got {episodes_per_task}")
-    check_tasks(env, tasks, metaworld.task_names() if env == "metaworld" else tasks)
-    spec = env_spec(env, tasks[0], cameras=cameras, **({"max_steps": max_steps} if max_steps else {}))
+    sim = env_type(env)
+    sim.check_tasks(tasks)
+    spec = sim.spec(tasks[0], cameras=cameras, max_steps=max_steps)
     features = spec.features(resolution)
-    features["observation.environment_state"] = {"dtype": "float32", "shape": [39]}
+    features.update({key: {"dtype": "float32", "shape": [width]} for key, width in spec.extra_state})
     features["next.success"] = {"dtype": "bool", "shape": [1]}
     if labels not in ("executed", "expert"):
         raise KilovlaError(f"labels must be 'executed' or 'expert', not {labels!r}")
     collect_seed(seed, len(tasks) - 1, 3 * episodes_per_task - 1)  # the last seed it may use fits the rule: check now
-    policy = expert_policy(env, noise_std, seed)
-    clean = expert_policy(env, 0.0, seed) if labels == "expert" and noise_std > 0 else None
+    policy = sim.expert(noise_std, seed)
+    clean = sim.expert(0.0, seed) if labels == "expert" and noise_std > 0 else None
     report = CollectReport(root=str(out))
-    writer = DatasetWriter(out, fps=spec.fps, features=features, robot_type=f"{env}-sawyer", video_codec=codec,
+    writer = DatasetWriter(out, fps=spec.fps, features=features, robot_type=f"{env}-{sim.robot}", video_codec=codec,
                            overwrite=overwrite, info={"kilovla_seed_rule": SEED_RULE})
     kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {})}
     try:

@@ -29,7 +29,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 
-from kilovla.envs.base import EnvSpec
+from kilovla.envs.base import EnvSpec, EnvType
 from kilovla.errors import KilovlaError
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
@@ -164,8 +164,25 @@ class LiberoEnv(gym.Env):
         self._env.close()
 
 
-def make(**kwargs) -> LiberoEnv:
-    return LiberoEnv(**kwargs)
+class Libero(EnvType):
+    """LIBERO in the registry: four suites; tasks are `<suite>/<index>`, a bare suite means all its tasks."""
+
+    name, fps, cameras, robot = "libero", FPS, ("agentview", "wrist"), "panda"
+
+    def tasks(self, text: str) -> list[str]:
+        return expand_tasks(super().tasks(text))
+
+    def spec(self, task: str = "", cameras: tuple[str, ...] | None = None, max_steps: int | None = None) -> EnvSpec:
+        return spec(task, self.cameras if cameras is None else cameras, max_steps)
+
+    def make(self, **kwargs) -> LiberoEnv:
+        return LiberoEnv(**kwargs)
+
+    def backend(self) -> str:
+        return backend_name()
+
+
+ENV = Libero()
 
 
 def _digest(path: Path) -> str:

@@ -24,7 +24,7 @@ import warnings
 import gymnasium as gym
 import numpy as np
 
-from kilovla.envs.base import EnvSpec, check_tasks
+from kilovla.envs.base import EnvSpec, EnvType, check_tasks
 from kilovla.errors import KilovlaError
 
 # Meta-World's experts warn on every call that their gains exceed the action range (which it clips).
@@ -75,6 +75,9 @@ def task_names() -> list[str]:
 def instruction(task: str) -> str:
     """The natural-language instruction of a task ('stick-pull-v3' -> 'stick pull' when unnamed)."""
     return INSTRUCTIONS.get(task, re.sub(r"-v\d+$", "", task).replace("-", " "))
+
+
+TASK_SETS = ("mt10", "mt50", "default")
 
 
 def task_set(name: str) -> list[str]:
@@ -206,10 +209,6 @@ class MetaWorldEnv(gym.Env):
         self._env.close()
 
 
-def make(**kwargs) -> MetaWorldEnv:
-    return MetaWorldEnv(**kwargs)
-
-
 class MetaWorldExpertPolicy:
     """Meta-World's scripted experts as a batched `Policy`, with optional Gaussian action noise."""
 
@@ -236,3 +235,42 @@ class MetaWorldExpertPolicy:
         if self.noise_std > 0:
             actions = actions + self._rng.normal(0, self.noise_std, actions.shape).astype(np.float32)
         return np.clip(actions, -1, 1)[:, None, :]
+
+
+class MetaWorld(EnvType):
+    """Meta-World in the registry: 50 tasks, the MT10 / MT50 / default sets, scripted experts."""
+
+    name, fps, cameras, robot = "metaworld", FPS, DEFAULT_CAMERAS, "sawyer"
+
+    def task_names(self) -> list[str]:
+        return task_names()
+
+    def tasks(self, text: str) -> list[str]:
+        """'MT10' / 'MT50' / 'default' (one set name) or comma-separated task names (checked later)."""
+        names = super().tasks(text)
+        if len(names) == 1 and names[0].lower() in TASK_SETS:
+            return task_set(names[0])
+        return names
+
+    def spec(self, task: str = "", cameras: tuple[str, ...] | None = None, max_steps: int | None = None) -> EnvSpec:
+        return spec(task, DEFAULT_CAMERAS if cameras is None else cameras, max_steps or MAX_STEPS)
+
+    def make(self, **kwargs) -> MetaWorldEnv:
+        return MetaWorldEnv(**kwargs)
+
+    def expert(self, noise_std: float = 0.0, seed: int = 0) -> MetaWorldExpertPolicy:
+        return MetaWorldExpertPolicy(noise_std=noise_std, seed=seed)
+
+    def dataset_task_names(self, task: str) -> tuple[str, ...]:
+        """The task's name and the instruction `collect` records for it."""
+        return task, instruction(task)
+
+    def backend(self) -> str:
+        import importlib.metadata
+        import os
+
+        return (f"metaworld {importlib.metadata.version('metaworld')}, "
+                f"mujoco {importlib.metadata.version('mujoco')}, MUJOCO_GL={os.environ.get('MUJOCO_GL')}")
+
+
+ENV = MetaWorld()

@@ -1,10 +1,12 @@
 """Closed-loop evaluation: a policy acts in the simulator; we count successes per task.
 
-`evaluate(policy, tasks=..., episodes=N)` plays N episodes per task with fixed seeds (the same
+`evaluate(policy, EvalSettings(tasks=..., episodes=N))` plays N episodes per task with fixed seeds (the same
 seeds for every policy, so success rates compare; `envs/seeds.py`'s eval stream, which never meets
 the seeds `collect` records demonstrations on), batching the policy over vectorised envs and
 executing `n_action_steps` of each predicted action chunk. It returns the report and, with
 `out_dir`, writes `report.json`, `report.md` and mp4 videos of the first `videos` episodes per task.
+Every setting is a field of `EvalSettings` (eval/settings.py); the env's own rules (tasks, spec, render
+resolution, scripted expert) come from its `EnvType` (envs/base.py).
 Every success rate comes with its 95 % Wilson interval (`eval/intervals.py`). The trainer calls the same
 function for in-training evaluation.
 
@@ -33,12 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kilovla.envs.base import check_tasks, env_spec
+from kilovla.envs.base import env_type
 from kilovla.envs.rollout import run_episodes
 from kilovla.envs.seeds import eval_seeds
 from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
 from kilovla.errors import KilovlaError
 from kilovla.eval.intervals import wilson_interval
+from kilovla.eval.settings import EvalSettings
 from kilovla.folders import EVALUATION, check_new_evaluation, clear, policy_folder
 from kilovla.progress import TaskProgress, result
 
@@ -91,7 +94,7 @@ def check_unseen_seeds(demonstration_seeds: dict[str, list[int]] | None, tasks: 
     if not isinstance(demonstration_seeds, dict) or not all(isinstance(v, list) for v in demonstration_seeds.values()):
         raise KilovlaError(f"{who}: policy.json's demonstration_seeds must map each task to a list of seeds, got "
                            f"{str(demonstration_seeds)[:80]}")
-    shared = {task: sorted(set(seeds) & {s for key in _dataset_task_names(env, task)
+    shared = {task: sorted(set(seeds) & {s for key in env_type(env).dataset_task_names(task)
                                          for s in demonstration_seeds.get(key, ())})
               for task, seeds in planned.items()}
     count = sum(len(s) for s in shared.values())
@@ -100,15 +103,6 @@ def check_unseen_seeds(demonstration_seeds: dict[str, list[int]] | None, tasks: 
         raise KilovlaError(f"{who}: {count} of its {len(tasks) * episodes} evaluation episodes (seed {seed}) start "
                            f"from a demonstration's seed ({where}); {remedy}")
     return count
-
-
-def _dataset_task_names(env: str, task: str) -> tuple[str, ...]:
-    """The names a dataset may give an env task: its own, and the instruction `collect` records for it."""
-    if env == "metaworld":
-        from kilovla.envs.metaworld import instruction
-
-        return task, instruction(task)
-    return (task,)
 
 
 def task_progress(label: str):
@@ -170,41 +164,36 @@ def new_output_dir(root: str | Path, env: str, policy_spec: str, now: datetime.d
             folder = base.with_name(f"{base.name}_{n}")
 
 
-def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int, seed: int = 0,
-             batch_size: int = 8, n_action_steps: int | None = None, num_workers: int = 0,
-             cameras: tuple[str, ...] = ("scene", "wrist"), resolution: int = 96, max_steps: int | None = None,
-             videos: int = 0, out_dir: str | Path | None = None, replace: bool = True,
-             progress: Callable[[str, int, int], None] | None = None, label: str = "eval",
-             allow_seen_seeds: bool = False) -> dict:
-    """`progress(task, finished, total)` hears of every finished episode (and of each task's start,
-    with 0); without one, the evaluation shows its own (`task_progress(label)`). `replace`: whether
-    an earlier evaluation in `out_dir` is replaced (else refused, before anything runs).
-    `allow_seen_seeds`: evaluate even on seeds the policy's demonstrations started from
+def evaluate(policy, settings: EvalSettings | None = None, *, out_dir: str | Path | None = None,
+             replace: bool = True, progress: Callable[[str, int, int], None] | None = None, label: str = "eval",
+             **fields) -> dict:
+    """Play `settings` (an `EvalSettings`; or its fields as keywords, rl/runner.py's form) with `policy`.
+    `progress(task, finished, total)` hears of every finished episode (and of each task's start, with 0);
+    without one, the evaluation shows its own (`task_progress(label)`). `replace`: whether an earlier
+    evaluation in `out_dir` is replaced (else refused, before anything runs). Episodes on seeds the
+    policy's demonstrations started from are refused unless `settings.allow_seen_seeds`
     (`check_unseen_seeds`); the report's `demonstration_seeds_shared` counts them either way."""
+    if settings is None:
+        settings = EvalSettings(**fields)
+    elif fields:
+        raise TypeError(f"evaluate: give the settings or their fields {sorted(fields)}, not both")
     if progress is None:
         own, update = task_progress(label)
         with own:
-            return evaluate(policy, env=env, tasks=tasks, episodes=episodes, seed=seed, batch_size=batch_size,
-                            n_action_steps=n_action_steps, num_workers=num_workers, cameras=cameras,
-                            resolution=resolution, max_steps=max_steps, videos=videos, out_dir=out_dir,
-                            replace=replace, progress=update, label=label, allow_seen_seeds=allow_seen_seeds)
-    from kilovla.envs import metaworld
-
-    if env == "metaworld":
-        check_tasks(env, tasks, metaworld.task_names())
-    spec = env_spec(env, tasks[0], cameras=cameras, **({"max_steps": max_steps} if max_steps else {}))
-    check_compatible(policy, spec)
-    if episodes < 1:
-        raise KilovlaError(f"episodes must be >= 1, got {episodes}")
-    check_action_steps(policy, n_action_steps)
-    n_action_steps = n_action_steps or getattr(policy, "n_action_steps", None)
+            return evaluate(policy, settings, out_dir=out_dir, replace=replace, progress=update, label=label)
+    s = settings
+    spec = s.check_fits(policy)
+    if s.episodes < 1:
+        raise KilovlaError(f"episodes must be >= 1, got {s.episodes}")
+    check_action_steps(policy, s.n_action_steps)
+    n_action_steps = s.n_action_steps or getattr(policy, "n_action_steps", None)
     from kilovla.models.residual import ResidualPolicyModel
 
     model = getattr(policy, "model", None)
     if isinstance(model, ResidualPolicyModel) and n_action_steps:
         model.actor.spec.check_steps(n_action_steps, f"n_action_steps {n_action_steps}", training=False)
-    shared = check_unseen_seeds(getattr(getattr(policy, "meta", None), "demonstration_seeds", None), tasks, seed,
-                                episodes, env=env, allow_seen_seeds=allow_seen_seeds,
+    shared = check_unseen_seeds(getattr(getattr(policy, "meta", None), "demonstration_seeds", None), list(s.tasks),
+                                s.seed, s.episodes, env=s.env, allow_seen_seeds=s.allow_seen_seeds,
                                 who=f"policy {getattr(policy, 'name', policy)}")
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
@@ -213,78 +202,91 @@ def evaluate(policy, *, env: str = "metaworld", tasks: list[str], episodes: int,
         elif out.exists() and not out.is_dir():
             raise KilovlaError(f"{out}: exists and is not a folder; an evaluation writes a folder")
         clear(out, EVALUATION)  # an earlier evaluation's report and videos go; other files stay
-    kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {})}
+    resolution = s.env_type.render_resolution(policy, s.resolution)
+    kwargs = {"cameras": spec.cameras, "resolution": resolution, **({"max_steps": s.max_steps} if s.max_steps else {})}
     per_task: dict[str, dict] = {}
     policy.reset()
-    with policy_threads(num_workers):  # env workers take cores; the policy keeps the rest
-        for t, task in enumerate(tasks):
-            seeds = episode_seeds(seed, t, episodes)
-            recorder = _VideoRecorder(out / "videos" / task if out and videos else None, videos, spec.fps)
-
-            def on_step(ep, obs, action, reward, info):
-                recorder.add(ep.index, obs)
-
-            finished = []
-
-            def on_end(ep, last_obs):
-                finished.append(ep)
-                recorder.add(ep.index, last_obs)
-                recorder.finish(ep.index, ep.success)
-                # how many have finished: episodes end out of order, so their index would count backwards
-                progress(task, len(finished), episodes)
-
-            progress(task, 0, episodes)
-
-            configs = [EnvConfig(env, {"task": task, **kwargs})] * min(batch_size, episodes)
-            try:
-                with EnvPool(configs, num_workers=num_workers) as pool:
-                    done = run_episodes(pool, policy, seeds, n_action_steps=n_action_steps, on_step=on_step, on_end=on_end,
-                                        frames=lambda ep: recorder.folder is not None and ep.index < videos)
-            except EnvCrashed as e:
-                wins = sum(ep.success for ep in finished)
-                per_task[task] = {"success_rate": wins / episodes, "success_ci95": wilson_interval(wins, episodes),
-                                  "successes": wins, "episodes": episodes,
-                                  "mean_steps": float(np.mean([ep.steps for ep in finished])) if finished else None,
-                                  "crashed_episodes": episodes - len(finished), "error": str(e),
-                                  "seeds_running": e.seeds, "seeds": seeds}
-                continue
-            wins = sum(e.success for e in done)
-            per_task[task] = {
-                "success_rate": wins / len(done),
-                "success_ci95": wilson_interval(wins, len(done)),
-                "successes": wins,
-                "episodes": len(done),
-                "mean_steps": float(np.mean([e.steps for e in done])),
-                "crashed_episodes": 0,
-                "seeds": seeds,
-            }
-    # Every task plays the same number of episodes, so the mean of the task rates is the pooled rate.
-    wins, played = sum(r["successes"] for r in per_task.values()), sum(r["episodes"] for r in per_task.values())
-    report = {
-        "overall_success_rate": float(np.mean([r["success_rate"] for r in per_task.values()])),
-        "overall_success_ci95": wilson_interval(wins, played),
-        "crashed_episodes": sum(r["crashed_episodes"] for r in per_task.values()),
-        "per_task": per_task,
-        "env": env,
-        "env_backend": _backend(env),
-        "policy": getattr(policy, "name", type(policy).__name__),
-        "policy_source": getattr(policy, "source", None),  # the folder or URL a learned policy came from
-        "ema": getattr(policy, "ema", False),  # its EMA weights (eval --ema)
-        "seed": seed,
-        "demonstration_seeds_shared": shared,  # None: the policy records no demonstration seeds
-        "episodes_per_task": episodes,
-        "n_action_steps": n_action_steps,
-        "resolution": resolution,
-        "cameras": list(cameras),
-    }
+    with policy_threads(s.workers):  # env workers take cores; the policy keeps the rest
+        for t, task in enumerate(s.tasks):
+            configs = [EnvConfig(s.env, {"task": task, **kwargs})] * min(s.batch_size, s.episodes)
+            videos = out / "videos" / task if out and s.videos else None
+            per_task[task] = _evaluate_task(policy, configs, episode_seeds(s.seed, t, s.episodes), s, n_action_steps,
+                                            _VideoRecorder(videos, s.videos, spec.fps),
+                                            lambda done, task=task: progress(task, done, s.episodes))
+    report = _report(policy, s, per_task, shared, n_action_steps, resolution, spec.cameras)
     if out is not None:
         write_report(out, report)
+    wins, played = sum(r["successes"] for r in per_task.values()), sum(r["episodes"] for r in per_task.values())
     low, high = report["overall_success_ci95"]
     result(f"{label}: success rate {report['overall_success_rate']:.1%} ({wins}/{played} episodes, "
           f"{len(per_task)} task(s); 95 % Wilson {low:.1%} - {high:.1%})"
           + (f"; {report['crashed_episodes']} crashed, counted as failures" if report["crashed_episodes"] else "")
           + (f"; wrote {out}" if out is not None else ""))
     return report
+
+
+def _evaluate_task(policy, configs: list[EnvConfig], seeds: list[int], s: EvalSettings, n_action_steps: int | None,
+                   recorder: _VideoRecorder, progress: Callable[[int], None]) -> dict:
+    """One task's episodes on its seeds -> its row of the report (a crashed env pool: the episodes that
+    finished, the rest counted as failures)."""
+    episodes = len(seeds)
+
+    def on_step(ep, obs, action, reward, info):
+        recorder.add(ep.index, obs)
+
+    finished = []
+
+    def on_end(ep, last_obs):
+        finished.append(ep)
+        recorder.add(ep.index, last_obs)
+        recorder.finish(ep.index, ep.success)
+        progress(len(finished))  # how many have finished: episodes end out of order, so their index would count backwards
+
+    progress(0)
+    try:
+        with EnvPool(configs, num_workers=s.workers) as pool:
+            done = run_episodes(pool, policy, seeds, n_action_steps=n_action_steps, on_step=on_step, on_end=on_end,
+                                frames=lambda ep: recorder.folder is not None and ep.index < s.videos)
+    except EnvCrashed as e:
+        wins = sum(ep.success for ep in finished)
+        return {"success_rate": wins / episodes, "success_ci95": wilson_interval(wins, episodes),
+                "successes": wins, "episodes": episodes,
+                "mean_steps": float(np.mean([ep.steps for ep in finished])) if finished else None,
+                "crashed_episodes": episodes - len(finished), "error": str(e),
+                "seeds_running": e.seeds, "seeds": seeds}
+    wins = sum(e.success for e in done)
+    return {
+        "success_rate": wins / len(done),
+        "success_ci95": wilson_interval(wins, len(done)),
+        "successes": wins,
+        "episodes": len(done),
+        "mean_steps": float(np.mean([e.steps for e in done])),
+        "crashed_episodes": 0,
+        "seeds": seeds,
+    }
+
+
+def _report(policy, s: EvalSettings, per_task: dict[str, dict], shared: int | None, n_action_steps: int | None,
+            resolution: int, cameras: tuple[str, ...]) -> dict:
+    # Every task plays the same number of episodes, so the mean of the task rates is the pooled rate.
+    wins, played = sum(r["successes"] for r in per_task.values()), sum(r["episodes"] for r in per_task.values())
+    return {
+        "overall_success_rate": float(np.mean([r["success_rate"] for r in per_task.values()])),
+        "overall_success_ci95": wilson_interval(wins, played),
+        "crashed_episodes": sum(r["crashed_episodes"] for r in per_task.values()),
+        "per_task": per_task,
+        "env": s.env,
+        "env_backend": s.env_type.backend(),
+        "policy": getattr(policy, "name", type(policy).__name__),
+        "policy_source": getattr(policy, "source", None),  # the folder or URL a learned policy came from
+        "ema": getattr(policy, "ema", False),  # its EMA weights (eval --ema)
+        "seed": s.seed,
+        "demonstration_seeds_shared": shared,  # None: the policy records no demonstration seeds
+        "episodes_per_task": s.episodes,
+        "n_action_steps": n_action_steps,
+        "resolution": resolution,
+        "cameras": list(cameras),
+    }
 
 
 @contextlib.contextmanager
@@ -302,17 +304,6 @@ def policy_threads(env_workers: int):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _backend(env: str) -> str:
-    if env == "metaworld":
-        import importlib.metadata
-
-        return (f"metaworld {importlib.metadata.version('metaworld')}, "
-                f"mujoco {importlib.metadata.version('mujoco')}, MUJOCO_GL={os.environ.get('MUJOCO_GL')}")
-    from kilovla.envs import libero
-
-    return libero.backend_name()
 
 
 class _VideoRecorder:
@@ -367,28 +358,9 @@ def write_report(out: Path, report: dict) -> None:
         os.replace(tmp, out / name)
 
 
-DEFAULT_RESOLUTION = 96
-
-
-def render_resolution(policy, asked: int | None, flag: str = "--resolution") -> int:
-    """The camera resolution to evaluate or train `policy` (a loaded policy, or a folder's `Interface`) at:
-    the size of its training frames (policy.json's image_size) unless `asked` (the `flag`) says otherwise,
-    with a warning when the two differ, or when a learned policy does not record it (folders of earlier
-    versions: DEFAULT_RESOLUTION). Scripted, random and served policies render at DEFAULT_RESOLUTION."""
-    from kilovla.policy_folder import Interface
-
-    declared = policy if isinstance(policy, Interface) else getattr(policy, "meta", None)
-    size = getattr(declared, "image_size", None)
-    trained = max(size) if size else None
-    if asked is None:
-        if trained is None and declared is not None:
-            log.warning("%s: policy.json does not record its training resolution; rendering at %d px "
-                        "(%s sets it)", policy.name, DEFAULT_RESOLUTION, flag)
-        return trained or DEFAULT_RESOLUTION
-    if trained is not None and asked != trained:
-        log.warning("rendering at %d px, but %s was trained on %dx%d frames (policy.json image_size; %s asked)",
-                    asked, policy.name, *size, flag)
-    return asked
+def render_resolution(policy, asked: int | None, flag: str = "--resolution", env: str = "metaworld") -> int:
+    """`env`'s rule for the pixels `policy` renders at (`EnvType.render_resolution`), by env name."""
+    return env_type(env).render_resolution(policy, asked, flag)
 
 
 def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim: int | None = None,
@@ -397,13 +369,11 @@ def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim:
     checkpoint's EMA weights. A run folder, or its checkpoints/latest (or LeRobot's `last`), means the
     run's newest complete checkpoint (`folders.policy_folder`)."""
     if spec == "scripted":
-        from kilovla.envs.collect import expert_policy
-
-        return expert_policy(env, 0.0, seed)
+        return env_type(env).expert(0.0, seed)
     if spec == "random":
         from kilovla.policy import RandomPolicy
 
-        return RandomPolicy(action_dim or env_spec(env, "").action_dim, seed=seed)
+        return RandomPolicy(action_dim or env_type(env).spec().action_dim, seed=seed)
     if spec.startswith(("ws://", "wss://")):  # a policy `kilovla serve` serves; eval reaches serve lazily
         if ema:
             raise KilovlaError(f"--ema: {spec} is a served policy; start `kilovla serve --ema` instead")

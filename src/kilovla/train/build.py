@@ -40,25 +40,13 @@ def check_evaluation(cfg: TrainConfig, meta: PolicyMeta) -> None:
     """The checks the first closed-loop evaluation would make (tasks known, policy fits the env's
     action, state and cameras, no evaluation seed a demonstration started from), made at start so a
     mismatch costs no training."""
-    from kilovla.envs.base import check_tasks, env_spec
-    from kilovla.eval.closed_loop import check_compatible, check_unseen_seeds
+    from kilovla.eval.closed_loop import check_unseen_seeds
 
-    if cfg.eval.env == "metaworld":
-        from kilovla.envs import metaworld
-
-        check_tasks(cfg.eval.env, list(cfg.eval.tasks), metaworld.task_names())
-    elif not cfg.eval.tasks:
-        raise KilovlaError(f"eval.every is set but eval.tasks is empty: name the {cfg.eval.env} tasks to evaluate")
-    import inspect
-
-    from kilovla.eval.closed_loop import evaluate
-
-    cameras = inspect.signature(evaluate).parameters["cameras"].default  # what _evaluate will run with
-    spec = env_spec(cfg.eval.env, cfg.eval.tasks[0], cameras=cameras,
-                    **({"max_steps": cfg.eval.max_steps} if cfg.eval.max_steps else {}))
-    check_compatible(Interface.of(meta), spec)
-    check_unseen_seeds(meta.demonstration_seeds, list(cfg.eval.tasks), cfg.seed, cfg.eval.episodes, env=cfg.eval.env,
-                       who="eval.every's evaluation", remedy="set another --seed (it also picks the evaluation's)")
+    settings = cfg.eval.settings(cfg.seed)  # what _evaluate will run
+    settings.check_fits(Interface.of(meta))
+    check_unseen_seeds(meta.demonstration_seeds, list(settings.tasks), settings.seed, settings.episodes,
+                       env=settings.env, allow_seen_seeds=settings.allow_seen_seeds, who="eval.every's evaluation",
+                       remedy="set another --seed (it also picks the evaluation's)")
 
 
 def attention_in_use(model_cfg, device: torch.device) -> str:

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from kilovla.errors import KilovlaError
+from kilovla.eval.settings import EvalSettings
 from kilovla.models.lora import LoraSettings
 from kilovla.train.optim import OptimConfig
 
@@ -82,16 +83,21 @@ class CheckpointConfig:
     keep: int = 3
 
 
-@dataclass
-class EvalConfig:
+@dataclass(frozen=True, kw_only=True)
+class InTrainingEval(EvalSettings):
+    """The `eval:` section: what the closed-loop evaluation during training runs (EvalSettings' fields,
+    with smaller defaults) and when. Its seed defaults to the run's (`settings`)."""
+
     every: int = 0  # steps between closed-loop evaluations; 0: never
-    env: str = "metaworld"
-    tasks: list[str] = field(default_factory=list)
+    tasks: tuple[str, ...] = ()
     episodes: int = 5
     batch_size: int = 5
-    resolution: int | None = None  # None: the training frames' resolution (policy.json image_size)
-    max_steps: int | None = None
+    seed: int | None = None  # None: the run's seed
     timeout_s: float = 3600.0  # how long the other ranks wait for rank 0's evaluation
+
+    def settings(self, run_seed: int) -> InTrainingEval:
+        """These settings with the evaluation seed filled in: the run's unless `seed` says otherwise."""
+        return self if self.seed is not None else dataclasses.replace(self, seed=run_seed)
 
 
 @dataclass
@@ -106,7 +112,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: InTrainingEval = field(default_factory=InTrainingEval)
     ema_decay: float | None = None
     freeze_vision: bool | None = None  # unset: the preset's (GR00T N1.5 freezes its backbone)
     freeze_vlm: bool | None = None

@@ -552,7 +552,7 @@ def _evaluate(model, meta, cfg, step, logger, world, on_eval) -> None:
     """Closed-loop evaluation on rank 0 while the other ranks wait at a barrier. A sharded model is
     gathered first (every rank takes part) into a plain copy on rank 0, so that no collective runs
     while only rank 0 is busy."""
-    from kilovla.eval.closed_loop import evaluate, render_resolution
+    from kilovla.eval.closed_loop import evaluate
     from kilovla.models.policy import VLAPolicy
 
     eval_model = model
@@ -569,9 +569,7 @@ def _evaluate(model, meta, cfg, step, logger, world, on_eval) -> None:
             eval_model.load_state_dict(full, assign=True)
     if world.is_main:
         policy = VLAPolicy(eval_model, meta, world.device)
-        report = evaluate(policy, env=cfg.eval.env, tasks=list(cfg.eval.tasks), episodes=cfg.eval.episodes,
-                          batch_size=cfg.eval.batch_size, resolution=render_resolution(policy, cfg.eval.resolution),
-                          max_steps=cfg.eval.max_steps, seed=cfg.seed)
+        report = evaluate(policy, cfg.eval.settings(cfg.seed))
         model.train()
         record = {"kind": "eval", "step": step, "success_rate": report["overall_success_rate"],
                   "crashed_episodes": report.get("crashed_episodes", 0),

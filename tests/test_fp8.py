@@ -27,7 +27,7 @@ from kilovla.quant.fp8 import (FP8, Fp8BlockCategoryLinear, Fp8BlockEmbedding, F
                                dequantize_fp8_blockwise,
                                fake_quantize_activations, quantize_activations_1x128, quantize_fp8_blockwise,
                                quantization_config, quantize_model, select_layers, sqnr_db)
-from kilovla.quant.folder import quantize_policy_folder
+from kilovla.quantize.folder import quantize_policy_folder
 
 E4M3_REL = 2.0**-4  # half a unit in the last place of a 3-bit mantissa, relative
 E4M3_SUBNORMAL_HALF_STEP = 2.0**-10  # in units of the block scale
@@ -504,7 +504,7 @@ def test_quantize_refuses_a_quantized_policy_and_an_existing_output(folders, tmp
 
 
 def test_a_failure_midway_leaves_nothing_behind(folders, tmp_path, monkeypatch):
-    from kilovla.quant import folder as quant_folder
+    from kilovla.quantize import folder as quant_folder
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
@@ -671,7 +671,7 @@ def test_sqnr_is_always_a_finite_number_and_nan_counts_as_worst():
 
 @torch.no_grad()
 def test_a_layer_that_outputs_nan_is_the_reports_minimum_and_the_json_stays_valid(folders):
-    from kilovla.quant import report as qreport
+    from kilovla.quantize import report as qreport
 
     baseline = load_policy_folder(folders["source"])
     quantized = load_policy_folder(folders["out"])
@@ -689,7 +689,7 @@ def test_a_layer_that_outputs_nan_is_the_reports_minimum_and_the_json_stays_vali
 def test_action_mse_is_in_action_units_on_the_inference_path_without_padded_steps(folders):
     """Two samples, the second at the dataset's very end (its chunk runs past the episode: padded
     steps), a policy with training augmentation on: the report's numbers against a direct computation."""
-    from kilovla.quant import report as qreport
+    from kilovla.quantize import report as qreport
 
     baseline = load_policy_folder(folders["source"])
     quantized = load_policy_folder(folders["out"])
@@ -886,7 +886,7 @@ def test_an_out_below_a_file_is_refused(folders, tmp_path, capsys, monkeypatch):
 
 
 def test_a_failure_midway_removes_the_parent_folders_it_made(folders, tmp_path, monkeypatch):
-    from kilovla.quant import folder as quant_folder
+    from kilovla.quantize import folder as quant_folder
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
@@ -947,7 +947,7 @@ def test_the_closed_loop_comparison_uses_the_envs_cameras_and_checks_them_first(
 
 
 def test_device_auto_is_the_cpu_here_and_the_latency_says_where():
-    from kilovla.quant.folder import resolve_device
+    from kilovla.quantize.folder import resolve_device
 
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(KilovlaError, match="--device 'nonsense'"):

@@ -248,7 +248,7 @@ def test_quantize_takes_the_base_of_an_rl_folder_and_keeps_its_residual(rl_folde
     from kilovla.policy_folder import load_policy_folder
     from kilovla.models.residual import ResidualPolicyModel
     from kilovla.quant.fp8 import Fp8Weights
-    from kilovla.quant.folder import quantize_policy_folder
+    from kilovla.quantize.folder import quantize_policy_folder
 
     from pathlib import Path
 

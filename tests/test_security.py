@@ -350,7 +350,7 @@ def test_saved_weights_follow_the_umask(tmp_path, umask_022):
 
 def test_a_quantized_folder_follows_the_umask(tmp_path, umask_022):
     from kilovla.quant.fp8 import Fp8Config
-    from kilovla.quant.folder import quantize_policy_folder
+    from kilovla.quantize.folder import quantize_policy_folder
 
     save_policy(_metaworld_policy(), tmp_path / "src")
     quantize_policy_folder(tmp_path / "src", tmp_path / "q", Fp8Config(), latency_repeats=1)

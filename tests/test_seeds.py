@@ -129,7 +129,7 @@ def test_derived_folders_keep_the_demonstration_seeds(trained, tmp_path):
     """FP8 (policy.save), RL (policy.json's fields, the residual added) and a loaded LoRA checkpoint's meta."""
     from kilovla.policy_folder import load_policy_folder
     from kilovla.quant.fp8 import Fp8Config
-    from kilovla.quant.folder import quantize_policy_folder
+    from kilovla.quantize.folder import quantize_policy_folder
     from kilovla.policy_folder import write_rl_policy_files as write_policy_files
 
     want = json.loads((trained["policy"] / "policy.json").read_text())["demonstration_seeds"]

@@ -320,8 +320,8 @@ def cmd_rl(args) -> int:
 def cmd_quantize(args) -> int:
     from kilovla.folders import policy_folder
     from kilovla.quant.fp8 import Fp8Config
-    from kilovla.quant.folder import quantize_policy_folder
-    from kilovla.quant.report import print_report
+    from kilovla.quantize.folder import quantize_policy_folder
+    from kilovla.quantize.report import print_report
 
     args.policy_dir = str(policy_folder(args.policy_dir))  # a run folder or checkpoints/latest: its newest
     config = Fp8Config(block=args.block, include=args.include, exclude=args.exclude, scope=args.scope,
@@ -333,7 +333,7 @@ def cmd_quantize(args) -> int:
         from kilovla.envs.base import env_type
         from kilovla.eval.closed_loop import evaluate, task_progress
         from kilovla.eval.settings import EvalSettings
-        from kilovla.quant.folder import describe_source
+        from kilovla.quantize.folder import describe_source
 
         settings = EvalSettings(env=args.env, tasks=env_type(args.env).tasks(args.tasks), episodes=args.eval_episodes,
                                 seed=args.seed, batch_size=args.batch_size, workers=args.workers,

@@ -32,9 +32,9 @@ import torch
 
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 from kilovla.errors import KilovlaError
-from kilovla.quant.folder import quantize_policy_folder
+from kilovla.quantize.folder import quantize_policy_folder
 from kilovla.quant.fp8 import Fp8Config, checkpoint_bytes, quantize_model, select_layers
-from kilovla.quant.report import min_output_sqnr
+from kilovla.quantize.report import min_output_sqnr
 
 HELDOUT_SEED = 7  # the demo collects on seed 0: other object and goal positions
 FULL = {"episodes": 50, "heldout_episodes": 2, "samples": 128, "latency_repeats": 10}
@@ -65,7 +65,7 @@ def _latency_3b_cuda(repeats: int) -> Row:
     """pi05-3b with random weights on the GPU: bf16 baseline vs FP8 layers, batch-1 action chunk."""
     from kilovla.bench.models import libero_batch
     from kilovla.models.presets import build_model, preset
-    from kilovla.quant.report import chunk_latency
+    from kilovla.quantize.report import chunk_latency
 
     class _Runner:  # the shape `chunk_latency` times: a model and its device
         def __init__(self, model):

@@ -5,7 +5,7 @@ The output is a policy folder like any other (``kilovla eval --policy DIR`` runs
     model.safetensors    FP8 layers as `weight` (float8_e4m3fn) + `weight_scale_inv` (float32);
                          every other tensor in `--dtype` (bf16 by default)
     policy.json          the source's policy description + `quantization_config`
-    quant_report.json    sizes, per-layer SQNR, action MSE, closed-loop success, latency (quant/report.py)
+    quant_report.json    sizes, per-layer SQNR, action MSE, closed-loop success, latency (quantize/report.py)
     quant_report.md
 
 The source is a policy folder with model.safetensors, or an FSDP run's intermediate checkpoint
@@ -33,7 +33,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.policy_folder import POLICY_JSON, Interface, PolicyFolder, save_policy, state_width
-from kilovla.quant import report as qreport
+from kilovla.quantize import report as qreport
 from kilovla.staging import remove_stale_staging, staging_path
 from kilovla.quant.fp8 import (KERNELS, Fp8BlockLinear, Fp8Config, Fp8Weights, checkpoint_bytes, quantization_config,
                                quantize_model, select_layers, set_kernel)

@@ -52,6 +52,32 @@ class EnvSpec:
             feats[f"observation.images.{cam}"] = {"dtype": "video", "shape": [resolution, resolution, 3]}
         return feats
 
+    def check_fits(self, policy) -> None:
+        """Refuse a policy (loaded, or a folder's `Interface`) whose declared dims or cameras differ from
+        this env's, before any rollout."""
+        problems = []
+        want = getattr(policy, "action_dim", None)
+        if want is not None and want != self.action_dim:
+            problems.append(f"action_dim {want} (policy) vs {self.action_dim} ({self.name})")
+        dims = self.state_dims()
+        keys = getattr(policy, "state_keys", ["observation.state"])
+        missing = [k for k in keys if k not in dims]
+        if missing:
+            problems.append(f"state inputs {missing} (policy) that {self.name} does not provide")
+        elif getattr(policy, "state_dim", None) is not None and policy.state_dim != sum(dims[k] for k in keys):
+            problems.append(f"state_dim {policy.state_dim} (policy) vs {sum(dims[k] for k in keys)} ({self.name})")
+        cams = getattr(policy, "cameras", None)
+        if cams is not None and not set(cams) <= set(self.cameras):
+            problems.append(f"cameras {sorted(cams)} (policy) vs {sorted(self.cameras)} ({self.name})")
+        if problems:
+            raise KilovlaError(f"policy {getattr(policy, 'name', policy)} does not fit env {self.name}: "
+                               + "; ".join(problems))
+
+
+def check_compatible(policy, spec: EnvSpec) -> None:
+    """`spec.check_fits(policy)`, under the name eval and rl call it by."""
+    spec.check_fits(policy)
+
 
 class EnvType:
     """One simulator: its name, tasks and task sets, spec (dims, cameras, fps), scripted expert and

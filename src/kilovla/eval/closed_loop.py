@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kilovla.envs.base import env_type
+from kilovla.envs.base import check_compatible, env_type  # noqa: F401 (rl imports check_compatible here)
 from kilovla.envs.rollout import run_episodes
 from kilovla.envs.seeds import eval_seeds
 from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
@@ -46,26 +46,6 @@ from kilovla.folders import EVALUATION, check_new_evaluation, clear, policy_fold
 from kilovla.progress import TaskProgress, result
 
 log = logging.getLogger(__name__)
-
-
-def check_compatible(policy, spec) -> None:
-    """Refuse a policy whose declared dims or cameras differ from the env's, before any rollout."""
-    problems = []
-    want = getattr(policy, "action_dim", None)
-    if want is not None and want != spec.action_dim:
-        problems.append(f"action_dim {want} (policy) vs {spec.action_dim} ({spec.name})")
-    dims = spec.state_dims()
-    keys = getattr(policy, "state_keys", ["observation.state"])
-    missing = [k for k in keys if k not in dims]
-    if missing:
-        problems.append(f"state inputs {missing} (policy) that {spec.name} does not provide")
-    elif getattr(policy, "state_dim", None) is not None and policy.state_dim != sum(dims[k] for k in keys):
-        problems.append(f"state_dim {policy.state_dim} (policy) vs {sum(dims[k] for k in keys)} ({spec.name})")
-    cams = getattr(policy, "cameras", None)
-    if cams is not None and not set(cams) <= set(spec.cameras):
-        problems.append(f"cameras {sorted(cams)} (policy) vs {sorted(spec.cameras)} ({spec.name})")
-    if problems:
-        raise KilovlaError(f"policy {getattr(policy, 'name', policy)} does not fit env {spec.name}: " + "; ".join(problems))
 
 
 def episode_seeds(seed: int, task_index: int, episodes: int) -> list[int]:

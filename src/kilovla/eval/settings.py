@@ -49,9 +49,7 @@ class EvalSettings:
     def check_fits(self, policy) -> EnvSpec:
         """The tasks exist and `policy` (loaded, or a folder's `Interface`) fits the env's action, state and
         cameras; before any env is built. Returns the env's spec."""
-        from kilovla.eval.closed_loop import check_compatible
-
         self.env_type.check_tasks(list(self.tasks))
         spec = self.spec()
-        check_compatible(policy, spec)
+        spec.check_fits(policy)
         return spec

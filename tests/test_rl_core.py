@@ -10,7 +10,8 @@ import torch
 from kilovla.errors import KilovlaError
 from kilovla.batching import DynamicBatcher
 from kilovla.rl.core.flow import FlowSDE, chain_log_prob, sample_chain
-from kilovla.rl.core.losses import decoupled_ppo_loss, gae, group_advantages, ppo_loss
+from kilovla.rl.core.losses import (decoupled_ppo_loss, gae, group_advantages, ppo_loss, sac_actor_loss, sac_critic_loss,
+                                    sac_td_target, sac_temperature_loss)
 from kilovla.rl.core.staleness import StalenessGate
 from kilovla.rl.core.streaming import StreamingStep
 
@@ -214,6 +215,52 @@ def test_group_advantages_by_hand():
 
 
 # -- flow log-probabilities ----------------------------------------------------------------------------
+def test_sac_td_target_by_hand():
+    reward, terminal = torch.tensor([1.0, 0.5]), torch.tensor([0.0, 1.0])
+    q1, q2 = torch.tensor([2.0, 5.0]), torch.tensor([3.0, 4.0])
+    # y = r + gamma (1 - terminal) min(Q1', Q2'): [1 + 0.5 x 2, 0.5 + 0]
+    torch.testing.assert_close(sac_td_target(reward, terminal, q1, q2, 0.5), torch.tensor([2.0, 0.5]))
+    # with the entropy in the backup: min - alpha logp' = [2 - 0.1 x -1, 4 - 0.1 x 2] = [2.1, 3.8]
+    y = sac_td_target(reward, terminal, q1, q2, 0.5, next_logp=torch.tensor([-1.0, 2.0]), alpha=0.1)
+    torch.testing.assert_close(y, torch.tensor([1.0 + 0.5 * 2.1, 0.5]))
+
+
+def test_sac_critic_loss_by_hand():
+    q1 = torch.tensor([1.0, 2.0], requires_grad=True)
+    q2 = torch.tensor([0.0, 4.0], requires_grad=True)
+    loss, stats = sac_critic_loss(q1, q2, torch.tensor([1.0, 3.0]))
+    # 0.5 mean([0 + 1, 1 + 1]) = 0.75
+    assert loss.item() == pytest.approx(0.75)
+    assert stats == pytest.approx({"critic_loss": 0.75, "q": 1.5, "target": 2.0})
+    loss.backward()  # d/dQ1 = (Q1 - y) / B, d/dQ2 = (Q2 - y) / B
+    torch.testing.assert_close(q1.grad, torch.tensor([0.0, -0.5]))
+    torch.testing.assert_close(q2.grad, torch.tensor([-0.5, 0.5]))
+
+
+def test_sac_actor_loss_by_hand():
+    logp = torch.tensor([-1.0, 1.0], requires_grad=True)
+    q1, q2 = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 3.0])
+    mean = torch.tensor([[0.5], [-1.0]])
+    loss, stats = sac_actor_loss(logp, q1, q2, 0.5, mean, penalty=0.2)
+    # mean(0.5 logp - min(Q1, Q2)) = mean([-0.5 - 1, 0.5 - 0]) = -0.5; penalty 0.2 x mean([0.25, 1]) = 0.125
+    assert loss.item() == pytest.approx(-0.375)
+    assert stats == pytest.approx({"actor_loss": -0.375, "entropy": 0.0})
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([0.25, 0.25]))  # alpha / B
+
+
+def test_sac_temperature_loss_by_hand_shrinks_alpha_above_the_target_entropy():
+    log_alpha = torch.tensor(2.0, requires_grad=True)
+    logp = torch.tensor([-1.0, 1.0], requires_grad=True)
+    loss = sac_temperature_loss(log_alpha, logp, target_entropy=-0.5)
+    # -(2 x mean([-1.5, 0.5])) = 1.0
+    assert loss.item() == pytest.approx(1.0)
+    loss.backward()
+    # entropy -mean(logp) = 0 is above its target -0.5: a positive gradient, so descent lowers alpha
+    assert log_alpha.grad.item() == pytest.approx(0.5)
+    assert logp.grad is None  # the actor is not trained through the temperature's loss
+
+
 def test_flow_sde_noise_follows_pirl():
     sde = FlowSDE(steps=4, noise_level=0.5)
     x, v = torch.zeros(4, 1, 1), torch.zeros(4, 1, 1)

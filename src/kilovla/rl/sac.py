@@ -45,6 +45,7 @@ from kilovla.errors import KilovlaError
 from kilovla.models.processor import PolicyMeta, Processor
 from kilovla.models.residual import ResidualActor, ResidualSpec, horizon, mlp, pooled_width
 from kilovla.rl.core import trajectory
+from kilovla.rl.core.losses import sac_actor_loss, sac_critic_loss, sac_td_target, sac_temperature_loss
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +309,12 @@ class OffPolicySchedule:
         return True
 
 
+def _step(optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
 class SACLearner(OffPolicySchedule):
     """Segments in, gradient steps on the replay buffer, a policy version every `segments_per_step` segments."""
 
@@ -338,6 +345,8 @@ class SACLearner(OffPolicySchedule):
         return {"version": self.version, **self._summary()}
 
     def _update(self) -> dict:
+        """One gradient step of the critics (and, past their warm-up, every `actor_every`-th step, of the actor
+        and the entropy coefficient) on a replay mini-batch; the losses are core/losses.py's `sac_*`."""
         agent, cfg = self.agent, self.cfg
         b = self.replay.batch(self.replay.sample(cfg.batch_size, self.rng))
         alpha = self.log_alpha.exp().detach()
@@ -346,34 +355,21 @@ class SACLearner(OffPolicySchedule):
             next_base = b["next_base"].view(shape)
             delta, logp = agent.actor.sample(b["next_features"], b["next_state"], next_base, self.generator)
             x = agent.critic_input(b["next_features"], b["next_state"], b["next_privileged"], next_base + delta)
-            target_q = torch.minimum(*(q(x) for q in agent.targets))
-            if cfg.backup_entropy:
-                target_q = target_q - alpha * logp
-            y = b["reward"] + self.gamma * (1.0 - b["terminal"]) * target_q
+            y = sac_td_target(b["reward"], b["terminal"], *(q(x) for q in agent.targets), self.gamma,
+                              logp if cfg.backup_entropy else None, alpha)
         x = agent.critic_input(b["features"], b["state"], b["privileged"], b["executed"])
-        q1, q2 = (q(x) for q in agent.critics)
-        critic_loss = 0.5 * ((q1 - y) ** 2 + (q2 - y) ** 2).mean()
-        self.critic_opt.zero_grad(set_to_none=True)
-        critic_loss.backward()
-        self.critic_opt.step()
-        stats = {"critic_loss": critic_loss.item(), "q": q1.mean().item(), "target": y.mean().item()}
+        critic_loss, stats = sac_critic_loss(*(q(x) for q in agent.critics), y)
+        _step(self.critic_opt, critic_loss)
         self.updates += 1
         if self.updates % cfg.actor_every == 0 and self.updates > cfg.critic_warmup_updates:
             base = b["base"].view(shape)
             delta, logp = agent.actor.sample(b["features"], b["state"], base, self.generator)
             x = agent.critic_input(b["features"], b["state"], b["privileged"], base + delta)
-            q = torch.minimum(*(c(x) for c in agent.critics))
             mean = agent.actor.deterministic(b["features"], b["state"], base) / agent.spec.scale
-            actor_loss = (alpha * logp - q).mean() + cfg.penalty * (mean ** 2).mean()
-            self.actor_opt.zero_grad(set_to_none=True)
-            actor_loss.backward()
-            self.actor_opt.step()
-            alpha_loss = -(self.log_alpha * (logp.detach() + self.target_entropy)).mean()
-            self.alpha_opt.zero_grad(set_to_none=True)
-            alpha_loss.backward()
-            self.alpha_opt.step()
-            stats.update(actor_loss=actor_loss.item(), entropy=-logp.mean().item(),
-                         residual_at_bound=(delta.abs() >= 0.95 * agent.spec.scale).float().mean().item(),
+            actor_loss, actor_stats = sac_actor_loss(logp, *(c(x) for c in agent.critics), alpha, mean, cfg.penalty)
+            _step(self.actor_opt, actor_loss)
+            _step(self.alpha_opt, sac_temperature_loss(self.log_alpha, logp, self.target_entropy))
+            stats.update(actor_stats, residual_at_bound=(delta.abs() >= 0.95 * agent.spec.scale).float().mean().item(),
                          residual_abs=(delta.abs().mean() / agent.spec.scale).item())
         with torch.no_grad():
             for target, critic in zip(agent.targets.parameters(), agent.critics.parameters()):

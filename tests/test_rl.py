@@ -299,9 +299,10 @@ def test_a_critic_of_another_width_is_relearned_from_a_policy_and_refused_on_res
     assert not torch.equal(model.value_head[2].weight, torch.ones(1, 256))
     caplog.clear()
     from kilovla.policy_folder import PolicyFolder
+    from kilovla.rl.ppo import check_value_head
 
     with caplog.at_level("WARNING"):  # and in the driver, where the user sees it (Ray keeps the actors' logs)
-        runner._check_value_head(PolicyFolder.open(folder), resuming=False)
+        check_value_head(PolicyFolder.open(folder), resuming=False)
     assert "starting a fresh critic" in caplog.text
     (folder / "rl_state.json").write_text(json.dumps({"version": 2, "started_from": str(folder)}))
     monkeypatch.setattr(runner, "connect_ray", lambda *a, **k: pytest.fail("Ray started before the critic was checked"))

@@ -378,7 +378,8 @@ def test_at_the_plain_shapings_documented_scale_any_successful_episode_outscores
     """env.shaping=reward at the scale its comment gives (the default, progress shaping, pays no hovering at
     all: tests/test_rl_workers.py)."""
     from kilovla.rl.core.trajectory import step_reward
-    from kilovla.rl.runner import EnvSection, METAWORLD_MAX_REWARD
+    from kilovla.rl.config import EnvSection
+    from kilovla.rl.runner import METAWORLD_MAX_REWARD
 
     env = EnvSection(shaping="reward", reward_scale=2e-4)
     reward = lambda r, s: step_reward(r, s, env.reward_scale, env.success_bonus)  # noqa: E731
@@ -451,7 +452,8 @@ def _segments(n, t_len, seed=0):
 
 
 def _learner_after(calls, steps=2):
-    from kilovla.rl.learner import AlgoConfig, Learner
+    from kilovla.rl.config import AlgoConfig
+    from kilovla.rl.ppo import Learner
 
     model = _TinyActorCritic()
     cfg = AlgoConfig(freeze_vision=False, freeze_vlm=False, micro_batch=3)
@@ -489,7 +491,8 @@ def test_a_global_batch_trains_the_same_in_one_call_or_segment_by_segment():
 
 def test_a_kl_penalty_pulls_the_policy_back_to_where_the_run_began():
     """kl_coef > 0: the learner's gradient includes the KL to the frozen start policy; 0: it does not."""
-    from kilovla.rl.learner import AlgoConfig, Learner
+    from kilovla.rl.config import AlgoConfig
+    from kilovla.rl.ppo import Learner
 
     def distance_after(kl_coef):
         model = _TinyActorCritic()
@@ -547,7 +550,8 @@ def test_the_chain_kl_is_zero_at_the_reference_and_the_gaussians_kl_elsewhere(st
 def test_advantage_weighted_regression_moves_the_policy_toward_the_better_action(temperature):
     """policy_loss "awr": from one observation the policy tried two actions; the one that paid more than
     expected pulls harder, so the policy ends nearer it (with equal weights it would end between them)."""
-    from kilovla.rl.learner import AlgoConfig, Learner
+    from kilovla.rl.config import AlgoConfig
+    from kilovla.rl.ppo import Learner
 
     model = _TinyActorCritic()
     cfg = AlgoConfig(freeze_vision=False, freeze_vlm=False, micro_batch=4, policy_loss="awr", awr_temperature=temperature,
@@ -663,7 +667,8 @@ def test_awr_trains_a_global_batch_the_same_however_it_is_split():
     """Each sample's flow time and noise come from its own seed, so whole, segment by segment or in
     other micro-batches, a global batch gives one gradient (a real pi0-tiny model)."""
     from kilovla.rl.core.trajectory import Segment
-    from kilovla.rl.learner import AlgoConfig, Learner
+    from kilovla.rl.config import AlgoConfig
+    from kilovla.rl.ppo import Learner
 
     critic = _awr_critic(12)
     g = torch.Generator().manual_seed(0)
@@ -702,7 +707,7 @@ def test_awr_trains_a_global_batch_the_same_however_it_is_split():
 
 
 def test_a_uniformly_good_segment_keeps_positive_advantages():
-    from kilovla.rl.learner import AdvantageScale
+    from kilovla.rl.ppo import AdvantageScale
 
     scale = AdvantageScale(momentum=0.9)
     scale.observe(np.array([1.0, 3.0]))
@@ -804,3 +809,28 @@ def test_the_critic_sees_the_state_the_prefix_does_not_carry(name):
     if name == "pi0-tiny":
         torch.testing.assert_close(features, same_features)  # the prefix alone cannot tell them apart
     assert (values - moved_values).abs().min() > 1e-4
+
+
+def test_every_algorithm_is_registered_once_with_checkpoint_files_the_folder_knows():
+    from kilovla.errors import KilovlaError
+    from kilovla.policy_folder import CHECKPOINT_FILES
+    from kilovla.rl.algorithms import algorithm, registry
+
+    assert list(registry()) == ["ppo", "residual_sac", "filtered_bc"]
+    files = {name for name, _, _ in CHECKPOINT_FILES}
+    for name, algo in registry().items():
+        assert algorithm(name) is algo and algo.name == name
+        assert set(algo.checkpoint_files) <= files, name
+    assert [n for n, a in registry().items() if a.trains_residual] == ["residual_sac"]
+    with pytest.raises(KilovlaError, match="learner.algo.name must be one of ppo, residual_sac, filtered_bc, not 'dsrl'"):
+        algorithm("dsrl")
+
+
+def test_each_algorithm_names_its_own_warmup_flag():
+    from kilovla.rl.algorithms import algorithm
+    from kilovla.rl.config import AlgoConfig
+
+    algo = AlgoConfig()
+    assert algorithm("ppo").warmup(algo) is None
+    assert algorithm("residual_sac").warmup(algo) == ("learner.algo.sac.warmup_transitions", 1_000)
+    assert algorithm("filtered_bc").warmup(algo) == ("learner.algo.filtered_bc.warmup", 256)

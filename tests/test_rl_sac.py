@@ -343,20 +343,21 @@ def test_resume_needs_the_actor_and_its_critics_whole_and_names_the_file(rl_fold
 def test_a_run_from_an_rl_folder_takes_the_residual_settings_it_was_made_with(rl_folder, caplog):
     from kilovla.models.residual import ResidualSpec
     from kilovla.rl import runner
+    from kilovla.rl.sac import with_saved_residual
 
     saved = json.loads((rl_folder / "policy.json").read_text())["residual"]
     spec = ResidualSpec.from_json(saved, "policy.json")
     cfg = runner.load(None, ["--learner.algo.name=residual_sac", f"--learner.algo.sac.res_scale={saved['scale'] + 0.25}",
                              f"--learner.algo.sac.hidden={saved['hidden'] * 2}"])
     with caplog.at_level("WARNING"):
-        kept = runner._with_saved_residual(cfg, spec, str(rl_folder))
+        kept = with_saved_residual(cfg, spec, str(rl_folder))
     sac = kept.learner.algo.sac
     assert (sac.res_scale, sac.hidden, sac.init_std, sac.depth) == (saved["scale"], saved["hidden"], saved["init_std"],
                                                                     saved["depth"])
     assert "replace the config's" in caplog.text and f"res_scale={saved['scale']}" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
-        assert runner._with_saved_residual(kept, spec, str(rl_folder)) == kept  # nothing to replace, no warning
+        assert with_saved_residual(kept, spec, str(rl_folder)) == kept  # nothing to replace, no warning
     assert caplog.text == ""
 
 

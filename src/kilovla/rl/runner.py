@@ -37,9 +37,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -51,14 +49,12 @@ from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear, policy_folder
 from kilovla.policy_folder import POLICY_JSON, Interface, PolicyFolder, write_rl_policy_files
 from kilovla.progress import StepProgress
+from kilovla.rl.algorithms import LearnerRun, algorithm
 from kilovla.rl.compute import ComputeSection
+from kilovla.rl.config import RLConfig, load  # noqa: F401  load: the CLI's `runner.load`
 from kilovla.rl.core.flow import FlowSDE
-from kilovla.rl.learner import AlgoConfig
 from kilovla.train import checkpoint as ckpt
 from kilovla.train.metrics import MetricsLogger
-
-if TYPE_CHECKING:
-    from kilovla.models.residual import ResidualSpec
 
 log = logging.getLogger(__name__)
 # Training episodes use envs/seeds.py's rl stream, disjoint from the evaluation and demonstration seeds and
@@ -69,83 +65,6 @@ REPLACEMENT_SEED_SKIP = 1000
 MAX_BUILD_FAILURES = 3  # a worker that dies this many times in a row before answering ends the run
 METAWORLD_MAX_REWARD = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]
 STARTUP_S = 120.0  # a new env worker's grace period to start before it counts as hung
-ALGORITHMS = ("ppo", "residual_sac", "filtered_bc")  # learner.algo.name
-
-
-@dataclass
-class EnvSection:
-    env: str = "metaworld"
-    tasks: list[str] = field(default_factory=lambda: ["reach-v3", "push-v3"])
-    workers: int = 2
-    envs_per_worker: int = 8
-    resolution: int | None = None  # None: the policy's training resolution (policy.json image_size)
-    cameras: list[str] = field(default_factory=lambda: ["scene", "wrist"])
-    max_steps: int = 150
-    latency: dict = field(default_factory=dict)  # LatencyModel fields, e.g. {distribution: lognormal, mean_s: 0.02}
-    # RL reward per action: reward_scale x the shaped part (summed over a chunk's actions) plus success_bonus
-    # on success. `shaping` "progress" (the default; the gain recipe's): the change of the simulator's shaped
-    # reward since the previous action (a difference, undiscounted: an episode's shaping sums to reward_scale
-    # x (last reward - first), at most 1.0 here, so getting closer pays and hovering near the goal pays
-    # nothing more). "reward": the simulator's shaped reward itself; then keep max_steps x 10 (Meta-World's
-    # largest reward) x reward_scale below success_bonus (e.g. 150 x 10 x 2e-4 = 0.3 < 1.0), or a near miss
-    # that hovers by the goal until the time limit outscores a success (`kilovla rl` warns).
-    shaping: str = "progress"
-    reward_scale: float = 0.1
-    success_bonus: float = 1.0
-    timeout_s: float = 60.0  # an env step (or a worker) that takes longer is a hang: the worker is replaced
-
-
-@dataclass
-class RolloutSection:
-    segment_steps: int = 8  # policy steps per segment
-    n_action_steps: int | None = None  # actions executed per chunk (default: the policy's)
-    max_batch_size: int = 16  # dynamic batcher: B_max
-    max_wait_s: float = 0.0  # and T_max (0: run as soon as the model is free, with whatever is queued)
-    sde_steps: int | None = None  # denoising steps while acting (default: the model's)
-    noise_level: float = 0.5
-    stochastic: str = "one"
-
-
-@dataclass
-class LearnerSection:
-    batch_segments: int = 16  # segments per optimizer step (a global batch)
-    max_staleness: int = 0
-    ranks: int = 1  # learner processes (DDP)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-
-
-@dataclass
-class CheckpointSection:
-    every: int = 10
-    keep: int = 3
-
-
-@dataclass
-class EvalSection:
-    episodes: int = 10  # per task; 0: no final evaluation
-    tasks: list[str] = field(default_factory=list)  # default: the training tasks
-    batch_size: int = 10
-
-
-@dataclass
-class RLConfig:
-    run_dir: str = "runs/rl"
-    policy: str = ""  # a policy folder: a supervised checkpoint (or an RL one)
-    mode: str = "async"
-    seed: int = 0
-    steps: int = 50  # optimizer steps (policy versions)
-    max_env_steps: int = 0  # > 0: also end at the first policy version past this many env steps
-    env: EnvSection = field(default_factory=EnvSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    learner: LearnerSection = field(default_factory=LearnerSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
-    eval: EvalSection = field(default_factory=EvalSection)
-    compute: ComputeSection = field(default_factory=ComputeSection)  # real, or calibrated sleeps (calibrated.py)
-    weight_sync: str = "auto"  # object_store, collective (NCCL on GPUs, gloo on CPU), auto: collective on CUDA
-    weight_sync_timeout_s: float = 120.0
-    inference_threads: int = 1
-    learner_threads: int = 1
-    progress: bool = True
 
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -177,16 +96,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     sde, n_action_steps = _sde(cfg, source), cfg.rollout.n_action_steps or declared.n_action_steps or 1
     state = source.rl_state() if folder is not None else {}  # resuming: `source` is the checkpoint
     state.setdefault("started_from", str(Path(policy_dir).resolve()))  # the KL's reference, whatever the cwd later
-    saved = _check_algorithm_fits(cfg, source, n_action_steps, resuming=folder is not None)
-    cfg = _with_saved_residual(cfg, saved, policy_dir)
-    ppo = cfg.learner.algo.name == "ppo"
-    if ppo and cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
-            and not (Path(state["started_from"]) / POLICY_JSON).is_file():
-        raise KilovlaError(f"{folder}/rl_state.json: the policy this run began with, {state['started_from']}, is gone; "
-                           f"it is the KL penalty's reference (learner.algo.kl_coef): put it back, or resume with "
-                           f"--learner.algo.kl_coef=0")
-    if ppo:
-        _check_value_head(source, resuming=folder is not None)
+    cfg = _fit_algorithm(cfg, source, n_action_steps, folder, state)
     version = state.get("version", 0)
     if folder is not None and state.get("compute_model", "real") != cfg.compute.model:
         raise KilovlaError(f"{folder}: this run's model compute was {state.get('compute_model', 'real')!r} (its weights "
@@ -241,7 +151,7 @@ def _finish(run_dir: Path, summary: dict, started: float, cfg: RLConfig) -> dict
                     "(%s); the policy did not change. Lower the warm-up or run more --steps",
                     summary["replay_transitions"],
                     f" ({summary['replay_usable']} usable)" if "replay_usable" in summary else "",
-                    summary["warmup_transitions"], warmup_setting(cfg.learner.algo)[0])
+                    summary["warmup_transitions"], algorithm(cfg.learner.algo.name).warmup(cfg.learner.algo)[0])
     else:
         limit = f"--max_env_steps={cfg.max_env_steps}" if cfg.max_env_steps > 0 else "the time budget"
         log.warning("0 learner updates: the run ended at %d env steps (%s), before its first policy version; the "
@@ -268,31 +178,13 @@ def _learner_state(folder: Path) -> dict:
 
 
 def _check_resume_fits(cfg: RLConfig, folder: Path, state: dict) -> None:
-    """A checkpoint resumes with the algorithm and the replay capacity it was written with (one line, before
-    Ray): another learner would find other state, and a ring of another size would misplace its rows."""
-    algo = cfg.learner.algo
+    """A checkpoint resumes with the algorithm it was written with and what that algorithm needs of it (one
+    line, before Ray): another learner would find other state."""
     written = state.get("algorithm") or ("residual_sac" if "log_alpha" in state else "ppo")
-    if written != algo.name:
+    if written != cfg.learner.algo.name:
         raise KilovlaError(f"{folder}/learner.pt: written by learner.algo.name={written}; resume it with that, or "
                            f"start a new run_dir from the folder with --policy")
-    rest = state.get("replay_rest")
-    if written in ("residual_sac", "filtered_bc") and (rest is None or "replay" not in state):
-        raise KilovlaError(f"{folder}: no replay buffer (replay.safetensors and learner.pt's replay_rest) to resume "
-                           f"{written} with")
-    if written == "residual_sac":  # nothing is rebuilt on resume: the actor, its critics and their targets
-        from kilovla.models.checkpoints import read_safetensors
-
-        for name in ("residual.safetensors", "critic.safetensors"):
-            if not (folder / name).is_file():
-                raise KilovlaError(f"{folder / name}: missing; a residual_sac run resumes with its actor, critics and "
-                                   f"targets (start a new run_dir with --policy {folder} for fresh critics)")
-            read_safetensors(folder / name)  # a damaged file is named here, before Ray starts
-    if rest is not None and rest.get("capacity") is not None:  # written since the capacity was recorded
-        section = "sac" if written == "residual_sac" else "filtered_bc"
-        capacity = getattr(algo, section).replay_size
-        if rest["capacity"] != capacity:
-            raise KilovlaError(f"{folder}: its replay buffer holds up to {rest['capacity']} entries; resume with "
-                               f"--learner.algo.{section}.replay_size={rest['capacity']} (got {capacity})")
+    algorithm(written).check_resume(cfg, folder, state)
 
 
 def first_train_seed(run_seed: int, worker: int, env_slot: int) -> int:
@@ -314,12 +206,7 @@ def _check_config(cfg: RLConfig) -> None:
         if value < least:
             raise KilovlaError(f"{name} must be >= {least}, got {value}")
     algo = cfg.learner.algo
-    if algo.name not in ALGORITHMS:
-        raise KilovlaError(f"learner.algo.name must be one of {', '.join(ALGORITHMS)}, not {algo.name!r}")
-    if algo.name == "residual_sac":
-        _check_sac(cfg)
-    if algo.name == "filtered_bc":
-        _check_filtered_bc(cfg)
+    algorithm(algo.name).check_config(cfg)
     if algo.policy_loss not in ("ppo", "awr"):
         raise KilovlaError(f"learner.algo.policy_loss must be ppo or awr, not {algo.policy_loss!r}")
     if not (math.isfinite(algo.kl_coef) and math.isfinite(algo.awr_temperature) and math.isfinite(algo.awr_max_weight)):
@@ -346,16 +233,6 @@ def _check_config(cfg: RLConfig) -> None:
                     cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale, cfg.env.success_bonus)
 
 
-def warmup_setting(algo: AlgoConfig) -> tuple[str, int] | None:
-    """The off-policy learner's warm-up as (its flag, transitions stored before the first update); None for
-    PPO, whose every policy version is an update."""
-    if algo.name == "residual_sac":
-        return "learner.algo.sac.warmup_transitions", algo.sac.warmup_transitions
-    if algo.name == "filtered_bc":  # its replay keeps only the steps of successful episodes
-        return "learner.algo.filtered_bc.warmup", algo.filtered_bc.warmup
-    return None
-
-
 def transition_budget(cfg: RLConfig, n_action_steps: int, version: int = 0, env_steps: int = 0) -> int:
     """Chunk transitions this run stores from policy `version` on: each version is `batch_segments` segments
     of `segment_steps` transitions, up to `steps`, or fewer where `max_env_steps` ends the run first (at
@@ -376,7 +253,7 @@ def warn_if_warmup_unreachable(cfg: RLConfig, n_action_steps: int, version: int 
                                stored: int = 0) -> bool:
     """One warning, before Ray starts, when the off-policy learner cannot reach its warm-up in this run (the
     replay's `stored` transitions plus `transition_budget`): it would end with 0 updates. True if it warned."""
-    setting = warmup_setting(cfg.learner.algo)
+    setting = algorithm(cfg.learner.algo.name).warmup(cfg.learner.algo)
     if setting is None:
         return False
     flag, warmup = setting
@@ -393,78 +270,6 @@ def warn_if_warmup_unreachable(cfg: RLConfig, n_action_steps: int, version: int 
     return True
 
 
-def _check_one_learner(cfg: RLConfig) -> None:
-    """The off-policy learners sample one replay buffer on one rank, with the real model."""
-    name = cfg.learner.algo.name
-    if cfg.learner.ranks != 1:
-        raise KilovlaError(f"learner.algo.name {name} samples one replay buffer on one learner: learner.ranks must be 1, "
-                           f"got {cfg.learner.ranks}")
-    if cfg.compute.calibrated:
-        raise KilovlaError("compute.model calibrated times PPO's learner (a throughput benchmark); use it with "
-                           "--learner.algo.name=ppo")
-
-
-def _check_filtered_bc(cfg: RLConfig) -> None:
-    _check_one_learner(cfg)
-    algo, bc = cfg.learner.algo, cfg.learner.algo.filtered_bc
-    o = algo.optim
-    for name, value, ok in (("lr", o.lr, o.lr >= 0), ("weight_decay", o.weight_decay, o.weight_decay >= 0),
-                            ("clip_grad_norm", o.clip_grad_norm, True), ("warmup_steps", o.warmup_steps, o.warmup_steps >= 0),
-                            ("min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1),
-                            *((f"betas[{i}]", b, 0 <= b < 1) for i, b in enumerate(o.betas))):
-        if not ok or not math.isfinite(value):
-            raise KilovlaError(f"learner.algo.optim.{name} = {value} is out of range")
-    if algo.kl_coef > 0 or algo.policy_loss != "ppo":
-        log.warning("learner.algo.kl_coef and policy_loss belong to ppo: filtered_bc ignores them")
-    for name, value, ok in (("batch_size", bc.batch_size, bc.batch_size >= 1), ("utd", bc.utd, bc.utd > 0),
-                            ("warmup", bc.warmup, bc.warmup >= 0),
-                            ("replay_size", bc.replay_size, bc.replay_size >= max(bc.batch_size, bc.warmup, 1))):
-        if not ok or not math.isfinite(value):
-            hint = " (at least batch_size and warmup)" if name == "replay_size" else ""
-            raise KilovlaError(f"learner.algo.filtered_bc.{name} = {value} is out of range{hint}")
-
-
-def _check_sac(cfg: RLConfig) -> None:
-    sac = cfg.learner.algo.sac
-    _check_one_learner(cfg)
-    # a buffer that could overwrite a step before its successor arrives (one round of every env) or never reach
-    # the warm-up would link wrong transitions or never update
-    least = max(sac.batch_size, sac.warmup_transitions, 4 * cfg.env.workers * cfg.env.envs_per_worker * cfg.rollout.segment_steps)
-    for name, value, ok in (("res_scale", sac.res_scale, sac.res_scale > 0), ("init_std", sac.init_std, sac.init_std > 0),
-                            ("utd", sac.utd, sac.utd >= 0), ("batch_size", sac.batch_size, sac.batch_size >= 1),
-                            ("replay_size", sac.replay_size, sac.replay_size >= least),
-                            ("actor_lr", sac.actor_lr, sac.actor_lr >= 0), ("critic_lr", sac.critic_lr, sac.critic_lr >= 0),
-                            ("alpha_lr", sac.alpha_lr, sac.alpha_lr >= 0), ("hidden", sac.hidden, sac.hidden >= 1),
-                            ("depth", sac.depth, sac.depth >= 1), ("gamma", cfg.learner.algo.gamma, 0 < cfg.learner.algo.gamma <= 1),
-                            ("target_entropy", sac.target_entropy if sac.target_entropy is not None else 0.0, True),
-                            ("tau", sac.tau, 0 < sac.tau <= 1), ("penalty", sac.penalty, sac.penalty >= 0),
-                            ("init_alpha", sac.init_alpha, sac.init_alpha > 0),
-                            ("actor_every", sac.actor_every, sac.actor_every >= 1),
-                            ("critic_warmup_updates", sac.critic_warmup_updates, sac.critic_warmup_updates >= 0)):
-        if not ok or not math.isfinite(value):
-            where = "learner.algo.gamma" if name == "gamma" else f"learner.algo.sac.{name}"
-            hint = f" (at least {least}: batch, warm-up and 4 rounds of every env)" if name == "replay_size" else ""
-            raise KilovlaError(f"{where} = {value} is out of range{hint}")
-
-
-def _check_algorithm_fits(cfg: RLConfig, source: PolicyFolder, n_action_steps: int,
-                          resuming: bool) -> ResidualSpec | None:
-    """A residual folder trains on with residual SAC; PPO trains a plain VLA (it would drop the residual). A
-    residual folder's actor (not the VLA) is loaded here, before Ray, so a missing or mismatched file is one
-    line; returns its spec (None for a folder without a residual)."""
-    if not source.meta.residual:
-        return None
-    if cfg.learner.algo.name != "residual_sac":
-        raise KilovlaError(f"{source.path}: holds a residual actor (residual SAC); learner.algo.name={cfg.learner.algo.name} "
-                           f"trains the VLA itself and would drop it: continue with residual_sac, or start from the "
-                           f"supervised folder it began with")
-    spec = source.residual_actor().spec
-    spec.check_steps(n_action_steps, str(source.path), training=True)
-    if not resuming and not (source.path / "critic.safetensors").is_file():
-        log.warning("%s/critic.safetensors: missing; the residual trains on with fresh critics", source.path)
-    return spec
-
-
 def _privileged(cfg: RLConfig) -> tuple:
     """(key, width) of the env's privileged observation entries (Meta-World's 39-d state), for critics only."""
     from kilovla.envs.base import env_spec
@@ -473,19 +278,16 @@ def _privileged(cfg: RLConfig) -> tuple:
     return tuple(tuple(e) for e in spec.extra_state)
 
 
-def _check_value_head(source: PolicyFolder, resuming: bool) -> None:
-    """A value head written before the critic read the state, found here in the driver, before Ray: from
-    --policy its critic is relearned (said here: the learners log inside Ray, out of the user's sight);
-    a run cannot be resumed with it (its learner.pt holds the same head and its optimizer state)."""
-    from kilovla.rl.policy import critic_width, stale_value_head
-
-    if not (source.path / "value_head.safetensors").is_file():
-        return
-    note = stale_value_head(str(source.path), critic_width(source.model_config()))
-    if note and resuming:
-        raise KilovlaError(f"{note}: the run cannot be resumed; start a new run_dir with --policy {source.path}")
-    if note:
-        log.warning("%s: starting a fresh critic", note)
+def _fit_algorithm(cfg: RLConfig, source: PolicyFolder, n_action_steps: int, folder: Path | None,
+                   state: dict) -> RLConfig:
+    """The start (or resumed) folder fits the run's algorithm: a residual folder trains on only with an
+    algorithm that trains residuals (one that trains the VLA would drop it); the rest is the algorithm's."""
+    chosen = algorithm(cfg.learner.algo.name)
+    if source.meta.residual and not chosen.trains_residual:
+        raise KilovlaError(f"{source.path}: holds a residual actor (residual SAC); learner.algo.name={chosen.name} "
+                           f"trains the VLA itself and would drop it: continue with residual_sac, or start from the "
+                           f"supervised folder it began with")
+    return chosen.fit_start(cfg, source, n_action_steps, folder, state)
 
 
 def _with_policy_resolution(cfg: RLConfig, declared: Interface) -> RLConfig:
@@ -497,25 +299,6 @@ def _with_policy_resolution(cfg: RLConfig, declared: Interface) -> RLConfig:
     if resolution == cfg.env.resolution:
         return cfg
     return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, resolution=resolution))
-
-
-def _with_saved_residual(cfg: RLConfig, saved: ResidualSpec | None, policy_dir: str) -> RLConfig:
-    """A run from an RL folder (or resuming one) trains the folder's residual (`saved`, as loaded) as it was
-    made: its bound, widths and std replace the config's (one warning where they differ), so config.yaml
-    records what the run uses."""
-    if saved is None:
-        return cfg
-    sac = cfg.learner.algo.sac
-    kept = {"res_scale": saved.scale, "init_std": saved.init_std, "hidden": saved.hidden, "depth": saved.depth,
-            "shared": saved.shared}
-    changed = {k: v for k, v in kept.items() if getattr(sac, k) != v}
-    if not changed:
-        return cfg
-    log.warning("%s: its residual was made with %s; those replace the config's (%s)", policy_dir,
-                ", ".join(f"{k}={v}" for k, v in changed.items()),
-                ", ".join(f"{k}={getattr(sac, k)}" for k in changed))
-    algo = dataclasses.replace(cfg.learner.algo, sac=dataclasses.replace(sac, **changed))
-    return dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, algo=algo))
 
 
 def _check_policy_fits_env(cfg: RLConfig, declared: Interface) -> None:
@@ -603,10 +386,10 @@ class _Roles:
         self.buffer = workers.TrajectoryBuffer.options(scheduling_strategy=here).remote(
             cfg.learner.max_staleness, cfg.learner.batch_segments, version)
         ranks = cfg.learner.ranks
+        run = LearnerRun(cfg.learner.algo, cfg.learner.batch_segments, cfg.rollout.segment_steps, cfg.steps,
+                         cfg.compute, self.started_from, cfg.seed)
         self.learners = [workers.LearnerWorker.options(scheduling_strategy=here).remote(
-            policy_dir, sde, n_action_steps, cfg.learner.algo, cfg.learner.batch_segments, cfg.rollout.segment_steps,
-            cfg.steps, cfg.learner_threads, cfg.compute, self.started_from, self.privileged, cfg.seed)
-            for _ in range(ranks)]
+            policy_dir, sde, n_action_steps, run, cfg.learner_threads, self.privileged) for _ in range(ranks)]
         store = ray.get(self.learners[0].address.remote()) if ranks > 1 else None
         ray.get([lw.start.remote(rank, ranks, store) for rank, lw in enumerate(self.learners)])
         seeds = state.get("next_seeds") or {}
@@ -870,7 +653,7 @@ class _Loop:
         """Off-policy learners: the updates made, the transitions in the replay (and how many of them could
         be sampled) and the warm-up they wait for, as of the last policy version; PPO: nothing. A run that
         made no version (max_env_steps came first) reports what its final checkpoint's learner held."""
-        setting = warmup_setting(self.cfg.learner.algo)
+        setting = algorithm(self.cfg.learner.algo.name).warmup(self.cfg.learner.algo)
         if setting is None:
             return {}
         if self.records:
@@ -981,8 +764,3 @@ def _evaluate(folder: Path, cfg: RLConfig) -> dict:
                       out_dir=Path(cfg.run_dir) / "eval", label="rl final eval")
     return {"success_rate": report["overall_success_rate"],
             "per_task": {t: r["success_rate"] for t, r in report["per_task"].items()}}
-
-
-def load(path: str | None, overrides: list[str]) -> RLConfig:
-    return config_mod.load_config(RLConfig, path, overrides)
-

@@ -169,7 +169,7 @@ def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
     args, env = _kill_driver_at(run, 5, [policy_dir, "--learner.algo.name=ppo", "--learner.algo.kl_coef=0.5",
                                          "--learner.algo.optim.lr=1e-3", "--learner.algo.optim.warmup_steps=0"],
                                 "step_000002")
-    from kilovla.rl.runner import first_train_seed
+    from kilovla.rl.roles import first_train_seed
 
     saved = json.loads((run / "checkpoints" / "step_000002" / "rl_state.json").read_text())["next_seeds"]["0"]
     assert all(s > first_train_seed(0, 0, e) for e, s in enumerate(saved))  # the seeds played are not replayed

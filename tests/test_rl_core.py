@@ -379,7 +379,7 @@ def test_at_the_plain_shapings_documented_scale_any_successful_episode_outscores
     all: tests/test_rl_workers.py)."""
     from kilovla.rl.core.trajectory import step_reward
     from kilovla.rl.config import EnvSection
-    from kilovla.rl.runner import METAWORLD_MAX_REWARD
+    from kilovla.rl.checks import METAWORLD_MAX_REWARD
 
     env = EnvSection(shaping="reward", reward_scale=2e-4)
     reward = lambda r, s: step_reward(r, s, env.reward_scale, env.success_bonus)  # noqa: E731
@@ -772,23 +772,24 @@ def test_a_policy_that_does_not_fit_the_env_or_an_unknown_task_is_refused():
     import dataclasses
 
     from kilovla.policy_folder import Interface
-    from kilovla.rl.runner import RLConfig, _check_policy_fits_env
+    from kilovla.rl.checks import check_policy_fits_env
+    from kilovla.rl.config import RLConfig
 
     fits = Interface(name="policy", action_dim=4, state_dim=43,
                      state_keys=("observation.state", "observation.environment_state"), state_widths=(4, 39),
                      cameras=("scene",), camera_keys=("observation.images.scene",), image_size=None,
                      n_action_steps=None, chunk_length=10)
-    _check_policy_fits_env(RLConfig(), fits)
+    check_policy_fits_env(RLConfig(), fits)
     with pytest.raises(KilovlaError, match="action_dim 7"):
-        _check_policy_fits_env(RLConfig(), dataclasses.replace(fits, action_dim=7))
+        check_policy_fits_env(RLConfig(), dataclasses.replace(fits, action_dim=7))
     cfg = RLConfig()
     cfg.env.tasks = ["reach-v9"]
     with pytest.raises(KilovlaError, match="unknown metaworld task"):
-        _check_policy_fits_env(cfg, fits)
+        check_policy_fits_env(cfg, fits)
 
 
 def test_training_seeds_of_different_slots_workers_and_runs_never_meet():
-    from kilovla.rl.runner import first_train_seed
+    from kilovla.rl.roles import first_train_seed
 
     starts = sorted(first_train_seed(s, w, e) for s in range(3) for w in range(8) for e in range(100))
     assert all(b - a >= 10_000 for a, b in zip(starts, starts[1:]))  # room for 10_000 episodes per slot

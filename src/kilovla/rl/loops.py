@@ -6,28 +6,75 @@
   rollout, inference and training overlap, `max_staleness` bounding how far rollouts run ahead.
 
 `Loop` is what both share: counters, one metrics row per version, periodic checkpoints, the summary.
+The loops decide who waits for whom; they reach the actors only through `RunRoles` (rl/roles.py's `Roles`
+over Ray), so a fake can stand in for them (tests/test_rl_loops.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from kilovla.progress import StepProgress
 from kilovla.rl.algorithms import algorithm
 from kilovla.rl.config import RLConfig
-from kilovla.rl.roles import Roles
+from kilovla.rl.roles import WorkerLost
 from kilovla.train.metrics import MetricsLogger
 
 log = logging.getLogger(__name__)
 
 
+class RunRoles(Protocol):
+    """What the loops call on a run's actors (`Roles`): every call returns once the actors answered."""
+
+    envs: list  # one handle per env worker
+    learners: list  # one per learner rank
+    incarnation: dict[int, int]  # env worker -> its current incarnation (a segment id's second field)
+    replaced: int  # env workers replaced so far
+    held: dict  # the learner's updates and replay rows as of the newest checkpoint
+
+    def start_envs(self, workers: list[int]) -> None:
+        """Start these env workers' own loops (async mode)."""
+
+    def check_envs(self, force: bool = False) -> list[int]:
+        """Replace env workers that died or hang; the replaced ones."""
+
+    def take(self, most: int, timeout_s: float) -> list:
+        """Up to `most` finished segments of the current global batch ([] after `timeout_s`)."""
+
+    def consume(self, shares: list[list]) -> list[dict | None]:
+        """Each learner rank trains its share; each rank's result (a step's stats when a version completed)."""
+
+    def sync_weights(self, version: int) -> None:
+        """The learner's weights to the inference server."""
+
+    def set_buffer_version(self, version: int) -> None:
+        """New segments start at `version`."""
+
+    def observe(self) -> list[list[dict]]:
+        """Every env's current observation, per worker (sync mode); WorkerLost when a worker is lost."""
+
+    def act_batch(self, observations: list[dict]) -> list[dict]:
+        """One forward over these observations (sync mode); WorkerLost when a worker is lost."""
+
+    def step_all(self, actions: list[list]) -> list[list[tuple]]:
+        """Each worker's envs execute their chunks (sync mode); WorkerLost when a worker is lost."""
+
+    def stats(self) -> dict:
+        """Inference, buffer, learner and env statistics for a metrics row."""
+
+    def checkpoint(self, version: int, counters: dict, keep: int) -> Path:
+        """A checkpoint folder of this version."""
+
+
 class Loop:
     """What both modes share: counters, metrics per version, checkpoints, the progress bar."""
 
-    def __init__(self, cfg: RLConfig, roles: Roles, logger: MetricsLogger, time_budget_s: float | None = None):
+    def __init__(self, cfg: RLConfig, roles: RunRoles, logger: MetricsLogger, time_budget_s: float | None = None):
         self.cfg, self.roles, self.logger = cfg, roles, logger
         self.deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
         self.version = 0
@@ -124,30 +171,25 @@ class Loop:
 
 class AsyncLoop(Loop):
     def run(self, version: int, state: dict) -> None:
-        import ray
-
         self._start(version, state)
         roles, cfg = self.roles, self.cfg
-        for w in roles.envs:
-            w.start.remote(roles.server, roles.buffer)
+        roles.start_envs(list(range(len(roles.envs))))
         ranks, batch = len(roles.learners), cfg.learner.batch_segments
         in_batch, pending = 0, []  # segments consumed towards this version; taken, not yet trained
         with StepProgress("rl", cfg.steps, version, cfg.progress) as progress:
             while self.going():
-                replaced = roles.check_envs()
-                for w in replaced:
-                    roles.envs[w].start.remote(roles.server, roles.buffer)
-                pending += ray.get(roles.buffer.take.remote(batch - in_batch - len(pending), 1.0))
+                roles.start_envs(roles.check_envs())
+                pending += roles.take(batch - in_batch - len(pending), 1.0)
                 n = len(pending) - len(pending) % ranks  # every rank trains the same number of segments
                 if n == 0:
                     continue
                 ready, pending = pending[:n], pending[n:]
-                results = ray.get([lw.consume.remote(ready[r::ranks]) for r, lw in enumerate(roles.learners)])
+                results = roles.consume([ready[r::ranks] for r in range(ranks)])
                 self.count(ready)
                 in_batch += n
                 if results[0] is not None:
                     roles.sync_weights(results[0]["version"])
-                    ray.get(roles.buffer.set_version.remote(results[0]["version"]))
+                    roles.set_buffer_version(results[0]["version"])
                     in_batch = 0
                     self.stepped(results[0], progress)
 
@@ -161,8 +203,6 @@ class SyncLoop(Loop):
                 "dropped_segments": self.dropped}
 
     def run(self, version: int, state: dict) -> None:
-        import ray
-
         self._start(version, state)
         roles, cfg = self.roles, self.cfg
         ranks, seq = len(roles.learners), 0
@@ -172,15 +212,13 @@ class SyncLoop(Loop):
                 while len(segments) < cfg.learner.batch_segments:
                     try:
                         segments += self._round(seq)
-                    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError,
-                            ray.exceptions.GetTimeoutError):  # a worker died, its node is gone, or it hangs
+                    except WorkerLost:
                         self.dropped += len(roles.envs) * cfg.env.envs_per_worker  # every env's partial segment
                         for w in roles.check_envs(force=True):  # a worker died or hangs: the round's steps are dropped
                             log.warning("sync round restarted after env worker %d was replaced", w)
                         continue
                     seq += 1
-                shares = [segments[r::ranks] for r in range(ranks)]
-                results = ray.get([lw.consume.remote(share) for lw, share in zip(roles.learners, shares)])
+                results = roles.consume([segments[r::ranks] for r in range(ranks)])
                 self.count(segments)
                 self.consumed_samples += sum(len(s) for s in segments)
                 roles.sync_weights(results[0]["version"])
@@ -188,23 +226,20 @@ class SyncLoop(Loop):
 
     def _round(self, seq: int) -> list:
         """`segment_steps` lock-step steps of every env."""
-        import ray
-
         from kilovla.rl.workers import sync_segment
 
         roles = self.roles
         steps = [[[] for _ in range(self.cfg.env.envs_per_worker)] for _ in roles.envs]
-        obs = ray.get([w.observe.remote() for w in roles.envs], timeout=self.cfg.env.timeout_s)
+        obs = roles.observe()
         for _ in range(self.cfg.rollout.segment_steps):
             flat = [o for per_worker in obs for o in per_worker]
-            outs = ray.get(roles.server.act_batch.remote(flat))
+            outs = roles.act_batch(flat)
             n = self.cfg.env.envs_per_worker
             per_worker = [outs[w * n:(w + 1) * n] for w in range(len(roles.envs))]
-            results = ray.get([w.step_all.remote([o["actions"] for o in outs_w])
-                               for w, outs_w in zip(roles.envs, per_worker)], timeout=self.cfg.env.timeout_s)
+            results = roles.step_all([[o["actions"] for o in outs_w] for outs_w in per_worker])
             for w in range(len(roles.envs)):
                 for e in range(n):
                     steps[w][e].append((obs[w][e], per_worker[w][e], results[w][e]))
-            obs = ray.get([w.observe.remote() for w in roles.envs], timeout=self.cfg.env.timeout_s)
+            obs = roles.observe()
         return [sync_segment((w, self.roles.incarnation[w], e, seq), self.version, steps[w][e], obs[w][e])
                 for w in range(len(roles.envs)) for e in range(self.cfg.env.envs_per_worker)]

@@ -65,8 +65,22 @@ def _here():
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
+class WorkerLost(Exception):
+    """A sync round cannot finish: an env worker died, its node is gone, or it (or the server) hangs."""
+
+
+def _round_call(refs, timeout: float | None):
+    """ray.get for a sync round: a lost worker, node or deadline is WorkerLost (the round is dropped)."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout)
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError, ray.exceptions.GetTimeoutError) as e:
+        raise WorkerLost(str(e)) from e
+
+
 class Roles:
-    """The actors of a run, their creation, replacement and weight sync."""
+    """The actors of a run, their creation, replacement and weight sync; the loops' `RunRoles` (rl/loops.py)."""
 
     def __init__(self, cfg: RLConfig, source: PolicyFolder, sde: FlowSDE, n_action_steps: int, version: int,
                  state: dict, faults: dict):
@@ -186,6 +200,34 @@ class Roles:
             replaced.append(w)
         self.replaced += len(replaced)
         return replaced
+
+    def start_envs(self, workers: list[int]) -> None:
+        for w in workers:
+            self.envs[w].start.remote(self.server, self.buffer)
+
+    def take(self, most: int, timeout_s: float) -> list:
+        import ray
+
+        return ray.get(self.buffer.take.remote(most, timeout_s))
+
+    def consume(self, shares: list[list]) -> list[dict | None]:
+        import ray
+
+        return ray.get([lw.consume.remote(share) for lw, share in zip(self.learners, shares)])
+
+    def set_buffer_version(self, version: int) -> None:
+        import ray
+
+        ray.get(self.buffer.set_version.remote(version))
+
+    def observe(self) -> list[list[dict]]:
+        return _round_call([w.observe.remote() for w in self.envs], self.cfg.env.timeout_s)
+
+    def act_batch(self, observations: list[dict]) -> list[dict]:
+        return _round_call(self.server.act_batch.remote(observations), None)
+
+    def step_all(self, actions: list[list]) -> list[list[tuple]]:
+        return _round_call([w.step_all.remote(a) for w, a in zip(self.envs, actions)], self.cfg.env.timeout_s)
 
     def sync_weights(self, version: int) -> None:
         """Send the learner's weights to the inference server; a sync that does not finish in time ends the run."""

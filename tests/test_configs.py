@@ -39,10 +39,10 @@ def test_the_demo_config_is_the_demo_recipe():
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("rl_*.yaml")), ids=lambda p: p.name)
 def test_rl_configs_load_and_pass_the_checks_made_before_ray(path):
-    from kilovla.rl import runner
+    from kilovla.rl import checks, runner
 
     cfg = runner.load(str(path), [])
-    runner._check_config(cfg)
+    checks.check_config(cfg)
     assert cfg.env.tasks
 
 

@@ -88,10 +88,10 @@ def check_command(command: str, root: Path = ROOT) -> None:
 
                 validate_config(load_config(TrainConfig, config, extra), world_size=world)
             else:
-                from kilovla.rl import runner
+                from kilovla.rl import checks, runner
 
                 more = [f"--mode={args.mode}"] * bool(args.mode) + [f"--policy={args.policy}"] * bool(args.policy)
-                runner._check_config(runner.load(config, [*extra, *more]))
+                checks.check_config(runner.load(config, [*extra, *more]))
         except KilovlaError as e:
             raise AssertionError(str(e)) from None
 

@@ -169,7 +169,7 @@ def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
     args, env = _kill_driver_at(run, 5, [policy_dir, "--learner.algo.name=ppo", "--learner.algo.kl_coef=0.5",
                                          "--learner.algo.optim.lr=1e-3", "--learner.algo.optim.warmup_steps=0"],
                                 "step_000002")
-    from kilovla.rl.runner import first_train_seed
+    from kilovla.rl.roles import first_train_seed
 
     saved = json.loads((run / "checkpoints" / "step_000002" / "rl_state.json").read_text())["next_seeds"]["0"]
     assert all(s > first_train_seed(0, 0, e) for e, s in enumerate(saved))  # the seeds played are not replayed
@@ -299,9 +299,10 @@ def test_a_critic_of_another_width_is_relearned_from_a_policy_and_refused_on_res
     assert not torch.equal(model.value_head[2].weight, torch.ones(1, 256))
     caplog.clear()
     from kilovla.policy_folder import PolicyFolder
+    from kilovla.rl.ppo import check_value_head
 
     with caplog.at_level("WARNING"):  # and in the driver, where the user sees it (Ray keeps the actors' logs)
-        runner._check_value_head(PolicyFolder.open(folder), resuming=False)
+        check_value_head(PolicyFolder.open(folder), resuming=False)
     assert "starting a fresh critic" in caplog.text
     (folder / "rl_state.json").write_text(json.dumps({"version": 2, "started_from": str(folder)}))
     monkeypatch.setattr(runner, "connect_ray", lambda *a, **k: pytest.fail("Ray started before the critic was checked"))

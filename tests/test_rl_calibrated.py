@@ -70,7 +70,8 @@ def _segments(n, t_len, seed):
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")
 def test_a_calibrated_learner_sleeps_the_fitted_times_and_still_steps_once_per_global_batch():
-    from kilovla.rl.learner import AlgoConfig, Learner
+    from kilovla.rl.config import AlgoConfig
+    from kilovla.rl.ppo import Learner
 
     model = _NoModel()
     before = {k: v.clone() for k, v in model.state_dict().items()}

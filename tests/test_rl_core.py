@@ -10,7 +10,8 @@ import torch
 from kilovla.errors import KilovlaError
 from kilovla.batching import DynamicBatcher
 from kilovla.rl.core.flow import FlowSDE, chain_log_prob, sample_chain
-from kilovla.rl.core.losses import decoupled_ppo_loss, gae, group_advantages, ppo_loss
+from kilovla.rl.core.losses import (decoupled_ppo_loss, gae, group_advantages, ppo_loss, sac_actor_loss, sac_critic_loss,
+                                    sac_td_target, sac_temperature_loss)
 from kilovla.rl.core.staleness import StalenessGate
 from kilovla.rl.core.streaming import StreamingStep
 
@@ -214,6 +215,52 @@ def test_group_advantages_by_hand():
 
 
 # -- flow log-probabilities ----------------------------------------------------------------------------
+def test_sac_td_target_by_hand():
+    reward, terminal = torch.tensor([1.0, 0.5]), torch.tensor([0.0, 1.0])
+    q1, q2 = torch.tensor([2.0, 5.0]), torch.tensor([3.0, 4.0])
+    # y = r + gamma (1 - terminal) min(Q1', Q2'): [1 + 0.5 x 2, 0.5 + 0]
+    torch.testing.assert_close(sac_td_target(reward, terminal, q1, q2, 0.5), torch.tensor([2.0, 0.5]))
+    # with the entropy in the backup: min - alpha logp' = [2 - 0.1 x -1, 4 - 0.1 x 2] = [2.1, 3.8]
+    y = sac_td_target(reward, terminal, q1, q2, 0.5, next_logp=torch.tensor([-1.0, 2.0]), alpha=0.1)
+    torch.testing.assert_close(y, torch.tensor([1.0 + 0.5 * 2.1, 0.5]))
+
+
+def test_sac_critic_loss_by_hand():
+    q1 = torch.tensor([1.0, 2.0], requires_grad=True)
+    q2 = torch.tensor([0.0, 4.0], requires_grad=True)
+    loss, stats = sac_critic_loss(q1, q2, torch.tensor([1.0, 3.0]))
+    # 0.5 mean([0 + 1, 1 + 1]) = 0.75
+    assert loss.item() == pytest.approx(0.75)
+    assert stats == pytest.approx({"critic_loss": 0.75, "q": 1.5, "target": 2.0})
+    loss.backward()  # d/dQ1 = (Q1 - y) / B, d/dQ2 = (Q2 - y) / B
+    torch.testing.assert_close(q1.grad, torch.tensor([0.0, -0.5]))
+    torch.testing.assert_close(q2.grad, torch.tensor([-0.5, 0.5]))
+
+
+def test_sac_actor_loss_by_hand():
+    logp = torch.tensor([-1.0, 1.0], requires_grad=True)
+    q1, q2 = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 3.0])
+    mean = torch.tensor([[0.5], [-1.0]])
+    loss, stats = sac_actor_loss(logp, q1, q2, 0.5, mean, penalty=0.2)
+    # mean(0.5 logp - min(Q1, Q2)) = mean([-0.5 - 1, 0.5 - 0]) = -0.5; penalty 0.2 x mean([0.25, 1]) = 0.125
+    assert loss.item() == pytest.approx(-0.375)
+    assert stats == pytest.approx({"actor_loss": -0.375, "entropy": 0.0})
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([0.25, 0.25]))  # alpha / B
+
+
+def test_sac_temperature_loss_by_hand_shrinks_alpha_above_the_target_entropy():
+    log_alpha = torch.tensor(2.0, requires_grad=True)
+    logp = torch.tensor([-1.0, 1.0], requires_grad=True)
+    loss = sac_temperature_loss(log_alpha, logp, target_entropy=-0.5)
+    # -(2 x mean([-1.5, 0.5])) = 1.0
+    assert loss.item() == pytest.approx(1.0)
+    loss.backward()
+    # entropy -mean(logp) = 0 is above its target -0.5: a positive gradient, so descent lowers alpha
+    assert log_alpha.grad.item() == pytest.approx(0.5)
+    assert logp.grad is None  # the actor is not trained through the temperature's loss
+
+
 def test_flow_sde_noise_follows_pirl():
     sde = FlowSDE(steps=4, noise_level=0.5)
     x, v = torch.zeros(4, 1, 1), torch.zeros(4, 1, 1)
@@ -331,7 +378,8 @@ def test_at_the_plain_shapings_documented_scale_any_successful_episode_outscores
     """env.shaping=reward at the scale its comment gives (the default, progress shaping, pays no hovering at
     all: tests/test_rl_workers.py)."""
     from kilovla.rl.core.trajectory import step_reward
-    from kilovla.rl.runner import EnvSection, METAWORLD_MAX_REWARD
+    from kilovla.rl.config import EnvSection
+    from kilovla.rl.checks import METAWORLD_MAX_REWARD
 
     env = EnvSection(shaping="reward", reward_scale=2e-4)
     reward = lambda r, s: step_reward(r, s, env.reward_scale, env.success_bonus)  # noqa: E731
@@ -404,7 +452,8 @@ def _segments(n, t_len, seed=0):
 
 
 def _learner_after(calls, steps=2):
-    from kilovla.rl.learner import AlgoConfig, Learner
+    from kilovla.rl.config import AlgoConfig
+    from kilovla.rl.ppo import Learner
 
     model = _TinyActorCritic()
     cfg = AlgoConfig(freeze_vision=False, freeze_vlm=False, micro_batch=3)
@@ -442,7 +491,8 @@ def test_a_global_batch_trains_the_same_in_one_call_or_segment_by_segment():
 
 def test_a_kl_penalty_pulls_the_policy_back_to_where_the_run_began():
     """kl_coef > 0: the learner's gradient includes the KL to the frozen start policy; 0: it does not."""
-    from kilovla.rl.learner import AlgoConfig, Learner
+    from kilovla.rl.config import AlgoConfig
+    from kilovla.rl.ppo import Learner
 
     def distance_after(kl_coef):
         model = _TinyActorCritic()
@@ -500,7 +550,8 @@ def test_the_chain_kl_is_zero_at_the_reference_and_the_gaussians_kl_elsewhere(st
 def test_advantage_weighted_regression_moves_the_policy_toward_the_better_action(temperature):
     """policy_loss "awr": from one observation the policy tried two actions; the one that paid more than
     expected pulls harder, so the policy ends nearer it (with equal weights it would end between them)."""
-    from kilovla.rl.learner import AlgoConfig, Learner
+    from kilovla.rl.config import AlgoConfig
+    from kilovla.rl.ppo import Learner
 
     model = _TinyActorCritic()
     cfg = AlgoConfig(freeze_vision=False, freeze_vlm=False, micro_batch=4, policy_loss="awr", awr_temperature=temperature,
@@ -616,7 +667,8 @@ def test_awr_trains_a_global_batch_the_same_however_it_is_split():
     """Each sample's flow time and noise come from its own seed, so whole, segment by segment or in
     other micro-batches, a global batch gives one gradient (a real pi0-tiny model)."""
     from kilovla.rl.core.trajectory import Segment
-    from kilovla.rl.learner import AlgoConfig, Learner
+    from kilovla.rl.config import AlgoConfig
+    from kilovla.rl.ppo import Learner
 
     critic = _awr_critic(12)
     g = torch.Generator().manual_seed(0)
@@ -655,7 +707,7 @@ def test_awr_trains_a_global_batch_the_same_however_it_is_split():
 
 
 def test_a_uniformly_good_segment_keeps_positive_advantages():
-    from kilovla.rl.learner import AdvantageScale
+    from kilovla.rl.ppo import AdvantageScale
 
     scale = AdvantageScale(momentum=0.9)
     scale.observe(np.array([1.0, 3.0]))
@@ -720,23 +772,24 @@ def test_a_policy_that_does_not_fit_the_env_or_an_unknown_task_is_refused():
     import dataclasses
 
     from kilovla.policy_folder import Interface
-    from kilovla.rl.runner import RLConfig, _check_policy_fits_env
+    from kilovla.rl.checks import check_policy_fits_env
+    from kilovla.rl.config import RLConfig
 
     fits = Interface(name="policy", action_dim=4, state_dim=43,
                      state_keys=("observation.state", "observation.environment_state"), state_widths=(4, 39),
                      cameras=("scene",), camera_keys=("observation.images.scene",), image_size=None,
                      n_action_steps=None, chunk_length=10)
-    _check_policy_fits_env(RLConfig(), fits)
+    check_policy_fits_env(RLConfig(), fits)
     with pytest.raises(KilovlaError, match="action_dim 7"):
-        _check_policy_fits_env(RLConfig(), dataclasses.replace(fits, action_dim=7))
+        check_policy_fits_env(RLConfig(), dataclasses.replace(fits, action_dim=7))
     cfg = RLConfig()
     cfg.env.tasks = ["reach-v9"]
     with pytest.raises(KilovlaError, match="unknown metaworld task"):
-        _check_policy_fits_env(cfg, fits)
+        check_policy_fits_env(cfg, fits)
 
 
 def test_training_seeds_of_different_slots_workers_and_runs_never_meet():
-    from kilovla.rl.runner import first_train_seed
+    from kilovla.rl.roles import first_train_seed
 
     starts = sorted(first_train_seed(s, w, e) for s in range(3) for w in range(8) for e in range(100))
     assert all(b - a >= 10_000 for a, b in zip(starts, starts[1:]))  # room for 10_000 episodes per slot
@@ -757,3 +810,28 @@ def test_the_critic_sees_the_state_the_prefix_does_not_carry(name):
     if name == "pi0-tiny":
         torch.testing.assert_close(features, same_features)  # the prefix alone cannot tell them apart
     assert (values - moved_values).abs().min() > 1e-4
+
+
+def test_every_algorithm_is_registered_once_with_checkpoint_files_the_folder_knows():
+    from kilovla.errors import KilovlaError
+    from kilovla.policy_folder import CHECKPOINT_FILES
+    from kilovla.rl.algorithms import algorithm, registry
+
+    assert list(registry()) == ["ppo", "residual_sac", "filtered_bc"]
+    files = {name for name, _, _ in CHECKPOINT_FILES}
+    for name, algo in registry().items():
+        assert algorithm(name) is algo and algo.name == name
+        assert set(algo.checkpoint_files) <= files, name
+    assert [n for n, a in registry().items() if a.trains_residual] == ["residual_sac"]
+    with pytest.raises(KilovlaError, match="learner.algo.name must be one of ppo, residual_sac, filtered_bc, not 'dsrl'"):
+        algorithm("dsrl")
+
+
+def test_each_algorithm_names_its_own_warmup_flag():
+    from kilovla.rl.algorithms import algorithm
+    from kilovla.rl.config import AlgoConfig
+
+    algo = AlgoConfig()
+    assert algorithm("ppo").warmup(algo) is None
+    assert algorithm("residual_sac").warmup(algo) == ("learner.algo.sac.warmup_transitions", 1_000)
+    assert algorithm("filtered_bc").warmup(algo) == ("learner.algo.filtered_bc.warmup", 256)

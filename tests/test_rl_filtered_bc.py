@@ -10,6 +10,7 @@ import torch
 
 from conftest import tiny_reach_policy
 from kilovla.rl.core.trajectory import Episode, Segment
+from kilovla.rl import checks, checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +158,9 @@ def test_filtered_bc_and_shaping_settings_out_of_range_are_one_line_each():
                          (["--env.shaping=potential"], "env.shaping must be reward or progress")):
         cfg = runner.load(None, ["--learner.algo.name=filtered_bc", "--learner.batch_segments=32", *flags])
         with pytest.raises(KilovlaError, match=match):
-            runner._check_config(cfg)
+            checks.check_config(cfg)
     with pytest.raises(KilovlaError, match="learner.algo.name must be one of ppo, residual_sac, filtered_bc"):
-        runner._check_config(runner.load(None, ["--learner.algo.name=dsrl"]))
+        checks.check_config(runner.load(None, ["--learner.algo.name=dsrl"]))
 
 
 def test_waiting_episodes_and_the_replay_survive_the_checkpoint_files_and_resume_is_checked_before_ray(tmp_path):
@@ -177,7 +178,7 @@ def test_waiting_episodes_and_the_replay_survive_the_checkpoint_files_and_resume
     arrays, rest = replay.state_dict()
     state = {"model": {"vla.w": torch.zeros(2)}, "replay": arrays, "replay_rest": rest, "algorithm": "filtered_bc"}
     write_rl_policy_files(tmp_path, state, {"preset": "pi05-tiny"})
-    loaded = runner._learner_state(tmp_path)
+    loaded = checkpoints.read_learner_state(tmp_path)
     again = SuccessReplay(50)
     again.load_state_dict(loaded["replay"], loaded["replay_rest"])
     assert len(again) == 2 and set(again.pending) == {(0, 0, 0), (1, 0, 0)}
@@ -188,7 +189,7 @@ def test_waiting_episodes_and_the_replay_survive_the_checkpoint_files_and_resume
     assert (0, 0, 0) not in again.pending
 
     def check(*flags):
-        runner._check_resume_fits(runner.load(None, list(flags)), tmp_path, loaded)
+        checks.check_resume_fits(runner.load(None, list(flags)), tmp_path, loaded)
 
     check("--learner.algo.name=filtered_bc", "--learner.algo.filtered_bc.replay_size=50")
     with pytest.raises(KilovlaError, match="written by learner.algo.name=filtered_bc; resume it with that"):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kilovla.rl import runner
+from kilovla.rl import loops
 
 # What run() reads of a policy folder before Ray starts: a tiny pi0 at 32 px with Meta-World's cameras.
 META = {"preset": "pi0-tiny", "action_dim": 4, "state_dim": 4, "state_keys": ["observation.state"],
@@ -81,7 +82,7 @@ def _loop_without_versions(algo_flags, held):
     """A loop that ended before its first policy version (no metrics records), its final checkpoint's
     learner holding `held`."""
     cfg = runner.load(None, ["--env.tasks=[reach-v3]", "--eval.episodes=0", *algo_flags])
-    return runner._Loop(cfg, SimpleNamespace(held=held), logger=None), cfg
+    return loops.Loop(cfg, SimpleNamespace(held=held), logger=None), cfg
 
 
 def test_a_run_with_no_policy_version_reports_0_updates_and_warns_last(tmp_path, caplog):

@@ -11,6 +11,7 @@ import torch
 
 from conftest import tiny_reach_policy
 from kilovla.rl.core.trajectory import Segment
+from kilovla.rl import checks, checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +289,7 @@ def test_residual_sac_settings_out_of_range_are_one_line_each():
                         ("--learner.ranks=2", "learner.ranks must be 1")):
         cfg = runner.load(None, ["--learner.algo.name=residual_sac", "--learner.batch_segments=32", flag])
         with pytest.raises(KilovlaError, match=match):
-            runner._check_config(cfg)
+            checks.check_config(cfg)
 
 
 def test_a_residual_entry_with_a_bound_that_is_not_a_positive_finite_number_is_refused(rl_folder):
@@ -326,8 +327,8 @@ def test_resume_needs_the_actor_and_its_critics_whole_and_names_the_file(rl_fold
     from kilovla.rl import runner
 
     cfg = runner.load(None, ["--learner.algo.name=residual_sac"])
-    state = runner._learner_state(rl_folder)
-    runner._check_resume_fits(cfg, rl_folder, state)  # the folder as written resumes
+    state = checkpoints.read_learner_state(rl_folder)
+    checks.check_resume_fits(cfg, rl_folder, state)  # the folder as written resumes
     for name in ("critic.safetensors", "residual.safetensors"):
         for damage in ("missing", "truncated"):
             folder = tmp_path / f"{name}-{damage}"
@@ -337,26 +338,27 @@ def test_resume_needs_the_actor_and_its_critics_whole_and_names_the_file(rl_fold
             else:
                 (folder / name).write_bytes((folder / name).read_bytes()[:100])
             with pytest.raises(KilovlaError, match=name.replace(".", r"\.")):
-                runner._check_resume_fits(cfg, folder, state)
+                checks.check_resume_fits(cfg, folder, state)
 
 
 def test_a_run_from_an_rl_folder_takes_the_residual_settings_it_was_made_with(rl_folder, caplog):
     from kilovla.models.residual import ResidualSpec
     from kilovla.rl import runner
+    from kilovla.rl.sac import with_saved_residual
 
     saved = json.loads((rl_folder / "policy.json").read_text())["residual"]
     spec = ResidualSpec.from_json(saved, "policy.json")
     cfg = runner.load(None, ["--learner.algo.name=residual_sac", f"--learner.algo.sac.res_scale={saved['scale'] + 0.25}",
                              f"--learner.algo.sac.hidden={saved['hidden'] * 2}"])
     with caplog.at_level("WARNING"):
-        kept = runner._with_saved_residual(cfg, spec, str(rl_folder))
+        kept = with_saved_residual(cfg, spec, str(rl_folder))
     sac = kept.learner.algo.sac
     assert (sac.res_scale, sac.hidden, sac.init_std, sac.depth) == (saved["scale"], saved["hidden"], saved["init_std"],
                                                                     saved["depth"])
     assert "replace the config's" in caplog.text and f"res_scale={saved['scale']}" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
-        assert runner._with_saved_residual(kept, spec, str(rl_folder)) == kept  # nothing to replace, no warning
+        assert with_saved_residual(kept, spec, str(rl_folder)) == kept  # nothing to replace, no warning
     assert caplog.text == ""
 
 

@@ -253,7 +253,7 @@ def test_rl_resume_refuses_a_learner_state_that_runs_code_before_ray_starts(tmp_
 def test_a_learner_state_written_as_the_runner_writes_it_still_loads(tmp_path):
     """learner.pt is torch.save of LearnerWorker.state(): weights, AdamW with a value-head group, LambdaLR,
     the version and the advantage scale."""
-    from kilovla.rl.learner import AdvantageScale
+    from kilovla.rl.ppo import AdvantageScale
     from kilovla.train.optim import OptimConfig, build_optimizer
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))

@@ -378,7 +378,7 @@ def _throughput(policy: str, quick: bool, rows: list, extra: dict) -> list[dict]
             calibrating = workload_config(policy, tmp / "calibrate", "async", QUICK, "sigma_1.0", 1)
             work = dataclasses.replace(QUICK, compute=runner.calibrate(
                 dataclasses.replace(calibrating, compute=ComputeSection("calibrated"))))
-        from kilovla.rl.runner import RolloutSection
+        from kilovla.rl.config import RolloutSection
 
         measured, raw = _throughput_rows(policy, tmp, work)
         rows += measured

@@ -30,7 +30,7 @@ import torch
 
 from kilovla.rl.compute import ComputeSection, sleep_until
 from kilovla.rl.core import trajectory
-from kilovla.rl.learner import Learner
+from kilovla.rl.ppo import Learner
 from kilovla.rl.policy import frozen_policy, load_actor_critic
 
 log = logging.getLogger(__name__)

@@ -26,18 +26,29 @@ loss keeps it a flow policy; the demonstrations it started from are not needed.
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
+from kilovla.rl.algorithms import Algorithm, LearnerRun
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.flow import flow_draws, flow_matching_error
-from kilovla.rl.policy import ActorCritic
-from kilovla.rl.sac import OffPolicySchedule, forget_replaced, state_key
+from kilovla.rl.policy import ActorCritic, load_actor_critic
+from kilovla.rl.offpolicy import (OffPolicySchedule, check_one_learner, check_replay_capacity, check_saved_replay,
+                                 forget_replaced, state_key)
 from kilovla.train.build import apply_freeze
 from kilovla.train.optim import OptimConfig, build_optimizer
+
+if TYPE_CHECKING:
+    from kilovla.rl.config import AlgoConfig, RLConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -214,3 +225,48 @@ class FilteredBCLearner(OffPolicySchedule):
             state[k] for k in ("version", "updates", "in_step", "owed", "trained_rows"))
         self.replay.load_state_dict(state["replay"], state["replay_rest"])
         self.rng.bit_generator.state = state["rng"]
+
+
+class FilteredBC(Algorithm):
+    """Success-filtered self-imitation of the VLA (`FilteredBCLearner` above, `learner.algo.filtered_bc`); it acts
+    as PPO does, with Flow-SDE chains, and trains with `learner.algo.optim` and its freeze flags."""
+
+    name = "filtered_bc"
+    checkpoint_files = ("model.safetensors", "value_head.safetensors")
+
+    def check_config(self, cfg: RLConfig) -> None:
+        check_one_learner(cfg)
+        algo, bc = cfg.learner.algo, cfg.learner.algo.filtered_bc
+        o = algo.optim
+        for name, value, ok in (("lr", o.lr, o.lr >= 0), ("weight_decay", o.weight_decay, o.weight_decay >= 0),
+                                ("clip_grad_norm", o.clip_grad_norm, True),
+                                ("warmup_steps", o.warmup_steps, o.warmup_steps >= 0),
+                                ("min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1),
+                                *((f"betas[{i}]", b, 0 <= b < 1) for i, b in enumerate(o.betas))):
+            if not ok or not math.isfinite(value):
+                raise KilovlaError(f"learner.algo.optim.{name} = {value} is out of range")
+        if algo.kl_coef > 0 or algo.policy_loss != "ppo":
+            log.warning("learner.algo.kl_coef and policy_loss belong to ppo: filtered_bc ignores them")
+        for name, value, ok in (("batch_size", bc.batch_size, bc.batch_size >= 1), ("utd", bc.utd, bc.utd > 0),
+                                ("warmup", bc.warmup, bc.warmup >= 0),
+                                ("replay_size", bc.replay_size, bc.replay_size >= max(bc.batch_size, bc.warmup, 1))):
+            if not ok or not math.isfinite(value):
+                hint = " (at least batch_size and warmup)" if name == "replay_size" else ""
+                raise KilovlaError(f"learner.algo.filtered_bc.{name} = {value} is out of range{hint}")
+
+    def check_resume(self, cfg: RLConfig, folder: Path, learner_state: dict) -> None:
+        check_saved_replay(folder, learner_state, self.name)
+        check_replay_capacity(folder, learner_state, "learner.algo.filtered_bc.replay_size",
+                              cfg.learner.algo.filtered_bc.replay_size)
+
+    def warmup(self, algo: AlgoConfig) -> tuple[str, int]:
+        """Its replay keeps only the steps of successful episodes."""
+        return "learner.algo.filtered_bc.warmup", algo.filtered_bc.warmup
+
+    def load_agent(self, policy_dir: str, algo: AlgoConfig, sde, n_action_steps: int, privileged: tuple) -> ActorCritic:
+        return load_actor_critic(policy_dir, sde, n_action_steps)
+
+    def learner(self, model: ActorCritic, run: LearnerRun, world) -> FilteredBCLearner:
+        a = run.algo
+        return FilteredBCLearner(model, a.filtered_bc, a.optim, run.segments_per_step, run.total_steps,
+                                 a.freeze_vision, a.freeze_vlm, run.seed)

@@ -130,15 +130,6 @@ def load_actor_critic(policy_dir: str, sde: FlowSDE, n_action_steps: int | None 
     return model
 
 
-def load_agent(policy_dir: str, algo, sde: FlowSDE, n_action_steps: int | None = None, privileged: tuple = ()):
-    """The acting and learning model of `algo` (AlgoConfig): a residual agent (residual SAC) or an actor-critic (PPO)."""
-    if algo is not None and algo.name == "residual_sac":
-        from kilovla.rl.sac import load_residual_agent
-
-        return load_residual_agent(policy_dir, n_action_steps or 1, algo.sac, privileged)
-    return load_actor_critic(policy_dir, sde, n_action_steps)
-
-
 def frozen_policy(policy_dir: str) -> nn.Module:
     """A policy folder's VLA with no gradients, in eval mode: the reference of a KL penalty."""
     return load_policy_folder(policy_dir).model.eval().requires_grad_(False)

@@ -33,9 +33,12 @@ staleness stops mattering (Policy Decorator, ResFiT, IBRL; ../shared/research/rl
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -45,7 +48,15 @@ from kilovla.errors import KilovlaError
 from kilovla.models.family import chunk_length
 from kilovla.models.processor import PolicyMeta, Processor
 from kilovla.models.residual import ResidualActor, ResidualSpec, mlp, pooled_width
+from kilovla.rl.algorithms import Algorithm, LearnerRun
 from kilovla.rl.core import trajectory
+from kilovla.rl.core.losses import sac_actor_loss, sac_critic_loss, sac_td_target, sac_temperature_loss
+from kilovla.rl.offpolicy import (OffPolicySchedule, check_one_learner, check_replay_capacity, check_saved_replay,
+                                 forget_replaced, state_key)
+
+if TYPE_CHECKING:
+    from kilovla.policy_folder import PolicyFolder
+    from kilovla.rl.config import AlgoConfig, RLConfig
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +155,6 @@ def residual_spec(vla: nn.Module, meta: PolicyMeta, n_action_steps: int, cfg: SA
 def load_residual_agent(policy_dir: str, n_action_steps: int, cfg: SACConfig, privileged: tuple = ()) -> ResidualAgent:
     """A policy folder as a residual agent: a plain supervised folder gets a fresh (zero) residual and fresh
     critics; an RL folder keeps its residual (and critics, critic.safetensors) and trains on."""
-    from pathlib import Path
-
     from kilovla.models.checkpoints import read_safetensors
     from kilovla.policy_folder import load_policy_folder
     from kilovla.models.residual import ResidualPolicyModel
@@ -272,41 +281,11 @@ class Replay:
         self.episode = {tuple(k): list(v) for k, v in rest["episode"]}
 
 
-def forget_replaced(pending: dict, slot: tuple, *others: dict) -> None:
-    """Drop what waits for env slot (worker, incarnation, env) under an earlier incarnation of that worker: a
-    replaced worker's episodes never continue."""
-    worker, incarnation, env = slot
-    for key in [k for k in pending if k[0] == worker and k[2] == env and k[1] < incarnation]:
-        for d in (pending, *others):
-            d.pop(key, None)
-
-
-def state_key(obs: dict, single: bool = False) -> np.ndarray:
-    """The state vectors of one observation, concatenated: what identifies the step a segment starts at."""
-    keys = [k for k in sorted(obs) if k.startswith("observation.") and "images" not in k]
-    return np.concatenate([np.asarray(obs[k] if single else obs[k][0], np.float32).ravel() for k in keys])
-
-
 # -- the learner ---------------------------------------------------------------------------------------
-class OffPolicySchedule:
-    """What the off-policy learners share: gradient steps owed for delivered data, paid as soon as the
-    buffer is ready (async: while the envs keep playing), and a policy version every `segments_per_step`
-    segments. Subclasses keep `owed`, `in_step`, `version`, `segments_per_step` and `_stats`."""
-
-    def _pay(self, owed: float, ready: bool, update) -> None:
-        if ready:
-            self.owed += owed
-            while self.owed >= 1.0:
-                self.owed -= 1.0
-                self._stats.append(update())
-
-    def _version_due(self, segments: int) -> bool:
-        self.in_step += segments
-        if self.in_step < self.segments_per_step:
-            return False
-        self.in_step -= self.segments_per_step
-        self.version += 1
-        return True
+def _step(optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
 
 
 class SACLearner(OffPolicySchedule):
@@ -339,6 +318,8 @@ class SACLearner(OffPolicySchedule):
         return {"version": self.version, **self._summary()}
 
     def _update(self) -> dict:
+        """One gradient step of the critics (and, past their warm-up, every `actor_every`-th step, of the actor
+        and the entropy coefficient) on a replay mini-batch; the losses are core/losses.py's `sac_*`."""
         agent, cfg = self.agent, self.cfg
         b = self.replay.batch(self.replay.sample(cfg.batch_size, self.rng))
         alpha = self.log_alpha.exp().detach()
@@ -347,34 +328,21 @@ class SACLearner(OffPolicySchedule):
             next_base = b["next_base"].view(shape)
             delta, logp = agent.actor.sample(b["next_features"], b["next_state"], next_base, self.generator)
             x = agent.critic_input(b["next_features"], b["next_state"], b["next_privileged"], next_base + delta)
-            target_q = torch.minimum(*(q(x) for q in agent.targets))
-            if cfg.backup_entropy:
-                target_q = target_q - alpha * logp
-            y = b["reward"] + self.gamma * (1.0 - b["terminal"]) * target_q
+            y = sac_td_target(b["reward"], b["terminal"], *(q(x) for q in agent.targets), self.gamma,
+                              logp if cfg.backup_entropy else None, alpha)
         x = agent.critic_input(b["features"], b["state"], b["privileged"], b["executed"])
-        q1, q2 = (q(x) for q in agent.critics)
-        critic_loss = 0.5 * ((q1 - y) ** 2 + (q2 - y) ** 2).mean()
-        self.critic_opt.zero_grad(set_to_none=True)
-        critic_loss.backward()
-        self.critic_opt.step()
-        stats = {"critic_loss": critic_loss.item(), "q": q1.mean().item(), "target": y.mean().item()}
+        critic_loss, stats = sac_critic_loss(*(q(x) for q in agent.critics), y)
+        _step(self.critic_opt, critic_loss)
         self.updates += 1
         if self.updates % cfg.actor_every == 0 and self.updates > cfg.critic_warmup_updates:
             base = b["base"].view(shape)
             delta, logp = agent.actor.sample(b["features"], b["state"], base, self.generator)
             x = agent.critic_input(b["features"], b["state"], b["privileged"], base + delta)
-            q = torch.minimum(*(c(x) for c in agent.critics))
             mean = agent.actor.deterministic(b["features"], b["state"], base) / agent.spec.scale
-            actor_loss = (alpha * logp - q).mean() + cfg.penalty * (mean ** 2).mean()
-            self.actor_opt.zero_grad(set_to_none=True)
-            actor_loss.backward()
-            self.actor_opt.step()
-            alpha_loss = -(self.log_alpha * (logp.detach() + self.target_entropy)).mean()
-            self.alpha_opt.zero_grad(set_to_none=True)
-            alpha_loss.backward()
-            self.alpha_opt.step()
-            stats.update(actor_loss=actor_loss.item(), entropy=-logp.mean().item(),
-                         residual_at_bound=(delta.abs() >= 0.95 * agent.spec.scale).float().mean().item(),
+            actor_loss, actor_stats = sac_actor_loss(logp, *(c(x) for c in agent.critics), alpha, mean, cfg.penalty)
+            _step(self.actor_opt, actor_loss)
+            _step(self.alpha_opt, sac_temperature_loss(self.log_alpha, logp, self.target_entropy))
+            stats.update(actor_stats, residual_at_bound=(delta.abs() >= 0.95 * agent.spec.scale).float().mean().item(),
                          residual_abs=(delta.abs().mean() / agent.spec.scale).item())
         with torch.no_grad():
             for target, critic in zip(agent.targets.parameters(), agent.critics.parameters()):
@@ -434,3 +402,86 @@ class SACLearner(OffPolicySchedule):
         self.replay.load_state_dict(state["replay"], state["replay_rest"])
         self.rng.bit_generator.state = state["rng"]
         self.generator.set_state(state["generator"])
+
+
+# -- the algorithm -------------------------------------------------------------------------------------
+class ResidualSAC(Algorithm):
+    """Off-policy SAC of a bounded residual over the frozen VLA (`SACLearner` above, `learner.algo.sac`)."""
+
+    name = "residual_sac"
+    trains_residual = True
+    checkpoint_files = ("residual.safetensors", "critic.safetensors")
+
+    def check_config(self, cfg: RLConfig) -> None:
+        sac = cfg.learner.algo.sac
+        check_one_learner(cfg)
+        # a buffer that could overwrite a step before its successor arrives (one round of every env) or never
+        # reach the warm-up would link wrong transitions or never update
+        least = max(sac.batch_size, sac.warmup_transitions,
+                    4 * cfg.env.workers * cfg.env.envs_per_worker * cfg.rollout.segment_steps)
+        gamma = cfg.learner.algo.gamma
+        for name, value, ok in (("res_scale", sac.res_scale, sac.res_scale > 0), ("init_std", sac.init_std, sac.init_std > 0),
+                                ("utd", sac.utd, sac.utd >= 0), ("batch_size", sac.batch_size, sac.batch_size >= 1),
+                                ("replay_size", sac.replay_size, sac.replay_size >= least),
+                                ("actor_lr", sac.actor_lr, sac.actor_lr >= 0), ("critic_lr", sac.critic_lr, sac.critic_lr >= 0),
+                                ("alpha_lr", sac.alpha_lr, sac.alpha_lr >= 0), ("hidden", sac.hidden, sac.hidden >= 1),
+                                ("depth", sac.depth, sac.depth >= 1), ("gamma", gamma, 0 < gamma <= 1),
+                                ("target_entropy", sac.target_entropy if sac.target_entropy is not None else 0.0, True),
+                                ("tau", sac.tau, 0 < sac.tau <= 1), ("penalty", sac.penalty, sac.penalty >= 0),
+                                ("init_alpha", sac.init_alpha, sac.init_alpha > 0),
+                                ("actor_every", sac.actor_every, sac.actor_every >= 1),
+                                ("critic_warmup_updates", sac.critic_warmup_updates, sac.critic_warmup_updates >= 0)):
+            if not ok or not math.isfinite(value):
+                where = "learner.algo.gamma" if name == "gamma" else f"learner.algo.sac.{name}"
+                hint = f" (at least {least}: batch, warm-up and 4 rounds of every env)" if name == "replay_size" else ""
+                raise KilovlaError(f"{where} = {value} is out of range{hint}")
+
+    def fit_start(self, cfg: RLConfig, source: PolicyFolder, n_action_steps: int, folder: Path | None,
+                  state: dict) -> RLConfig:
+        """A residual folder's actor (not the VLA) is loaded here, before Ray, so a missing or mismatched file is
+        one line; the run then trains that residual as it was made (`with_saved_residual`)."""
+        if not source.meta.residual:
+            return cfg
+        spec = source.residual_actor().spec
+        spec.check_steps(n_action_steps, str(source.path), training=True)
+        if folder is None and not (source.path / "critic.safetensors").is_file():
+            log.warning("%s/critic.safetensors: missing; the residual trains on with fresh critics", source.path)
+        return with_saved_residual(cfg, spec, str(source.path))
+
+    def check_resume(self, cfg: RLConfig, folder: Path, learner_state: dict) -> None:
+        """Nothing is rebuilt on resume: the actor, its critics and their targets come from the checkpoint files."""
+        from kilovla.models.checkpoints import read_safetensors
+
+        check_saved_replay(folder, learner_state, self.name)
+        for name in self.checkpoint_files:
+            if not (folder / name).is_file():
+                raise KilovlaError(f"{folder / name}: missing; a residual_sac run resumes with its actor, critics and "
+                                   f"targets (start a new run_dir with --policy {folder} for fresh critics)")
+            read_safetensors(folder / name)  # a damaged file is named here, before Ray starts
+        check_replay_capacity(folder, learner_state, "learner.algo.sac.replay_size", cfg.learner.algo.sac.replay_size)
+
+    def warmup(self, algo: AlgoConfig) -> tuple[str, int]:
+        return "learner.algo.sac.warmup_transitions", algo.sac.warmup_transitions
+
+    def load_agent(self, policy_dir: str, algo: AlgoConfig, sde, n_action_steps: int, privileged: tuple) -> ResidualAgent:
+        return load_residual_agent(policy_dir, n_action_steps or 1, algo.sac, privileged)
+
+    def learner(self, model: ResidualAgent, run: LearnerRun, world) -> SACLearner:
+        return SACLearner(model, run.algo.gamma, run.algo.sac, run.segments_per_step, run.seed)
+
+
+def with_saved_residual(cfg: RLConfig, saved: ResidualSpec, policy_dir: str) -> RLConfig:
+    """A run from an RL folder (or resuming one) trains the folder's residual (`saved`, as loaded) as it was
+    made: its bound, widths and std replace the config's (one warning where they differ), so config.yaml
+    records what the run uses."""
+    sac = cfg.learner.algo.sac
+    kept = {"res_scale": saved.scale, "init_std": saved.init_std, "hidden": saved.hidden, "depth": saved.depth,
+            "shared": saved.shared}
+    changed = {k: v for k, v in kept.items() if getattr(sac, k) != v}
+    if not changed:
+        return cfg
+    log.warning("%s: its residual was made with %s; those replace the config's (%s)", policy_dir,
+                ", ".join(f"{k}={v}" for k, v in changed.items()),
+                ", ".join(f"{k}={getattr(sac, k)}" for k in changed))
+    algo = dataclasses.replace(cfg.learner.algo, sac=dataclasses.replace(sac, **changed))
+    return dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, algo=algo))

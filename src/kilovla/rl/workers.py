@@ -11,8 +11,8 @@
   stand-in actions instead of running the model; batching, versions and weight loading are unchanged.
 - `TrajectoryBuffer`: the `StalenessGate` and the queue of finished segments; envs wait here for
   admission, the runner takes segments for the learner, each segment id at most once.
-- `LearnerWorker`: a `Learner` (learner.py) in an actor; several form a DDP group (gloo on CPU, NCCL
-  on GPU) over a TCP store, each consuming its share of every global batch.
+- `LearnerWorker`: the learner of the run's algorithm (rl/algorithms.py) in an actor; several form a DDP
+  group (gloo on CPU, NCCL on GPU) over a TCP store, each consuming its share of every global batch.
 
 Each role records how long it was busy, for the busy fractions in the metrics.
 """
@@ -247,11 +247,11 @@ class WeightChannel:
 @ray.remote(num_cpus=0)
 class InferenceServer:
     def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, max_batch_size: int, max_wait_s: float,
-                 seed: int, threads: int = 1, compute=None, algo=None, privileged: tuple = ()):
-        from kilovla.rl.policy import load_agent
+                 seed: int, threads: int, compute, algo, privileged: tuple):
+        from kilovla.rl.algorithms import algorithm
 
         torch.set_num_threads(threads)
-        self.model = load_agent(policy_dir, algo, sde, n_action_steps, privileged).eval()
+        self.model = algorithm(algo.name).load_agent(policy_dir, algo, sde, n_action_steps, privileged).eval()
         self.compute = compute
         self.batcher = DynamicBatcher(max_batch_size, max_wait_s)
         self.generator = torch.Generator().manual_seed(seed)
@@ -436,21 +436,13 @@ class LearnerWorker:
     """One learner rank. `address()` then `start(...)` on every rank at once: ranks > 1 form a DDP group
     whose TCP store lives on rank 0's node."""
 
-    def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, algo, segments_per_step: int,
-                 segment_steps: int, total_steps: int, threads: int = 1, compute=None, reference_dir: str | None = None,
-                 privileged: tuple = (), seed: int = 0):
-        from kilovla.rl.policy import frozen_policy, load_agent
+    def __init__(self, policy_dir: str, sde: FlowSDE, n_action_steps: int, run, threads: int, privileged: tuple):
+        from kilovla.rl.algorithms import algorithm
 
         torch.set_num_threads(threads)
         torch.manual_seed(0)
-        self.model = load_agent(policy_dir, algo, sde, n_action_steps, privileged).eval()  # eval: no dropout
-        reference = None  # the policy the run began with, frozen: what a KL penalty (algo.kl_coef) holds it near
-        if algo.name == "ppo" and algo.kl_coef > 0 and (compute is None or not compute.calibrated):
-            reference = frozen_policy(reference_dir or policy_dir)
-        self.algo, self.seed = algo, seed
-        self.args = (algo, segments_per_step, segment_steps, total_steps)
-        self.reference = reference
-        self.compute = compute
+        self.algorithm, self.run = algorithm(run.algo.name), run  # run: algorithms.LearnerRun
+        self.model = self.algorithm.load_agent(policy_dir, run.algo, sde, n_action_steps, privileged).eval()  # no dropout
         self.busy = _Busy()
 
     def address(self) -> tuple[str, int]:
@@ -462,7 +454,6 @@ class LearnerWorker:
             return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
     def start(self, rank: int = 0, world_size: int = 1, store: tuple | None = None) -> None:
-        from kilovla.rl.learner import Learner
         from kilovla.train import distributed
 
         if world_size > 1:
@@ -471,20 +462,7 @@ class LearnerWorker:
             host, port = store
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                     init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
-        if self.algo.name == "residual_sac":
-            from kilovla.rl.sac import SACLearner
-
-            self.learner = SACLearner(self.model, self.algo.gamma, self.algo.sac, self.args[1], self.seed)
-            return
-        if self.algo.name == "filtered_bc":
-            from kilovla.rl.filtered_bc import FilteredBCLearner
-
-            a = self.algo
-            self.learner = FilteredBCLearner(self.model, a.filtered_bc, a.optim, self.args[1], self.args[3],
-                                             a.freeze_vision, a.freeze_vlm, self.seed)
-            return
-        self.learner = Learner(self.model, *self.args, distributed.World(rank=rank, size=world_size), self.compute,
-                               self.reference)
+        self.learner = self.algorithm.learner(self.model, self.run, distributed.World(rank=rank, size=world_size))
 
     def consume(self, segments: list[Segment]) -> dict | None:
         t0 = time.monotonic()

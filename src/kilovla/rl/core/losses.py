@@ -17,6 +17,12 @@ sums them, so a streamed global batch can be normalised once).
 - `gae`: generalised advantage estimation over a segment, bootstrapped from the value after it and,
   at an episode truncated by the time limit, from a value given for the truncated state.
 - `group_advantages` (GRPO): (R - mean of the group) / (std of the group + eps) per rollout.
+- SAC (residual SAC, rl/sac.py), batch means rather than per-sample values (its updates are whole
+  mini-batches from a replay, never streamed):
+      `sac_td_target`:        y = r + gamma (1 - terminal) (min(Q1', Q2') - alpha logp')
+      `sac_critic_loss`:      0.5 mean((Q1 - y)^2 + (Q2 - y)^2)
+      `sac_actor_loss`:       mean(alpha logp - min(Q1, Q2)) + penalty mean(mu^2)
+      `sac_temperature_loss`: -mean(log_alpha (logp + target_entropy)), logp detached
 
 >>> ppo_loss(torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([2.0]))[0]
 tensor([-2.])
@@ -102,3 +108,39 @@ def group_advantages(returns: torch.Tensor, groups: torch.Tensor, eps: float = 1
         std = r.std(unbiased=False) if len(r) > 1 else torch.zeros((), dtype=r.dtype)
         out[members] = (r - r.mean()) / (std + eps)
     return out
+
+
+def sac_td_target(reward: torch.Tensor, terminal: torch.Tensor, next_q1: torch.Tensor, next_q2: torch.Tensor,
+                  gamma: float, next_logp: torch.Tensor | None = None, alpha: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """The critics' target y (B,) = r + gamma (1 - terminal) (min(Q1', Q2') - alpha logp'): the target critics'
+    smaller value of the next state and the actor's next action; `next_logp` None leaves the entropy out of
+    the backup (RLPD's backup_entropy=False). Call it without gradients.
+
+    >>> sac_td_target(torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([2.0]), torch.tensor([3.0]), 0.5)
+    tensor([2.])
+    """
+    next_q = torch.minimum(next_q1, next_q2)
+    if next_logp is not None:
+        next_q = next_q - alpha * next_logp
+    return reward + gamma * (1.0 - terminal) * next_q
+
+
+def sac_critic_loss(q1: torch.Tensor, q2: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Twin critics' TD loss 0.5 mean((Q1 - y)^2 + (Q2 - y)^2) and stats (the loss, mean Q1, mean target)."""
+    loss = 0.5 * ((q1 - target) ** 2 + (q2 - target) ** 2).mean()
+    return loss, {"critic_loss": loss.item(), "q": q1.mean().item(), "target": target.mean().item()}
+
+
+def sac_actor_loss(logp: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor, alpha: torch.Tensor | float,
+                   mean: torch.Tensor, penalty: float) -> tuple[torch.Tensor, dict]:
+    """The actor's loss mean(alpha logp - min(Q1, Q2)) + penalty mean(mean^2) and stats (the loss, the
+    entropy estimate -mean(logp)). `mean`: the actor's deterministic correction in units of its bound (the
+    penalty anchors it to the base's behaviour); `alpha` is detached by the caller."""
+    loss = (alpha * logp - torch.minimum(q1, q2)).mean() + penalty * (mean ** 2).mean()
+    return loss, {"actor_loss": loss.item(), "entropy": -logp.mean().item()}
+
+
+def sac_temperature_loss(log_alpha: torch.Tensor, logp: torch.Tensor, target_entropy: float) -> torch.Tensor:
+    """The entropy coefficient's loss -mean(log_alpha (logp + target_entropy)), logp detached: alpha grows while
+    the entropy -logp is below its target and shrinks above it (the actor's stats carry the entropy)."""
+    return -(log_alpha * (logp.detach() + target_entropy)).mean()

@@ -1,4 +1,5 @@
-"""The RL learner: segments in, one optimizer step per global batch out (no Ray here; workers.py wraps it).
+"""PPO (`learner.algo.name=ppo`): the VLA itself and a value head, trained on-policy (decoupled PPO, or AWR);
+the learner takes segments in and makes one optimizer step per global batch (no Ray here; workers.py wraps it).
 
 Per segment, GAE over its T steps with the behaviour values stored at rollout and the current
 critic's value of the observation after it (the bootstrap). An episode cut by `max_steps` is not
@@ -36,58 +37,31 @@ version bump stay as they are.
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from kilovla.errors import KilovlaError
+from kilovla.policy_folder import POLICY_JSON
+from kilovla.rl.algorithms import Algorithm, LearnerRun
 from kilovla.rl.compute import ComputeSection, sleep_until
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.losses import awr_loss, decoupled_ppo_loss, gae, value_loss
 from kilovla.rl.core.streaming import StreamingStep
-from kilovla.rl.policy import ActorCritic
-from kilovla.rl.filtered_bc import FilteredBCConfig
-from kilovla.rl.sac import SACConfig
+from kilovla.rl.policy import ActorCritic, critic_width, frozen_policy, load_actor_critic, stale_value_head
 from kilovla.train import distributed
-from kilovla.train.optim import OptimConfig, build_optimizer
+from kilovla.train.optim import build_optimizer
 from kilovla.train.build import apply_freeze
 
+if TYPE_CHECKING:
+    from kilovla.policy_folder import PolicyFolder
+    from kilovla.rl.config import AlgoConfig, RLConfig
 
-@dataclass
-class AlgoConfig:
-    # "ppo": the on-policy family below (decoupled PPO, or AWR with policy_loss awr), which trains the VLA
-    # itself; "residual_sac": off-policy SAC of a bounded residual over the frozen VLA (rl/sac.py);
-    # "filtered_bc": the VLA's flow-matching loss on a replay of its own successful episodes
-    # (rl/filtered_bc.py; it trains with `optim` and the freeze flags below). residual_sac is the default:
-    # it gained +23 points on reach + push (docs/rl_finetune.md); the others did not.
-    name: str = "residual_sac"  # the one that gained here (docs/rl_finetune.md, kilovla bench rl's gain rows)
-    sac: SACConfig = field(default_factory=SACConfig)
-    filtered_bc: FilteredBCConfig = field(default_factory=FilteredBCConfig)
-    gamma: float = 0.99
-    lam: float = 0.95
-    clip: float = 0.2
-    behav_cap: float = 2.0  # decoupled PPO: samples whose behaviour weight exceeds this are masked
-    value_coef: float = 0.5
-    value_clip: float = 10.0
-    value_lr: float = 1e-3
-    # A penalty on the KL of the stochastic transitions from the policy the run began with (Flow-GRPO's
-    # ||mean - mean_ref||^2 / (2 std^2)), per sample: it pulls back what the noise of small batches moves
-    # without a consistent advantage. 0 (RLinf's default): no reference model is kept.
-    kl_coef: float = 0.0
-    # "ppo": decoupled PPO on the chains' log-probs. "awr": advantage-weighted regression on the executed
-    # chunks' flow-matching error: the supervised loss tilted toward better-than-expected actions, no
-    # score-function noise (the drift of docs/rl_finetune.md).
-    policy_loss: str = "ppo"
-    awr_temperature: float = 1.0
-    awr_max_weight: float = 20.0
-    normalize_advantages: bool = True  # divide by the running RMS of past global batches' advantages
-    advantage_rms_momentum: float = 0.9  # EMA of the per-batch mean square (bias-corrected)
-    micro_batch: int = 32  # samples per forward/backward on a learner rank
-    freeze_vision: bool = True
-    freeze_vlm: bool = True  # piRL trains the action expert (and projections) only
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0,
-                                                                     weight_decay=0.0))
+log = logging.getLogger(__name__)
 
 
 def flow_seeds(segment: trajectory.Segment) -> np.ndarray:
@@ -258,3 +232,47 @@ class Learner:
         self.version = state["version"]
         if "advantage_scale" in state:
             self.adv_scale.load_state_dict(state["advantage_scale"])
+
+
+class PPO(Algorithm):
+    """The on-policy learner of the VLA (`Learner` above); it acts with Flow-SDE chains (rl/policy.py)."""
+
+    name = "ppo"
+    checkpoint_files = ("model.safetensors", "value_head.safetensors")
+
+    def check_config(self, cfg: RLConfig) -> None:
+        """PPO's settings are `learner.algo`'s own fields, which rl/checks.py checks whichever algorithm runs."""
+
+    def fit_start(self, cfg: RLConfig, source: PolicyFolder, n_action_steps: int, folder: Path | None,
+                  state: dict) -> RLConfig:
+        """A KL penalty needs the policy the run began with; a value head must fit this critic."""
+        if cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
+                and not (Path(state["started_from"]) / POLICY_JSON).is_file():
+            raise KilovlaError(f"{folder}/rl_state.json: the policy this run began with, {state['started_from']}, is "
+                               f"gone; it is the KL penalty's reference (learner.algo.kl_coef): put it back, or resume "
+                               f"with --learner.algo.kl_coef=0")
+        check_value_head(source, resuming=folder is not None)
+        return cfg
+
+    def load_agent(self, policy_dir: str, algo: AlgoConfig, sde, n_action_steps: int, privileged: tuple) -> ActorCritic:
+        return load_actor_critic(policy_dir, sde, n_action_steps)
+
+    def learner(self, model: ActorCritic, run: LearnerRun, world: distributed.World) -> Learner:
+        algo = run.algo  # the KL penalty's reference: the policy the run began with, frozen
+        calibrated = run.compute is not None and run.compute.calibrated
+        reference = frozen_policy(run.started_from) if algo.kl_coef > 0 and not calibrated else None
+        return Learner(model, algo, run.segments_per_step, run.segment_steps, run.total_steps, world, run.compute,
+                       reference)
+
+
+def check_value_head(source: PolicyFolder, resuming: bool) -> None:
+    """A value head written before the critic read the state, found here in the driver, before Ray: from
+    --policy its critic is relearned (said here: the learners log inside Ray, out of the user's sight);
+    a run cannot be resumed with it (its learner.pt holds the same head and its optimizer state)."""
+    if not (source.path / "value_head.safetensors").is_file():
+        return
+    note = stale_value_head(str(source.path), critic_width(source.model_config()))
+    if note and resuming:
+        raise KilovlaError(f"{note}: the run cannot be resumed; start a new run_dir with --policy {source.path}")
+    if note:
+        log.warning("%s: starting a fresh critic", note)

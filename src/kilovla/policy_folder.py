@@ -10,7 +10,7 @@
                           policy.json `lora` names their base (models/lora.py), rebuilt and checked on load
     residual.safetensors  an RL run's residual actor (policy.json `residual`; models/residual.py): the folder's
                           policy is the base above plus its bounded correction of each executed chunk
-    rl_state.json         an RL checkpoint: what resumes the run (rl/runner.py)
+    rl_state.json         an RL checkpoint: what resumes the run (written by rl/checkpoints.py, read by rl/runner.py)
     tokenizer/            the tokenizer files when the policy uses a real one (`save_policy`)
 
 `PolicyFolder.open(path)` reads policy.json once; what it says is then asked of the folder, not re-read:

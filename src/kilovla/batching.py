@@ -1,6 +1,7 @@
 """`DynamicBatcher`: RL-VLA3's inference batching (flush at `max_batch_size` requests or `max_wait`),
-as a data structure with the time passed in, so a fake clock tests it. Both batching servers use it:
-RL's inference server (envs asking for actions) and `kilovla serve` (robots asking for actions).
+as a data structure with the time passed in, so a fake clock tests it. `BatchingLoop`: the asyncio
+loop around it. Both batching servers run the two: RL's inference server (envs asking for actions)
+and `kilovla serve` (robots asking for actions).
 
     batcher = DynamicBatcher(max_batch_size=8, max_wait=0.005)
     batcher.put(request, now)              # an env asks for an action
@@ -21,13 +22,21 @@ whatever has queued meanwhile.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
 from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kilovla.errors import KilovlaError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,3 +86,64 @@ class DynamicBatcher:
             self.stats.batch_sizes[n] += 1
             self.stats.waits.extend(now - arrived for arrived, _ in batch)
         return [request for _, request in batch]
+
+
+class BatchingLoop:
+    """Requests `submit`ted from any coroutine queue in `batcher`; `run()` (one task) waits until a
+    batch is ready, runs `forward(requests) -> one result per request` on `executor`, so the event
+    loop stays free meanwhile, and answers each request with its result, or every request of the
+    batch with the batch's exception. The loop goes on after a failed batch.
+
+        batching = BatchingLoop(DynamicBatcher(8, 0.005), forward, ThreadPoolExecutor(1))
+        task = asyncio.create_task(batching.run())
+        result = await batching.submit(request)    # from as many coroutines as ask
+
+    `lock` is held while a batch runs (RL: weights never change inside a batch). `all_queued(n)`
+    says n queued requests are all that can come (every open connection is waiting): the batch runs
+    at once instead of waiting out `max_wait`. A request whose waiter went away (its future is done)
+    is run and its result dropped.
+    """
+
+    def __init__(self, batcher: DynamicBatcher, forward: Callable[[list], list], executor: Executor,
+                 lock: asyncio.Lock | None = None, all_queued: Callable[[int], bool] | None = None):
+        self.batcher, self.forward, self.executor = batcher, forward, executor
+        self.lock, self.all_queued = lock, all_queued
+        self._wake = asyncio.Event()  # binds to the event loop that first waits on it
+
+    async def submit(self, request: Any, now: float | None = None) -> Any:
+        """`request`'s result once its batch has run (`now`: its arrival, default the current time)."""
+        future = asyncio.get_running_loop().create_future()
+        self.batcher.put((request, future), time.monotonic() if now is None else now)
+        self._wake.set()
+        return await future
+
+    def _flush_now(self, now: float) -> bool:
+        queued = len(self.batcher)
+        everyone = bool(queued) and self.all_queued is not None and self.all_queued(queued)
+        return everyone or self.batcher.ready(now)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = time.monotonic()
+            if not self._flush_now(now):
+                deadline = self.batcher.deadline()
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), None if deadline is None else max(0.0, deadline - now))
+                except TimeoutError:
+                    pass
+                continue
+            batch = self.batcher.take(time.monotonic())
+            async with self.lock or contextlib.nullcontext():
+                try:
+                    results = await loop.run_in_executor(self.executor, self.forward, [r for r, _ in batch])
+                except Exception as e:  # noqa: BLE001  every request of the batch gets the failure, none hangs
+                    log.error("inference failed on a batch of %d: %s", len(batch), e)
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(e)
+                    continue
+            for (_, future), result in zip(batch, results):
+                if not future.done():
+                    future.set_result(result)

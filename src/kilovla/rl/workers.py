@@ -5,7 +5,7 @@
   between envs. For the synchronous baseline the same worker also steps all its envs at once
   (`observe` / `step_all`, the envs stepped in parallel threads) when the runner says so.
 - `InferenceServer`: a policy replica; `act(obs)` requests from every env go through a
-  `DynamicBatcher`, a background task runs each batch in one forward; `act_batch` is the synchronous
+  `DynamicBatcher`, a background task (the shared `BatchingLoop`) runs each batch in one forward; `act_batch` is the synchronous
   path (one forward over all envs). Weights arrive with a version (`set_weights`) between batches.
   With calibrated compute (`calibrated.py`) a batch sleeps its fitted time and answers with
   stand-in actions instead of running the model; batching, versions and weight loading are unchanged.
@@ -31,7 +31,7 @@ import ray
 import torch
 
 from kilovla.rl import calibrated
-from kilovla.batching import DynamicBatcher
+from kilovla.batching import BatchingLoop, DynamicBatcher
 from kilovla.rl.core.flow import FlowSDE
 from kilovla.rl.core.staleness import StalenessGate
 from kilovla.rl.core.trajectory import Episode, Segment, stack, step_reward
@@ -257,10 +257,10 @@ class InferenceServer:
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
         self.busy = _Busy()
-        self._wake: asyncio.Event | None = None
         self._task = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1)
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # weights never change inside a batch
+        self.batching = BatchingLoop(self.batcher, self._forward, self._pool, lock=self._lock)
         self.fault = {}
 
     def _forward(self, observations: list[dict]) -> list[dict]:
@@ -271,35 +271,8 @@ class InferenceServer:
 
     async def act(self, obs: dict) -> dict:
         if self._task is None:
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._serve())
-        future = asyncio.get_running_loop().create_future()
-        self.batcher.put((obs, future), time.monotonic())
-        self._wake.set()
-        return await future
-
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            now = time.monotonic()
-            if not self.batcher.ready(now):
-                self._wake.clear()
-                deadline = self.batcher.deadline()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), None if deadline is None else max(0.0, deadline - now))
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            items = self.batcher.take(time.monotonic())
-            async with self._lock:  # weights never change inside a batch
-                try:
-                    results = await loop.run_in_executor(self._pool, self._forward, [o for o, _ in items])
-                except Exception as e:  # noqa: BLE001  every waiting env gets the error, none hangs
-                    for _, f in items:
-                        f.set_exception(e)
-                    continue
-            for (_, f), r in zip(items, results):
-                f.set_result(r)
+            self._task = asyncio.get_running_loop().create_task(self.batching.run())
+        return await self.batching.submit(obs)
 
     async def act_batch(self, observations: list[dict]) -> list[dict]:
         """The synchronous path: one forward over every env's observation, no batching wait."""

@@ -7,7 +7,7 @@ One asyncio event loop speaks the protocol (`protocol.py`): the metadata frame o
 requests and `{"actions", "server_timing", "policy_timing"}` replies, `GET /healthz`, the
 `Authorization: Api-Key` check before the upgrade. The model runs on one inference thread, never on
 the loop, so handshakes, pings and health checks stay responsive while it computes. Requests of
-every connection go into one `DynamicBatcher`: when the model is free and a batch is ready (full at
+every connection go into one `DynamicBatcher`, run by the shared `BatchingLoop`: when the model is free and a batch is ready (full at
 `--max-batch`, its oldest request has waited `--max-wait-ms`, or every open connection is already
 queued), the queued requests run as one forward, and each reply goes back to the connection that asked. `--max-batch 1` serves one request
 at a time, as openpi does.
@@ -36,7 +36,7 @@ from http import HTTPStatus
 
 import numpy as np
 
-from kilovla.batching import DynamicBatcher
+from kilovla.batching import BatchingLoop, DynamicBatcher
 from kilovla.errors import KilovlaError
 from kilovla.serve.engine import PolicyEngine, Request, Rtc
 from kilovla.serve.protocol import BadRequest, packb, to_policy_observation, unpackb
@@ -59,13 +59,6 @@ class ServeConfig:
     mapping: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass
-class _Pending:
-    request: Request
-    future: asyncio.Future
-    received: float
-
-
 class PolicyServer:
     def __init__(self, engine: PolicyEngine, cfg: ServeConfig):
         if cfg.max_batch < 1 or cfg.max_wait_ms < 0:
@@ -80,7 +73,7 @@ class PolicyServer:
         self.in_flight = 0  # requests queued or in a running batch
         self.connections = 0  # open connections: each has at most one request in flight (openpi is lock-step)
         self.stopping = False  # SIGTERM came: what is queued is answered, nothing new is taken
-        self._wake: asyncio.Event | None = None
+        self.batching: BatchingLoop | None = None  # made by `serve`, in its event loop
         known = {*self.inputs.cameras, *self.inputs.state_keys, "task"}
         wrong = {k: v for k, v in self.inputs.mapping.items() if v not in known}
         if wrong:
@@ -154,12 +147,9 @@ class PolicyServer:
             # whatever a malformed request trips over is its own fault: said to it, the connection stays
             return f"bad request: {e if isinstance(e, BadRequest) else f'{type(e).__name__}: {e}'}"[:2000]
         t0 = time.monotonic()
-        future = asyncio.get_running_loop().create_future()
         self.in_flight += 1
-        self.batcher.put(_Pending(request, future, t0), t0)
-        self._wake.set()
         try:
-            actions, infer_ms = await future
+            actions, infer_ms = await self.batching.submit(request, t0)
         except Exception:  # noqa: BLE001  the model failed on this batch: reported like openpi does
             return _Failure(traceback.format_exc())
         finally:
@@ -201,33 +191,14 @@ class PolicyServer:
         return Rtc(np.asarray(prefix, np.float32), int(d), None if s is None else int(s), float(beta))
 
     # -- batching ------------------------------------------------------------------------------------
-    async def _run_batches(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            now = time.monotonic()
-            # Every open connection is already waiting in the queue: no one else can join this batch.
-            everyone = len(self.batcher) and len(self.batcher) >= self.connections
-            if not everyone and not self.batcher.ready(now):
-                deadline = self.batcher.deadline()
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), None if deadline is None else max(0.0, deadline - now))
-                except TimeoutError:
-                    pass
-                continue
-            batch = self.batcher.take(time.monotonic())
-            try:
-                chunks, infer_ms = await loop.run_in_executor(self.executor, self.engine.infer,
-                                                              [p.request for p in batch])
-            except Exception as e:  # noqa: BLE001  every request of the batch gets the failure
-                log.error("inference failed on a batch of %d: %s", len(batch), e)
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-                continue
-            for p, chunk in zip(batch, chunks):
-                if not p.future.done():
-                    p.future.set_result((chunk, infer_ms))
+    def _forward(self, requests: list[Request]) -> list[tuple[np.ndarray, float]]:
+        """On the inference thread: one forward over the batch -> (chunk, the forward's ms) per request."""
+        chunks, infer_ms = self.engine.infer(requests)
+        return [(chunk, infer_ms) for chunk in chunks]
+
+    def _all_queued(self, queued: int) -> bool:
+        # Every open connection is already waiting in the queue: no one else can join this batch.
+        return queued >= self.connections
 
     # -- the server ----------------------------------------------------------------------------------
     async def serve(self, ready=None, stop: asyncio.Event | None = None) -> None:
@@ -235,7 +206,7 @@ class PolicyServer:
         from websockets.asyncio.server import serve
 
         loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
+        self.batching = BatchingLoop(self.batcher, self._forward, self.executor, all_queued=self._all_queued)
         stop = stop or asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -243,7 +214,7 @@ class PolicyServer:
             except (ValueError, RuntimeError):  # not the main thread (tests): `stop` only
                 pass
         max_size = None if self.cfg.max_message_mb is None else int(self.cfg.max_message_mb * 2**20)
-        batches = asyncio.create_task(self._run_batches())
+        batches = asyncio.create_task(self.batching.run())
         async with contextlib.AsyncExitStack() as listening:
             try:
                 server = await listening.enter_async_context(

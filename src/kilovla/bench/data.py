@@ -402,36 +402,11 @@ def decodes_per_sample(lake: DataLake, rows: list[np.ndarray]) -> float:
     return decodes / sum(len(r) for r in rows)
 
 
-def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool = True,
-                console=None) -> tuple[list[Row], dict]:
+def _soak_rows(lake: DataLake, plan: GlobalBatchPlan, soak: int, console) -> tuple[list[Row], int]:
+    """Memory over a long run, before the frame cache maps its files: RSS after every row of `soak`
+    samples. Returns the peak_rss_mb and rss_growth_mb rows and the samples run."""
     from rich.progress import Progress
 
-    probe = DatasetMeta(root)  # meta/ only: the loaders below load the columns themselves
-    request = loader_request(probe.fps, probe.video_keys, "action" in probe.features)
-    layout = TokenLayout(tokens_per_camera=256, action_horizon=16)
-    batch = min(64 if quick else 256, probe.total_frames)  # a small user dataset still makes one full batch
-    repeats = 2 if quick else 3
-    soak = 2_000 if quick else 20_000
-    workers = len(os.sched_getaffinity(0))
-    backend = resolve_backend("auto")
-    frames_per_sample = sum(len(request.get(k, [0.0])) for k in probe.video_keys)
-
-    t0 = time.perf_counter()
-    lake = DataLake([LakeSource(root=str(root), delta_timestamps=request, frame_cache=None)], layout)
-    config = PlanConfig(seed=0, global_batch_size=batch, token_budget=16384)
-    plan = GlobalBatchPlan.from_lake(lake, config)
-    next(iter(InProcessLoader(lake, plan, steps=1, prefetch=0)))
-    ours_first = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    base_ds = LeRobotDataset(root, delta_timestamps=request, frame_cache=None)
-    naive = PerSampleReader(base_ds)
-    first_row = plan.rank_rows(0, 0, 1)[0]
-    for g in first_row:
-        naive.item(int(g))
-    base_first = time.perf_counter() - t0
-
-    # Memory over a long run, before the frame cache maps its files: RSS after every row.
     rss, done = [], 0
     plan.step = 10_000  # steps of their own, far from the measured ones
     with Progress(console=console, transient=True) as progress:
@@ -446,22 +421,40 @@ def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool =
     q = len(mem) // 4
     # Single RSS readings swing by tens of MiB (allocator); compare medians of whole quarters.
     growth = float(np.median(mem[3 * q:]) - np.median(mem[q:2 * q]))
+    return [
+        Row.compare("peak_rss_mb", "MiB", None, float(mem.max()), higher_is_better=False,
+                    note=f"whole process over {done} samples"),
+        Row.compare("rss_growth_mb", "MiB", None, growth, higher_is_better=False,
+                    note="median RSS of the run's last quarter minus its second quarter"),
+    ], done
 
-    if build_cache:
-        build_frame_cache(root, cache_dir, backend=backend, engine="local")
-    cached_lake = DataLake([LakeSource(root=str(root), delta_timestamps=request, frame_cache=str(cache_dir))], layout)
-    manifest = cached_lake.datasets[0].frame_cache.manifest
+
+def _cache_bytes_row(cached: DataLake, codec: str) -> Row:
+    """The frame cache's size on disk against the videos it was decoded from."""
+    manifest = cached.datasets[0].frame_cache.manifest
     cache_bytes = sum(p["bytes"] for p in manifest["parts"])
     video_bytes = sum(v["size"] for v in manifest["videos"].values())
-    cached_frames = sum(p["length"] for p in manifest["parts"])
-    cached_plan = GlobalBatchPlan.from_lake(cached_lake, config)
-    _check_identical(lake, cached_lake, plan.global_batch(0))
+    frames = sum(p["length"] for p in manifest["parts"])
+    return Row.compare("cache_bytes", "bytes", float(video_bytes), float(cache_bytes), higher_is_better=False,
+                       note=f"raw uint8 frames ({frames} frames, {cache_bytes / frames / 1e3:.1f} kB "
+                            f"each, {manifest['backend']}) vs the {codec} videos")
 
-    lerobot = LeRobotVideoPath(LeRobotDataset(root, delta_timestamps=request, frame_cache=None), backend)
-    videos = sorted({probe.files.path(f) for k in probe.video_keys for f in probe.episodes.video_file[k]})
-    steps = 2 if quick else 4  # global steps run on into later epochs on a small dataset
+
+def _inprocess_rate(lake: DataLake, plan: GlobalBatchPlan, start: int, steps: int) -> float:
+    """Samples per second of `steps` global steps from `start`, rows loaded in this process."""
+    plan.step = start
+    return _timed(InProcessLoader(lake, plan, steps=steps), 0, sum(
+        len(plan.rank_rows(s, 0, 1)) for s in range(start, start + steps)), size=lambda r: len(r["sample_index"]))
+
+
+def _throughput_runs(*, lake: DataLake, plan: GlobalBatchPlan, cached: DataLake, cached_plan: GlobalBatchPlan,
+                     lerobot: LeRobotVideoPath, naive: PerSampleReader, base_ds: LeRobotDataset, videos: list[str],
+                     positions: np.ndarray, backend: str, workers: int, quick: bool, repeats: int, steps: int,
+                     batch: int) -> tuple[dict[str, list[float]], float, float]:
+    """Every loader's samples per second (and the in-order decode limit, frames per second), each run once
+    per repeat in turn; repeat r runs global steps of its own. Returns those runs by loader and the decoded
+    frames per second of loading of the naive reader and of our in-process rows."""
     base_batches = max(2, steps * batch // 32)
-    positions = np.random.default_rng(0).integers(0, len(base_ds), 60 if quick else 200)
     chunks = np.array_split(positions, repeats)
     pool = lake.datasets[0].decoder_pool
     m: dict[str, list[float]] = {k: [] for k in ("base", "ours", "cache", "cache_workers", "limit", "naive",
@@ -475,15 +468,10 @@ def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool =
                                 size=lambda b: len(b["index"])))
         start = 1 + rep * (steps + 1)
         m["ours"].append(_rows_rate(lake, plan, start, steps, workers))
-        m["cache_workers"].append(_rows_rate(cached_lake, cached_plan, start, steps, workers))
-        cached_plan.step = start
-        m["cache"].append(_timed(InProcessLoader(cached_lake, cached_plan, steps=steps), 0, sum(
-            len(cached_plan.rank_rows(s, 0, 1)) for s in range(start, start + steps)),
-            size=lambda r: len(r["sample_index"])))
-        plan.step = start
+        m["cache_workers"].append(_rows_rate(cached, cached_plan, start, steps, workers))
+        m["cache"].append(_inprocess_rate(cached, cached_plan, start, steps))
         before, t0 = pool.frames_decoded, time.perf_counter()
-        m["inproc"].append(_timed(InProcessLoader(lake, plan, steps=steps), 0, sum(
-            len(plan.rank_rows(s, 0, 1)) for s in range(start, start + steps)), size=lambda r: len(r["sample_index"])))
+        m["inproc"].append(_inprocess_rate(lake, plan, start, steps))
         ours_time += time.perf_counter() - t0
         ours_frames += pool.frames_decoded - before
         chunk = chunks[rep]
@@ -497,17 +485,65 @@ def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool =
         for g in chunk:
             base_ds[int(g)]
         m["getitem"].append(len(chunk) / (time.perf_counter() - t0))
+    return m, base_frames / base_time, ours_frames / ours_time
+
+
+def _dataset_what(probe: DatasetMeta) -> tuple[str, str]:
+    """(what one sample holds, the video codec), for the rows' notes."""
+    cams = ", ".join(c.split(".")[-1] for c in probe.video_keys)
+    feat = probe.features[probe.video_keys[0]] if probe.video_keys else None
+    shape = f"{feat.shape[0]}x{feat.shape[1]}" if feat else "no video"
+    codec = (feat.info or {}).get("video.codec", "?") if feat else "-"
+    return f"{len(probe.video_keys)} cams ({cams}) {shape} {codec}, 16-step actions, 2 frames of cam 0", codec
+
+
+def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool = True,
+                console=None) -> tuple[list[Row], dict]:
+    probe = DatasetMeta(root)  # meta/ only: the loaders below load the columns themselves
+    request = loader_request(probe.fps, probe.video_keys, "action" in probe.features)
+    layout = TokenLayout(tokens_per_camera=256, action_horizon=16)
+    batch = min(64 if quick else 256, probe.total_frames)  # a small user dataset still makes one full batch
+    repeats = 2 if quick else 3
+    workers = len(os.sched_getaffinity(0))
+    backend = resolve_backend("auto")
+    frames_per_sample = sum(len(request.get(k, [0.0])) for k in probe.video_keys)
+
+    t0 = time.perf_counter()
+    lake = DataLake([LakeSource(root=str(root), delta_timestamps=request, frame_cache=None)], layout)
+    config = PlanConfig(seed=0, global_batch_size=batch, token_budget=16384)
+    plan = GlobalBatchPlan.from_lake(lake, config)
+    next(iter(InProcessLoader(lake, plan, steps=1, prefetch=0)))
+    ours_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    base_ds = LeRobotDataset(root, delta_timestamps=request, frame_cache=None)
+    naive = PerSampleReader(base_ds)
+    first_row = plan.rank_rows(0, 0, 1)[0]
+    for g in first_row:
+        naive.item(int(g))
+    base_first = time.perf_counter() - t0
+
+    soak_rows, done = _soak_rows(lake, plan, 2_000 if quick else 20_000, console)
+    if build_cache:
+        build_frame_cache(root, cache_dir, backend=backend, engine="local")
+    cached = DataLake([LakeSource(root=str(root), delta_timestamps=request, frame_cache=str(cache_dir))], layout)
+    cached_plan = GlobalBatchPlan.from_lake(cached, config)
+    _check_identical(lake, cached, plan.global_batch(0))
+
+    lerobot = LeRobotVideoPath(LeRobotDataset(root, delta_timestamps=request, frame_cache=None), backend)
+    videos = sorted({probe.files.path(f) for k in probe.video_keys for f in probe.episodes.video_file[k]})
+    steps = 2 if quick else 4  # global steps run on into later epochs on a small dataset
+    positions = np.random.default_rng(0).integers(0, len(base_ds), 60 if quick else 200)
+    m, base_decode, ours_decode = _throughput_runs(
+        lake=lake, plan=plan, cached=cached, cached_plan=cached_plan, lerobot=lerobot, naive=naive, base_ds=base_ds,
+        videos=videos, positions=positions, backend=backend, workers=workers, quick=quick, repeats=repeats,
+        steps=steps, batch=batch)
     med = {k: statistics.median(v) for k, v in m.items()}
     limit = med["limit"] * workers / frames_per_sample
     measured_rows = [r for s in range(1, 1 + repeats * (steps + 1)) for r in plan.rank_rows(s, 0, 1)]
     decodes = decodes_per_sample(lake, measured_rows) if probe.video_keys else 0.0
     random_limit = med["limit"] * workers / decodes if decodes else None
 
-    cams = ", ".join(c.split(".")[-1] for c in probe.video_keys)
-    feat = probe.features[probe.video_keys[0]] if probe.video_keys else None
-    shape = f"{feat.shape[0]}x{feat.shape[1]}" if feat else "no video"
-    codec = (feat.info or {}).get("video.codec", "?") if feat else "-"
-    what = f"{len(probe.video_keys)} cams ({cams}) {shape} {codec}, 16-step actions, 2 frames of cam 0"
+    what, codec = _dataset_what(probe)
     base_what = f"LeRobot 0.4 {backend} path, DataLoader batch 32 shuffle"
     rows = [
         Row.compare("loader_samples_per_s", "samples/s", med["base"], med["ours"], higher_is_better=True,
@@ -523,17 +559,12 @@ def loader_rows(root: Path, *, quick: bool, cache_dir: Path, build_cache: bool =
         Row.compare("cache_samples_per_s", "samples/s", med["base"], med["cache"], higher_is_better=True,
                     note=f"{base_what}, {workers} workers vs plan rows from the frame cache in 1 process "
                          "(bit-identical frames, checked)"),
-        Row.compare("cache_bytes", "bytes", float(video_bytes), float(cache_bytes), higher_is_better=False,
-                    note=f"raw uint8 frames ({cached_frames} frames, {cache_bytes / cached_frames / 1e3:.1f} kB "
-                         f"each, {manifest['backend']}) vs the {codec} videos"),
+        _cache_bytes_row(cached, codec),
         Row.compare("first_batch_s", "s", base_first, ours_first, higher_is_better=False,
                     note=f"index + plan + first row of {len(first_row)} samples"),
-        Row.compare("decode_frames_per_s", "frames/s", base_frames / base_time, ours_frames / ours_time,
+        Row.compare("decode_frames_per_s", "frames/s", base_decode, ours_decode,
                     higher_is_better=True, note="camera frames out of the decoder per second of loading, 1 process"),
-        Row.compare("peak_rss_mb", "MiB", None, float(mem.max()), higher_is_better=False,
-                    note=f"whole process over {done} samples"),
-        Row.compare("rss_growth_mb", "MiB", None, growth, higher_is_better=False,
-                    note="median RSS of the run's last quarter minus its second quarter"),
+        *soak_rows,
     ]
     extra = {"dataset": str(root), "delta_timestamps": request, "global_batch_size": batch, "soak_samples": done,
              "decode_backend": backend, "workers": workers, "frame_cache": str(cache_dir),

@@ -121,29 +121,27 @@ def _scope_all(policy, out: Path, dataset, size: dict, report: dict, evaluation,
     return wide, rows
 
 
-def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str | Path | None = None,
-        dataset: str | Path | None = None, tasks: list[str] | None = None, resolution: int | None = None,
-        episodes: int | None = None, console=None) -> Path:
-    from kilovla.bench.rl import default_policy
-    from kilovla.envs.collect import collect
-    from kilovla.eval.closed_loop import evaluate, task_progress
-    from kilovla.eval.settings import EvalSettings
-
-    size = QUICK if quick else FULL
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    extra: dict = {}
+def _sizes_3b_rows() -> tuple[list[Row], dict]:
+    """Checkpoint bytes of the 3B shapes, default and `--scope all`; the sizes by preset (and suffix)."""
+    rows, sizes = [], {}
     for name, preset_name in (("checkpoint_bytes_3b", "pi05-3b"), ("checkpoint_bytes_3b_groot", "groot-n15-3b")):
         for scope, suffix in (("default", ""), ("all", "_all")):
             s = sizes_3b(preset_name, scope)
-            extra[f"{preset_name}{suffix}"] = s
+            sizes[f"{preset_name}{suffix}"] = s
             rows.append(Row.compare(f"{name}{suffix}", "bytes", s["baseline_bytes"], s["quantized_bytes"],
                                     higher_is_better=False,
                                     note=f"{preset_name} shapes (meta device), --scope {scope}: bf16 vs FP8 128x128 on "
                                          f"{s['layers']} layers ({s['fp8_params'] / 1e9:.2f} of "
                                          f"{s['total_params'] / 1e9:.2f} B params), {100 * s['reduction']:.1f} % smaller; "
                                          "vision tower kept"))
+    return rows, sizes
+
+
+def _demo_setting(policy, out: Path, quick: bool, tasks: list[str] | None,
+                  resolution: int | None) -> tuple[str | Path, list[str], int]:
+    """(policy, tasks, resolution): the ones given, else the demo's checkpoint (trained here if there is
+    none) with the demo's tasks and resolution."""
+    from kilovla.bench.rl import default_policy
 
     if policy is None:
         try:
@@ -156,31 +154,14 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
 
     tasks = tasks or list(DEFAULT_TASKS)
     resolution = resolution or DEMO_FULL.resolution  # the policy is the demo's unless --policy says otherwise
-    if dataset is None:
-        dataset = out / "fp8-heldout"
-        collect(dataset, tasks=tasks, episodes_per_task=size["heldout_episodes"], resolution=resolution,
-                noise_std=0.1, seed=HELDOUT_SEED, batch_size=5, overwrite=True)
-    quantized_dir = out / "fp8-policy"
-    shutil.rmtree(quantized_dir, ignore_errors=True)
-    n = size["episodes"] if episodes is None else episodes
+    return policy, tasks, resolution
 
-    ema = (Path(policy) / "ema.safetensors").is_file()  # the demo evaluates its EMA weights: quantize those
 
-    # on the demo's evaluation seeds, disjoint from the demonstrations'
-    settings = EvalSettings(tasks=tasks, episodes=n, seed=DEMO_FULL.eval_seed, batch_size=10, resolution=resolution,
-                            workers=2)
-
-    def evaluation(p):
-        progress, update = task_progress(f"eval {p.name}")
-        with progress:
-            return evaluate(p, settings, progress=update)
-
-    report = quantize_policy_folder(policy, quantized_dir, Fp8Config(), dataset=dataset, samples=size["samples"],
-                                    evaluation=evaluation if n else None, latency_repeats=size["latency_repeats"],
-                                    ema=ema)
+def _policy_rows(report: dict, tasks: list[str], n: int) -> list[Row]:
+    """The default FP8 folder's rows from its quantize report: size, quality, success (when evaluated), latency."""
     s, a, lat = report["size"], report["actions"], report["latency"]
     worst, worst_db = min_output_sqnr(report)
-    rows += [
+    rows = [
         Row.compare("checkpoint_bytes_tiny", "bytes", s["bf16_bytes"], s["quantized_bytes"], higher_is_better=False,
                     note=f"demo policy model.safetensors on disk: bf16 copy vs FP8 folder "
                          f"({s['fp8_params']} of {s['total_params']} params in FP8; fp32 source {s['source_bytes']} B)"),
@@ -204,6 +185,45 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
                     note=f"demo policy, batch 1, {lat['device']}: fp32 vs FP8 ({lat['kernel']}; emulation "
                          "dequantizes every call, so it is slower on CPU)"),
     ]
+    return rows
+
+
+def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str | Path | None = None,
+        dataset: str | Path | None = None, tasks: list[str] | None = None, resolution: int | None = None,
+        episodes: int | None = None, console=None) -> Path:
+    from kilovla.demo import FULL as DEMO_FULL
+    from kilovla.envs.collect import collect
+    from kilovla.eval.closed_loop import evaluate, task_progress
+    from kilovla.eval.settings import EvalSettings
+
+    size = QUICK if quick else FULL
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, extra = _sizes_3b_rows()
+    policy, tasks, resolution = _demo_setting(policy, out, quick, tasks, resolution)
+    if dataset is None:
+        dataset = out / "fp8-heldout"
+        collect(dataset, tasks=tasks, episodes_per_task=size["heldout_episodes"], resolution=resolution,
+                noise_std=0.1, seed=HELDOUT_SEED, batch_size=5, overwrite=True)
+    quantized_dir = out / "fp8-policy"
+    shutil.rmtree(quantized_dir, ignore_errors=True)
+    n = size["episodes"] if episodes is None else episodes
+
+    ema = (Path(policy) / "ema.safetensors").is_file()  # the demo evaluates its EMA weights: quantize those
+
+    # on the demo's evaluation seeds, disjoint from the demonstrations'
+    settings = EvalSettings(tasks=tasks, episodes=n, seed=DEMO_FULL.eval_seed, batch_size=10, resolution=resolution,
+                            workers=2)
+
+    def evaluation(p):
+        progress, update = task_progress(f"eval {p.name}")
+        with progress:
+            return evaluate(p, settings, progress=update)
+
+    report = quantize_policy_folder(policy, quantized_dir, Fp8Config(), dataset=dataset, samples=size["samples"],
+                                    evaluation=evaluation if n else None, latency_repeats=size["latency_repeats"],
+                                    ema=ema)
+    rows += _policy_rows(report, tasks, n)
     wide, wide_rows = _scope_all(policy, out, dataset, size, report, evaluation if n else None, ema)
     rows += wide_rows
     if torch.cuda.is_available():

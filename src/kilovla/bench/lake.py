@@ -363,25 +363,25 @@ def _loglog(path: Path, curves: dict[str, tuple[list, list]], ylabel: str) -> No
     plt.close(fig)
 
 
-def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, scratch: str | Path | None = None) -> Path:
-    from kilovla.progress import note
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    scratch = Path(scratch or os.environ.get("KILOVLA_BENCH_TMP") or out / "lake-scratch")
-    sizes, base_sizes = (QUICK_SIZES, QUICK_SIZES[:1]) if quick else (SIZES, BASELINE_SIZES)
+def _sizes_that_fit(sizes: tuple[int, ...], scratch: Path, note) -> tuple[int, ...]:
+    """`sizes` less the largest ones the scratch folder's disk has no room for (one size always stays)."""
     free = shutil.disk_usage(scratch.parent if not scratch.exists() else scratch).free
     while len(sizes) > 1 and sizes[-1] * 160 > free:  # parquet + column cache, ~160 bytes a frame
         note(f"lake: {sizes[-1]:.0e} frames need ~{sizes[-1] * 160 / 1e9:.0f} GB; {free / 1e9:.0f} GB free: skipped")
         sizes = sizes[:-1]
-    scratch.mkdir(parents=True, exist_ok=True)
-    load_at_start = round(os.getloadavg()[0], 2)
+    return sizes
+
+
+def _measure_lakes(sizes: tuple[int, ...], base_sizes: tuple[int, ...], scratch: Path,
+                   note) -> tuple[dict, dict, dict, dict]:
+    """For each lake size: cold opens, then ours warm with and without the prefetch, and the baseline at
+    `base_sizes`. Returns (ours, baseline, cold, ours without the prefetch), each by size."""
+    from kilovla.data.lake_index import LakeIndex
+
     ours, base, cold, plain = {}, {}, {}, {}
     for frames in sizes:
         roots = lake_roots(scratch, frames, progress=note)
         index = scratch / f"index-{frames}"
-        from kilovla.data.lake_index import LakeIndex
-
         LakeIndex.open(roots, index)  # built once (and the column caches with it); the processes open it
         files = lake_files(roots, index)
         cold[frames] = _cold_opens(roots, scratch, index, files)
@@ -395,12 +395,16 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, scratch: str 
         if frames in base_sizes:
             base[frames] = _processes("baseline", roots, scratch, None)
             note(f"lake {frames:.0e}: baseline {base[frames]}")
-    top, btop = sizes[-1], base_sizes[-1]
+    return ours, base, cold, plain
+
+
+def _lake_rows(scratch: Path, top: int, btop: int, ours: dict, base: dict, cold: dict, plain: dict) -> list[Row]:
+    """The open, memory and fetch rows at the largest lake `top`; the baseline measured at `btop` frames."""
     scale = top / btop
     tag = f"{top:.0e}".replace("+0", "").replace("+", "")  # 1e8
     extrap = f"baseline measured at {btop:.0e} frames ({base[btop]['open_s']:.2f} s, {base[btop]['uss_mb']:.0f} MiB) " \
              f"and extrapolated x{scale:g} (it holds every column per process)" if scale > 1 else "both measured"
-    rows = [
+    return [
         Row.compare(f"lake_open_s_{tag}", "s", base[btop]["open_s"] * scale, ours[top]["open_s"], higher_is_better=False,
                     limit=10.0, note=f"{len(lake_roots(scratch, top))} datasets, {PROCESSES} processes at once, median; "
                     f"open -> first global batch at {RANKS} ranks + one rank's samples; {extrap}"),
@@ -422,27 +426,41 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, scratch: str 
                          f"ms (without the prefetch {cold[top]['no_prefetch']['fetch_ms']:.0f} ms, its open having read "
                          f"the columns around every header)"),
     ]
+
+
+def _index_build_row(scratch: Path, top: int) -> Row:
+    """Building the index of the largest lake from no column caches: serial vs a process pool."""
     roots = lake_roots(scratch, top)
     serial = _index_build(roots, scratch / "index-build", "serial")
     pooled = _index_build(roots, scratch / "index-build", "local")
-    rows.append(Row.compare(f"lake_index_build_s_{len(roots)}_datasets", "s", serial, pooled, higher_is_better=False,
-                            note=f"{top:.0e} frames, from no column caches: serial vs a process pool of "
-                                 f"{os.cpu_count()} (engine=local; Ray tasks with engine=ray)"))
+    return Row.compare(f"lake_index_build_s_{len(roots)}_datasets", "s", serial, pooled, higher_is_better=False,
+                       note=f"{top:.0e} frames, from no column caches: serial vs a process pool of "
+                            f"{os.cpu_count()} (engine=local; Ray tasks with engine=ray)")
+
+
+def _plan_rows(quick: bool) -> list[Row]:
+    """The plan's first batch, time and memory, against a full permutation measured at a tenth the samples."""
     plan_n, plan_e = (10**8, 2 * 10**5) if quick else (PLAN_SAMPLES, PLAN_EPISODES)
     mine = plan_costs(plan_n, plan_e)
     old_n = plan_n // 10
     old = old_plan_costs(old_n)
     ptag = f"{plan_n:.0e}".replace("+0", "").replace("+", "")
-    rows.append(Row.compare(f"plan_first_batch_s_{ptag}", "s", old["s"] * 10, mine["s"], higher_is_better=False, limit=0.5,
-                            note=f"{plan_n:.0e} samples in {plan_e:.0e} episodes (lengths alone), {RANKS} ranks, "
-                                 f"{GLOBAL_BATCH} samples a step; baseline (a full permutation) measured at "
-                                 f"{old_n:.0e}: {old['s']:.2f} s, x10"))
-    rows.append(Row.compare(f"plan_mb_{ptag}", "MiB", old["mb"] * 10, mine["mb"], higher_is_better=False, limit=200.0,
-                            note=f"peak traced allocation + the lengths' runs; baseline at {old_n:.0e}: "
-                                 f"{old['mb']:.0f} MiB, x10"))
+    return [
+        Row.compare(f"plan_first_batch_s_{ptag}", "s", old["s"] * 10, mine["s"], higher_is_better=False, limit=0.5,
+                    note=f"{plan_n:.0e} samples in {plan_e:.0e} episodes (lengths alone), {RANKS} ranks, "
+                         f"{GLOBAL_BATCH} samples a step; baseline (a full permutation) measured at "
+                         f"{old_n:.0e}: {old['s']:.2f} s, x10"),
+        Row.compare(f"plan_mb_{ptag}", "MiB", old["mb"] * 10, mine["mb"], higher_is_better=False, limit=200.0,
+                    note=f"peak traced allocation + the lengths' runs; baseline at {old_n:.0e}: "
+                         f"{old['mb']:.0f} MiB, x10"),
+    ]
+
+
+def _plot_scaling(path: Path, ours: dict, base: dict, scale: float) -> None:
+    """Open time and USS per process against lake size, the baseline extrapolated by `scale` to the top."""
     xs = sorted(ours)
     bx = sorted(base)
-    _loglog(out / "lake_scaling.png", {
+    _loglog(path, {
         "open s, ours": (xs, [ours[x]["open_s"] for x in xs]),
         "open s, baseline": (bx, [base[x]["open_s"] for x in bx]),
         "open s, baseline extrap.": ([bx[-1], xs[-1]], [base[bx[-1]]["open_s"], base[bx[-1]]["open_s"] * scale]),
@@ -450,6 +468,24 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, scratch: str 
         "USS GiB, baseline": (bx, [base[x]["uss_mb"] / 1024 for x in bx]),
         "USS GiB, baseline extrap.": ([bx[-1], xs[-1]], [base[bx[-1]]["uss_mb"] / 1024, base[bx[-1]]["uss_mb"] * scale / 1024]),
     }, "seconds / GiB per process")
+
+
+def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, scratch: str | Path | None = None) -> Path:
+    from kilovla.progress import note
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(scratch or os.environ.get("KILOVLA_BENCH_TMP") or out / "lake-scratch")
+    sizes, base_sizes = (QUICK_SIZES, QUICK_SIZES[:1]) if quick else (SIZES, BASELINE_SIZES)
+    sizes = _sizes_that_fit(sizes, scratch, note)
+    scratch.mkdir(parents=True, exist_ok=True)
+    load_at_start = round(os.getloadavg()[0], 2)
+    ours, base, cold, plain = _measure_lakes(sizes, base_sizes, scratch, note)
+    top, btop = sizes[-1], base_sizes[-1]
+    rows = _lake_rows(scratch, top, btop, ours, base, cold, plain)
+    rows.append(_index_build_row(scratch, top))
+    rows += _plan_rows(quick)
+    _plot_scaling(out / "lake_scaling.png", ours, base, top / btop)
     extra = {"lake_by_size": {str(k): v for k, v in ours.items()}, "baseline_by_size": {str(k): v for k, v in base.items()},
              "cold_by_size": {str(k): v for k, v in cold.items()},
              "warm_no_prefetch_by_size": {str(k): v for k, v in plain.items()}, "load_average_at_start": load_at_start,

@@ -432,7 +432,6 @@ def convert_v21_to_v30(src: str | Path, dst: str | Path, overwrite: bool = False
 
 def _convert(meta: DatasetMeta, tmp: Path, data_limit: int, video_limit: int) -> None:
     eps = meta.episodes
-    files = meta.files
     features = {k: f.to_json() for k, f in meta.features.items()}
     for f in features.values():
         if f["dtype"] == "video":
@@ -440,8 +439,20 @@ def _convert(meta: DatasetMeta, tmp: Path, data_limit: int, video_limit: int) ->
     episodes = [{"episode_index": int(e), "tasks": eps.tasks[e], "length": int(eps.length[e]),
                  "dataset_from_index": int(eps.row_from[e]), "dataset_to_index": int(eps.row_to[e])}
                 for e in eps.index]
+    episode_stats = _convert_frames(meta, tmp, episodes, data_limit)
+    for key in meta.video_keys:
+        _convert_videos(meta, key, tmp, episodes, features[key]["info"], video_limit)
+    _add_camera_stats(meta, episode_stats)
+    write_meta(tmp, fps=int(meta.fps), robot_type=meta.info.get("robot_type", "unknown"), features=features,
+               tasks=meta.tasks, episodes=episodes, episode_stats=episode_stats,
+               chunks_size=int(meta.info.get("chunks_size", 1000)), data_mb=data_limit // 2**20,
+               video_mb=video_limit // 2**20)
 
-    # Frame data: concatenate per-episode parquet files into files of at most data_limit bytes.
+
+def _convert_frames(meta: DatasetMeta, tmp: Path, episodes: list[dict], data_limit: int) -> list[dict]:
+    """Frame data: concatenate per-episode parquet files into files of at most data_limit bytes; records
+    each episode's file in `episodes`. Returns the per-episode stats of the non-video columns."""
+    eps, files = meta.episodes, meta.files
     file_id, parts, size = (0, 0), [], 0
 
     def flush():
@@ -462,38 +473,46 @@ def _convert(meta: DatasetMeta, tmp: Path, data_limit: int, video_limit: int) ->
                                                                               files.path(eps.data_file[e])))
                               for f in meta.table_features() if f.dtype in _ARROW_TYPES and f.dtype != "string"})
     flush()
+    return episode_stats
 
-    # Videos: group consecutive episodes into files of at most video_limit bytes, remux each group.
-    for key in meta.video_keys:
-        sources = [files.path(p) for p in eps.video_file[key]]
-        groups, current, size = [], [], 0
-        for e, path in enumerate(sources):
-            nbytes = os.path.getsize(path) if os.path.exists(path) else 0
-            if not os.path.exists(path):
-                raise DatasetError(path, "video file is missing")
-            if current and size + nbytes > video_limit:
-                groups.append(current)
-                current, size = [], 0
-            current.append(e)
-            size += nbytes
-        groups.append(current)
-        for file_index, group in enumerate(groups):
-            out = tmp / DEFAULT_VIDEO_PATH.format(video_key=key, chunk_index=0, file_index=file_index)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            starts = concat_videos([sources[e] for e in group], out)
-            for e, start in zip(group, starts):
-                episodes[e].update({f"videos/{key}/chunk_index": 0, f"videos/{key}/file_index": file_index,
-                                    f"videos/{key}/from_timestamp": start,
-                                    f"videos/{key}/to_timestamp": start + float(eps.length[e]) / meta.fps})
-        probe = probe_video(sources[0])
-        info = features[key]["info"]
-        info.setdefault("video.height", probe["height"])
-        info.setdefault("video.width", probe["width"])
-        info.setdefault("video.codec", probe["codec"])
-        info.setdefault("video.pix_fmt", probe["pix_fmt"])
-        info.setdefault("video.fps", meta.fps)
-    # Camera stats: v2.1 keeps them per episode in episodes_stats.jsonl; carry them over, and
-    # compute them from a few decoded frames per episode where they are missing.
+
+def _convert_videos(meta: DatasetMeta, key: str, tmp: Path, episodes: list[dict], info: dict,
+                    video_limit: int) -> None:
+    """Videos of camera `key`: group consecutive episodes into files of at most video_limit bytes, remux each
+    group; records each episode's file and timestamps in `episodes` and fills the camera's `info`."""
+    eps = meta.episodes
+    sources = [meta.files.path(p) for p in eps.video_file[key]]
+    groups, current, size = [], [], 0
+    for e, path in enumerate(sources):
+        if not os.path.exists(path):
+            raise DatasetError(path, "video file is missing")
+        nbytes = os.path.getsize(path)
+        if current and size + nbytes > video_limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append(e)
+        size += nbytes
+    groups.append(current)
+    for file_index, group in enumerate(groups):
+        out = tmp / DEFAULT_VIDEO_PATH.format(video_key=key, chunk_index=0, file_index=file_index)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        starts = concat_videos([sources[e] for e in group], out)
+        for e, start in zip(group, starts):
+            episodes[e].update({f"videos/{key}/chunk_index": 0, f"videos/{key}/file_index": file_index,
+                                f"videos/{key}/from_timestamp": start,
+                                f"videos/{key}/to_timestamp": start + float(eps.length[e]) / meta.fps})
+    probe = probe_video(sources[0])
+    info.setdefault("video.height", probe["height"])
+    info.setdefault("video.width", probe["width"])
+    info.setdefault("video.codec", probe["codec"])
+    info.setdefault("video.pix_fmt", probe["pix_fmt"])
+    info.setdefault("video.fps", meta.fps)
+
+
+def _add_camera_stats(meta: DatasetMeta, episode_stats: list[dict]) -> None:
+    """Camera stats: v2.1 keeps them per episode in episodes_stats.jsonl; carry them over, and
+    compute them from a few decoded frames per episode where they are missing."""
+    eps, files = meta.episodes, meta.files
     by_ep = {}
     if meta.video_keys and files.exists("meta/episodes_stats.jsonl"):
         by_ep = {r["episode_index"]: r["stats"] for r in files.read_jsonl("meta/episodes_stats.jsonl")}
@@ -508,7 +527,3 @@ def _convert(meta: DatasetMeta, tmp: Path, data_limit: int, video_limit: int) ->
             positions = np.unique(np.linspace(eps.row_from[e], eps.row_to[e] - 1, CONVERT_STAT_FRAMES).round())
             frames = source.get_batch(positions.astype(np.int64), video_keys=[key])[key]
             st[key] = stats_mod.image_stats(frames)
-    write_meta(tmp, fps=int(meta.fps), robot_type=meta.info.get("robot_type", "unknown"), features=features,
-               tasks=meta.tasks, episodes=episodes, episode_stats=episode_stats,
-               chunks_size=int(meta.info.get("chunks_size", 1000)), data_mb=data_limit // 2**20,
-               video_mb=video_limit // 2**20)

@@ -72,6 +72,15 @@ def check_command(command: str, root: Path = ROOT) -> None:
         if e.code == 0:  # `kilovla --version` / `--help`: argparse answers and exits 0
             return
         raise AssertionError(err.getvalue().strip().splitlines()[-1]) from None
+    if getattr(args, "config_cls", None) is not None:  # the dotted dialect: every key exists, every value fits
+        from kilovla.cli_config import check_extra, config_from
+
+        try:
+            check_extra(args.config_cls, extra)
+            config_from(args)
+        except KilovlaError as e:
+            raise AssertionError(str(e)) from None
+        return
     if extra and args.func not in (cli.cmd_train, cli.cmd_rl):
         raise AssertionError(f"unrecognized arguments: {' '.join(extra)}")
     if args.func in (cli.cmd_train, cli.cmd_rl):

@@ -244,33 +244,40 @@ def cmd_collect(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from rich.table import Table
-
-    from kilovla.envs.base import env_type
     from kilovla.eval.closed_loop import check_action_steps, evaluate, load_policy, new_output_dir, task_progress
-    from kilovla.eval.settings import EvalSettings
     from kilovla.folders import check_new_evaluation
 
-    tasks = env_type(args.env).tasks(args.tasks)
-    if args.out is not None:  # a folder the user named: never overwrite an evaluation in it
-        check_new_evaluation(args.out)
-    policy = load_policy(args.policy, env=args.env, seed=args.seed, ema=args.ema)
-    check_action_steps(policy, args.n_action_steps)
-    settings = EvalSettings(env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
-                            batch_size=args.batch_size, workers=args.workers, cameras=_cameras(args.cameras),
-                            resolution=args.resolution, max_steps=args.max_steps, n_action_steps=args.n_action_steps,
-                            videos=args.videos, allow_seen_seeds=args.allow_seen_seeds)
-    out = args.out if args.out is not None else new_output_dir("eval-output", args.env,
-                                                                getattr(policy, "source", None) or args.policy)
+    cfg = args.cfg  # cli_config.EvalCommand
+    tasks = cfg.env.tasks()
+    if cfg.output_dir is not None:  # a folder the user named: never overwrite an evaluation in it
+        check_new_evaluation(cfg.output_dir, flag=_spelling(args, "--out", "--output_dir"))
+    policy = load_policy(cfg.policy.path, env=cfg.env.type, seed=cfg.eval.seed, ema=cfg.policy.ema)
+    check_action_steps(policy, cfg.eval.n_action_steps)
+    settings = cfg.eval.settings(cfg.env, tasks)
+    out = cfg.output_dir if cfg.output_dir is not None else new_output_dir(
+        "eval-output", cfg.env.type, getattr(policy, "source", None) or cfg.policy.path)
     print(f"eval: report and videos go to {out}", flush=True)
     progress, update = task_progress("eval")
     try:
         with progress:
             report = evaluate(policy, settings, out_dir=out, replace=False, progress=update)
     except BaseException:
-        if args.out is None and not any(out.iterdir()):  # refused before writing: no empty folder left behind
+        if cfg.output_dir is None and not any(out.iterdir()):  # refused before writing: no empty folder left behind
             out.rmdir()
         raise
+    _print_eval_report(report)
+    print(f"wrote {out}/report.json, {out}/report.md")
+    return 1 if report["crashed_episodes"] else 0
+
+
+def _spelling(args, alias: str, flag: str) -> str:
+    """The flag as the user typed it, for error messages: the old alias or the dotted key."""
+    return alias if alias in getattr(args, "_aliases_said", ()) else flag
+
+
+def _print_eval_report(report: dict) -> None:
+    from rich.table import Table
+
     table = Table(title=f"{report['policy']} on {report['env']} ({report['env_backend']})")
     for col in ("task", "success", "episodes", "mean steps"):
         table.add_column(col)
@@ -282,8 +289,6 @@ def cmd_eval(args) -> int:
     table.add_row("overall", f"{report['overall_success_rate']:.1%}"
                   + (f" ({crashed} crashed episodes counted as failures)" if crashed else ""), "", "")
     _console().print(table)
-    print(f"wrote {out}/report.json, {out}/report.md")
-    return 1 if crashed else 0
 
 
 def cmd_train(args) -> int:
@@ -399,12 +404,7 @@ def _version() -> str:
         return kilovla.__version__
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kilovla", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--version", action="version", version=f"kilovla {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _data_parsers(sub) -> None:
     data = sub.add_parser("data", help="inspect, check, convert and benchmark LeRobot datasets")
     dsub = data.add_subparsers(dest="data_command", required=True)
     p = dsub.add_parser("info", help="episodes, frames, fps, features, tasks, cameras, codec, size")
@@ -455,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_flags(p)
     p.set_defaults(func=cmd_data_bench)
 
+
+def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
     p.add_argument("suite", choices=[*SUITES, "all", "table"],
                    help="table: render PATH's <suite>.json as markdown (README's tables) instead of measuring")
@@ -474,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: closed-loop episodes per task (default 50; 0 skips the comparison)")
     p.set_defaults(func=cmd_bench)
 
+
+def _quantize_parser(sub) -> None:
     p = sub.add_parser("quantize", help="block-wise FP8 post-training quantization of a policy folder, with a report")
     p.add_argument("policy_dir", help="a policy folder (a training checkpoint or `kilovla eval --policy` folder)")
     p.add_argument("--out", required=True, help="the new folder for the quantized policy (must not exist)")
@@ -512,6 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_quantize)
 
+
+def _train_rl_parsers(sub) -> None:
     p = sub.add_parser("train", help="train a VLA policy (single process, or under torchrun)")
     p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4")
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'auto' for the run's latest")
@@ -525,6 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' after `ray start`); default: local")
     p.set_defaults(func=cmd_rl, overrides=[])
 
+
+def _collect_parser(sub) -> None:
     p = sub.add_parser("collect", help="scripted demonstrations -> a LeRobot v3.0 dataset")
     p.add_argument("--env", default="metaworld")
     p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default")
@@ -543,31 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_collect)
 
-    p = sub.add_parser("eval", help="closed-loop evaluation: success rate per task, videos, report")
-    p.add_argument("--policy", default="scripted", help="scripted, random, a checkpoint path (a run folder or its "
-                   "checkpoints/latest: the newest complete checkpoint), or ws://HOST:PORT of `kilovla serve` (its "
-                   "api key from $KILOVLA_API_KEY)")
-    p.add_argument("--env", default="metaworld")
-    p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default; "
-                   "LIBERO: suite names or suite/index")
-    p.add_argument("--episodes", type=int, default=10, help="episodes per task")
-    p.add_argument("--out", default=None, help="a new folder for report.json, report.md and videos/ (one that "
-                   "holds an evaluation is refused); default: a fresh eval-output/<UTC date>_<time>_<env>_<policy>/")
-    p.add_argument("--videos", type=int, default=2, help="record the first K episodes per task")
-    p.add_argument("--batch-size", type=int, default=8, help="envs per task, one policy batch")
-    p.add_argument("--n-action-steps", type=int, default=None, help="actions executed per predicted chunk")
-    p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
-    p.add_argument("--cameras", default=None)
-    p.add_argument("--resolution", type=int, default=None, help="camera pixels (default: the policy's training "
-                   "resolution, from policy.json; 96 for scripted/random policies and folders that lack it)")
-    p.add_argument("--ema", action="store_true", help="evaluate the folder's EMA weights (ema.safetensors, what "
-                   "`kilovla demo` evaluates)")
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--allow-seen-seeds", action="store_true", help="evaluate even on seeds the policy's demonstrations "
-                   "started from (policy.json's demonstration_seeds; refused otherwise)")
-    p.set_defaults(func=cmd_eval)
 
+def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a policy folder over openpi's websocket protocol, batched across robots")
     p.add_argument("--policy", required=True, help="a policy folder: supervised, RL or FP8")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost, set --api-key)")
@@ -587,11 +572,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", action="store_true", help="on CUDA, run the denoising loop eagerly")
     p.set_defaults(func=cmd_serve)
 
+
+def _demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="the main job on an embedded default")
     p.add_argument("--quick", action="store_true", help="minute-scale smoke run")
     p.add_argument("--out", default="demo-output")
     p.set_defaults(func=cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kilovla", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"kilovla {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _data_parsers(sub)
+    _bench_parser(sub)
+    _quantize_parser(sub)
+    _train_rl_parsers(sub)
+    _collect_parser(sub)
+    _eval_parser(sub)
+    _serve_parser(sub)
+    _demo_parser(sub)
     return parser
+
+
+def _eval_parser(sub) -> None:
+    from kilovla.cli_config import EVAL_ALIASES, EvalCommand, add_config_flags
+
+    p = sub.add_parser("eval", help="closed-loop evaluation: success rate per task, videos, report",
+                       description="kilovla eval --policy.path=DIR --env.type=metaworld --env.task=reach-v3,push-v3 "
+                       "--eval.n_episodes=20 --output_dir=DIR")
+    add_config_flags(p, EvalCommand, EVAL_ALIASES)
+    p.set_defaults(func=cmd_eval)
 
 
 def _say_error(problem) -> None:
@@ -604,12 +617,18 @@ def _say_error(problem) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "func", None) not in (cmd_train, cmd_rl):
+    dotted = getattr(args, "config_cls", None) is not None
+    if extra and not dotted and args.func not in (cmd_train, cmd_rl):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:
+    if extra and not dotted:
         args.overrides = extra
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if dotted:
+            from kilovla.cli_config import check_extra, config_from
+
+            check_extra(args.config_cls, extra)
+            args.cfg = config_from(args)
         return args.func(args)
     except KilovlaError as e:
         _say_error(e)
@@ -617,7 +636,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
 
 if __name__ == "__main__":
     sys.exit(main())

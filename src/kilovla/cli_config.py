@@ -1,0 +1,187 @@
+"""The dotted dialect of the CLI: a command's flags are the fields of one small dataclass.
+
+    kilovla eval --policy.path=DIR --env.type=metaworld --env.task=reach-v3,push-v3 \\
+        --eval.n_episodes=20 --eval.batch_size=10 --output_dir=DIR
+
+`add_config_flags` declares `--section.key` for every field (`--help` lists them per section with their
+defaults) and today's dashed flags as aliases that print the new spelling once on stderr. `config_from`
+reads the values with config.py's machinery (each checked against its field's type); a key that does not
+exist stops with config.py's did-you-mean. The sections (`PolicySection`, `EnvSection`, `EvalSection`)
+are defined once, here, and shared by the commands that take them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+from kilovla.config import _unknown, from_dict, set_dotted, to_dict
+from kilovla.errors import KilovlaError
+
+PREFIX = "cfg:"  # namespace attributes holding config keys
+
+
+def _f(default, help: str):
+    """A field with its `--help` line."""
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: dataclasses.replace(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class PolicySection:
+    path: str | None = _f("scripted", "a policy folder, a run folder or its checkpoints/latest (the newest complete "
+                          "checkpoint), scripted, random, or ws://HOST:PORT of `kilovla serve` ($KILOVLA_API_KEY)")
+    ema: bool = _f(False, "the folder's EMA weights (ema.safetensors, what `kilovla demo` evaluates)")
+
+
+@dataclass
+class EnvSection:
+    type: str = _f("metaworld", "a registered env (metaworld, libero, ...)")
+    task: str = _f("default", "comma-separated tasks, or a task set: default, MT10, MT50; LIBERO: suite names "
+                   "or suite/index")
+    cameras: str | None = _f(None, "comma-separated env cameras (default: the env's own)")
+    resolution: int | None = _f(None, "camera pixels (default: the policy's training resolution, policy.json "
+                                "image_size; 96 for scripted/random policies and folders that lack it)")
+    max_steps: int | None = _f(None, "episode length limit (default: the env's)")
+
+    def camera_tuple(self) -> tuple[str, ...] | None:
+        return tuple(self.cameras.split(",")) if self.cameras else None
+
+    def tasks(self) -> list[str]:
+        from kilovla.envs.base import env_type
+
+        return env_type(self.type).tasks(self.task)
+
+
+@dataclass
+class EvalSection:
+    n_episodes: int = _f(10, "episodes per task")
+    batch_size: int = _f(8, "envs per task stepped together, one policy batch")
+    seed: int = _f(0, "the eval stream's seed: the same env seeds for every policy")
+    n_action_steps: int | None = _f(None, "actions executed per predicted chunk (default: the policy's)")
+    workers: int = _f(0, "env processes (0: in this process)")
+    videos: int = _f(2, "record the first K episodes per task")
+    allow_seen_seeds: bool = _f(False, "evaluate even on seeds the policy's demonstrations started from "
+                                "(policy.json's demonstration_seeds; refused otherwise)")
+
+    def settings(self, env: EnvSection, tasks, **fields):
+        """The `EvalSettings` these sections describe; `fields` override (quantize: no videos)."""
+        from kilovla.eval.settings import EvalSettings
+
+        values = dict(env=env.type, tasks=tasks, episodes=self.n_episodes, seed=self.seed,
+                      batch_size=self.batch_size, workers=self.workers, cameras=env.camera_tuple(),
+                      resolution=env.resolution, max_steps=env.max_steps, n_action_steps=self.n_action_steps,
+                      videos=self.videos, allow_seen_seeds=self.allow_seen_seeds)
+        return EvalSettings(**{**values, **fields})
+
+
+@dataclass
+class EvalCommand:
+    """`kilovla eval`."""
+
+    policy: PolicySection = _f(PolicySection(), "")
+    env: EnvSection = _f(EnvSection(), "")
+    eval: EvalSection = _f(EvalSection(), "")
+    output_dir: str | None = _f(None, "a new folder for report.json, report.md and videos/ (one that holds an "
+                                "evaluation is refused); default: a fresh eval-output/<UTC date>_<time>_<env>_<policy>/")
+
+
+EVAL_ALIASES = {
+    "--policy": "policy.path", "--ema": "policy.ema", "--env": "env.type", "--tasks": "env.task",
+    "--cameras": "env.cameras", "--resolution": "env.resolution", "--max-steps": "env.max_steps",
+    "--episodes": "eval.n_episodes", "--batch-size": "eval.batch_size", "--seed": "eval.seed",
+    "--n-action-steps": "eval.n_action_steps", "--workers": "eval.workers", "--videos": "eval.videos",
+    "--allow-seen-seeds": "eval.allow_seen_seeds", "--out": "output_dir",
+}
+
+
+# -- argparse ------------------------------------------------------------------------------------------
+def _fields(cls, default, prefix: str = ""):
+    """(dotted key, type hint, default value, help) of every leaf field, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _fields(hints[f.name], value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", hints[f.name], value, f.metadata.get("help", "")
+
+
+def _hint_name(hint) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return "|".join(getattr(a, "__name__", str(a)) for a in args).upper()
+
+
+class _Alias(argparse.Action):
+    """A dashed flag of the old dialect: sets its dotted key and says the new spelling, once."""
+
+    def __init__(self, option_strings, dest, key: str, flag: bool, **kw):
+        self.key, self.flag = key, flag
+        super().__init__(option_strings, dest, nargs=0 if flag else None, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True if self.flag else values)
+        said = namespace.__dict__.setdefault("_aliases_said", set())
+        if option_string not in said:
+            said.add(option_string)
+            sys.stderr.write(f"{option_string} is now --{self.key}\n")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, str] | None = None) -> None:
+    """`--key` for every field of `cls`, grouped per section in `--help`; `aliases`: old flag -> key."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    hints = {}
+    for key, hint, default, help in _fields(cls, cls()):
+        hints[key] = hint
+        section = key.split(".")[0] if "." in key else "options"
+        if section not in groups:
+            groups[section] = parser.add_argument_group(f"--{section}.*" if "." in key else "other options")
+        shown = "" if "default:" in help else f" (default: {default})"
+        bare = dict(nargs="?", const="true") if hint is bool else {}  # `--eval.allow_seen_seeds` alone: true
+        groups[section].add_argument(f"--{key}", dest=PREFIX + key, default=argparse.SUPPRESS, **bare,
+                                     metavar=_hint_name(hint), help=help + shown)
+    for flag, key in (aliases or {}).items():
+        parser.add_argument(flag, dest=PREFIX + key, action=_Alias, key=key, flag=hints[key] is bool,
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    if aliases:
+        parser.epilog = "old flags still work: " + ", ".join(f"{a} = --{k}" for a, k in aliases.items())
+    parser.set_defaults(config_cls=cls)
+
+
+def _value(raw, hint):
+    """A flag's text as the field's value: strings stay strings where the field takes one, else YAML."""
+    if not isinstance(raw, str):
+        return raw
+    if hint is str or str in typing.get_args(hint):
+        return raw
+    try:
+        return yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def check_extra(cls, extra: list[str]) -> None:
+    """Arguments argparse did not know: a misspelt key gets config.py's did-you-mean."""
+    for item in extra:
+        if item.startswith("--"):
+            raise _unknown(cls, item[2:].split("=", 1)[0])
+    if extra:
+        raise KilovlaError(f"unexpected arguments {extra}; flags look like --section.key=value")
+
+
+def config_from(args: argparse.Namespace):
+    """The command's config: its defaults, then every key given (dotted or by an alias), type-checked."""
+    cls = args.config_cls
+    hints = {key: hint for key, hint, _, _ in _fields(cls, cls())}
+    data = to_dict(cls())
+    for name, raw in vars(args).items():
+        if name.startswith(PREFIX):
+            key = name[len(PREFIX):]
+            set_dotted(data, key, _value(raw, hints[key]))
+    return from_dict(cls, data)

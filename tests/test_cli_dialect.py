@@ -1,0 +1,84 @@
+"""The dotted dialect of eval (and the commands that share its sections): LeRobot's spellings, did-you-mean
+for a misspelt key, the old dashed flags as aliases that say their new spelling once, `--help` listing
+every field with its default."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kilovla import cli
+from kilovla.cli import main
+from kilovla.cli_config import EvalCommand
+
+
+def _config(argv: list[str]):
+    args, extra = cli.build_parser().parse_known_args(argv)
+    from kilovla.cli_config import check_extra, config_from
+
+    check_extra(args.config_cls, extra)
+    return config_from(args)
+
+
+def test_lerobot_spellings_fill_the_eval_config():
+    cfg = _config(["eval", "--policy.path=runs/x", "--env.type=metaworld", "--env.task=reach-v3,push-v3",
+                   "--eval.n_episodes=20", "--eval.batch_size=10", "--output_dir=out/e", "--env.cameras=scene",
+                   "--env.resolution", "64", "--eval.allow_seen_seeds"])
+    assert isinstance(cfg, EvalCommand)
+    assert (cfg.policy.path, cfg.env.type, cfg.env.task) == ("runs/x", "metaworld", "reach-v3,push-v3")
+    assert (cfg.eval.n_episodes, cfg.eval.batch_size, cfg.output_dir) == (20, 10, "out/e")
+    assert (cfg.env.resolution, cfg.eval.allow_seen_seeds, cfg.env.camera_tuple()) == (64, True, ("scene",))
+    settings = cfg.eval.settings(cfg.env, ["reach-v3"])
+    assert (settings.episodes, settings.batch_size, settings.resolution, settings.videos) == (20, 10, 64, 2)
+
+
+def test_the_old_flags_map_onto_the_same_config_and_say_the_new_spelling_once(capsys):
+    old = _config(["eval", "--policy", "random", "--tasks", "MT10", "--episodes", "3", "--n-action-steps", "2",
+                   "--episodes", "4", "--ema", "--allow-seen-seeds", "--out", "o", "--max-steps", "7"])
+    new = _config(["eval", "--policy.path=random", "--env.task=MT10", "--eval.n_episodes=4",
+                   "--eval.n_action_steps=2", "--policy.ema=true", "--eval.allow_seen_seeds=true",
+                   "--output_dir=o", "--env.max_steps=7"])
+    assert old == new
+    err = capsys.readouterr().err.splitlines()
+    assert "--n-action-steps is now --eval.n_action_steps" in err
+    assert err.count("--episodes is now --eval.n_episodes") == 1  # given twice, said once
+    assert "--policy is now --policy.path" in err and "--out is now --output_dir" in err
+
+
+def test_a_misspelt_key_gets_did_you_mean_and_exit_2(capsys):
+    assert main(["eval", "--eval.n_episods=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: unknown config key 'eval.n_episods' (did you mean 'eval.n_episodes'?)"]
+
+
+def test_a_bad_value_is_one_line_and_exit_2(capsys):
+    assert main(["eval", "--eval.n_episodes=many"]) == 2
+    assert capsys.readouterr().err.strip() == "error: config key 'eval.n_episodes': 'many' is not a int"
+    assert main(["eval", "--policy.path=scripted", "stray"]) == 2
+    assert "unexpected arguments ['stray']" in capsys.readouterr().err
+
+
+def test_help_lists_every_field_per_section_with_its_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for section in ("--policy.*:", "--env.*:", "--eval.*:"):
+        assert section in out
+    for key in ("--policy.path", "--policy.ema", "--env.type", "--env.task", "--env.cameras", "--env.resolution",
+                "--env.max_steps", "--eval.n_episodes", "--eval.batch_size", "--eval.seed", "--eval.n_action_steps",
+                "--eval.workers", "--eval.videos", "--eval.allow_seen_seeds", "--output_dir"):
+        assert key in out
+    assert "episodes per task (default: 10)" in out and "(default: metaworld)" in out
+    assert "--n-action-steps = --eval.n_action_steps" in out  # the aliases, in the epilog
+
+
+def test_eval_runs_in_the_dotted_dialect(tmp_path, capsys):
+    out = tmp_path / "ev"
+    assert main(["eval", "--policy.path=scripted", "--env.type=metaworld", "--env.task=reach-v3",
+                 "--eval.n_episodes=1", "--eval.batch_size=1", "--env.resolution=32", "--env.max_steps=5",
+                 "--eval.videos=0", f"--output_dir={out}"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["per_task"]["reach-v3"]["episodes"] == 1
+    assert capsys.readouterr().err == ""  # no alias used, no notice

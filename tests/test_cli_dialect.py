@@ -33,7 +33,10 @@ def test_lerobot_spellings_fill_the_eval_config():
     assert (settings.episodes, settings.batch_size, settings.resolution, settings.videos) == (20, 10, 64, 2)
 
 
-def test_the_old_flags_map_onto_the_same_config_and_say_the_new_spelling_once(capsys):
+def test_the_old_flags_map_onto_the_same_config_and_say_the_new_spelling_once(capsys, monkeypatch):
+    from kilovla import cli_config
+
+    monkeypatch.setattr(cli_config, "_tty", lambda: True)
     old = _config(["eval", "--policy", "random", "--tasks", "MT10", "--episodes", "3", "--n-action-steps", "2",
                    "--episodes", "4", "--ema", "--allow-seen-seeds", "--out", "o", "--max-steps", "7"])
     new = _config(["eval", "--policy.path=random", "--env.task=MT10", "--eval.n_episodes=4",
@@ -82,3 +85,36 @@ def test_eval_runs_in_the_dotted_dialect(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["per_task"]["reach-v3"]["episodes"] == 1
     assert capsys.readouterr().err == ""  # no alias used, no notice
+
+
+def test_off_a_terminal_the_old_flags_are_silent_so_bad_input_stays_one_line(capsys):
+    assert main(["eval", "--tasks", "push-v9", "--episodes", "1"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_quantize_and_collect_share_the_env_and_eval_sections_and_keep_their_old_flags():
+    from kilovla.cli_config import CollectCommand, EnvSection, EvalSection, QuantizeCommand
+
+    new = _config(["quantize", "--policy.path=runs/x", "--output_dir=q", "--eval.n_episodes=50",
+                   "--env.type=libero", "--env.task=libero_spatial/0", "--quant.block=64", "--quant.scope=all"])
+    old = _config(["quantize", "runs/x", "--out", "q", "--eval-episodes", "50", "--env", "libero", "--tasks",
+                   "libero_spatial/0", "--block", "64", "--scope", "all"])
+    assert isinstance(new, QuantizeCommand) and new == old
+    assert isinstance(new.env, EnvSection) and isinstance(new.eval, EvalSection)
+    assert (QuantizeCommand().eval.n_episodes, QuantizeCommand().quant.samples) == (0, 64)  # quantize's defaults
+    new = _config(["collect", "--env.task=reach-v3", "--collect.n_episodes=2", "--output_dir=d",
+                   "--collect.noise=0.1", "--collect.labels=expert", "--collect.overwrite"])
+    old = _config(["collect", "--tasks", "reach-v3", "--episodes-per-task", "2", "--out", "d", "--noise", "0.1",
+                   "--labels", "expert", "--overwrite"])
+    assert isinstance(new, CollectCommand) and new == old
+    assert (new.env.cameras, new.env.resolution, new.collect.noise) == ("scene,wrist", 96, 0.1)  # collect's defaults
+
+
+def test_quantize_and_collect_name_what_is_missing_or_misspelt(capsys):
+    assert main(["quantize", "--output_dir=q"]) == 2
+    assert capsys.readouterr().err.strip() == "error: quantize: give --policy.path=DIR, the policy folder to quantize"
+    assert main(["collect", "--collect.n_epsiodes=2", "--output_dir=d"]) == 2
+    assert "(did you mean 'collect.n_episodes'?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", "--policy.path=x", "--output_dir=q", "--quant.scope=most"])
+    assert e.value.code == 2 and "invalid choice: 'most'" in capsys.readouterr().err

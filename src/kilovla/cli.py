@@ -220,23 +220,20 @@ def cmd_bench_table(args) -> int:
 
 
 # -- kilovla collect / eval ------------------------------------------------------------------------
-def _cameras(flag: str | None) -> tuple[str, ...] | None:
-    """--cameras as given; None: the env's own (its `EnvType.cameras`)."""
-    return tuple(flag.split(",")) if flag else None
-
-
 def cmd_collect(args) -> int:
-    from kilovla.envs.base import env_type
     from kilovla.envs.collect import collect
     from kilovla.eval.closed_loop import task_progress
 
-    tasks = env_type(args.env).tasks(args.tasks)
+    cfg = args.cfg  # cli_config.CollectCommand
+    if cfg.output_dir is None:
+        raise KilovlaError("collect: give --output_dir=DIR, the dataset folder to write")
+    tasks, c = cfg.env.tasks(), cfg.collect
     progress, update = task_progress("collect")
     with progress:
-        report = collect(args.out, env=args.env, tasks=tasks, episodes_per_task=args.episodes_per_task,
-                         cameras=tuple(args.cameras.split(",")), resolution=args.resolution, noise_std=args.noise,
-                         seed=args.seed, max_steps=args.max_steps, batch_size=args.batch_size,
-                         num_workers=args.workers, labels=args.labels, overwrite=args.overwrite, progress=update)
+        report = collect(cfg.output_dir, env=cfg.env.type, tasks=tasks, episodes_per_task=c.n_episodes,
+                         cameras=cfg.env.camera_tuple() or ("scene", "wrist"), resolution=cfg.env.resolution or 96,
+                         noise_std=c.noise, seed=c.seed, max_steps=cfg.env.max_steps, batch_size=c.batch_size,
+                         num_workers=c.workers, labels=c.labels, overwrite=c.overwrite, progress=update)
     for task in tasks:
         print(f"{task}: kept {report.kept[task]}, dropped {report.dropped[task]} failed episodes")
     print(f"wrote {report.root} ({report.frames} frames)")
@@ -328,35 +325,41 @@ def cmd_quantize(args) -> int:
     from kilovla.quant.folder import quantize_policy_folder
     from kilovla.quant.report import print_report
 
-    args.policy_dir = str(policy_folder(args.policy_dir))  # a run folder or checkpoints/latest: its newest
-    config = Fp8Config(block=args.block, include=args.include, exclude=args.exclude, scope=args.scope,
-                       activations=args.activations, dtype=args.dtype)
-    if args.eval_episodes < 0:
-        raise KilovlaError(f"--eval-episodes {args.eval_episodes}: must be >= 0 (0 skips the closed-loop comparison)")
-    evaluation = None
-    if args.eval_episodes:
-        from kilovla.envs.base import env_type
-        from kilovla.eval.closed_loop import evaluate, task_progress
-        from kilovla.eval.settings import EvalSettings
-        from kilovla.quant.folder import describe_source
-
-        settings = EvalSettings(env=args.env, tasks=env_type(args.env).tasks(args.tasks), episodes=args.eval_episodes,
-                                seed=args.seed, batch_size=args.batch_size, workers=args.workers,
-                                cameras=_cameras(args.cameras), resolution=args.resolution, max_steps=args.max_steps)
-        # Before the weights are even loaded: a policy that cannot run in the env fails in a second.
-        settings.check_fits(describe_source(args.policy_dir))
-
-        def evaluation(policy):
-            progress, update = task_progress(f"eval {policy.name}")
-            with progress:
-                return evaluate(policy, settings, label=f"eval {policy.name}", progress=update)
-
-    report = quantize_policy_folder(args.policy_dir, args.out, config, dataset=args.dataset, samples=args.samples,
-                                    evaluation=evaluation, seed=args.seed, latency_repeats=args.latency_repeats,
-                                    kernel=args.kernel, device=args.device, ema=args.ema)
+    cfg, q = args.cfg, args.cfg.quant  # cli_config.QuantizeCommand
+    if cfg.policy.path is None:
+        raise KilovlaError("quantize: give --policy.path=DIR, the policy folder to quantize")
+    if cfg.output_dir is None:
+        raise KilovlaError("quantize: give --output_dir=DIR, the new folder for the quantized policy")
+    source = str(policy_folder(cfg.policy.path))  # a run folder or checkpoints/latest: its newest
+    config = Fp8Config(block=q.block, include=q.include, exclude=q.exclude, scope=q.scope,
+                       activations=q.activations, dtype=q.dtype)
+    if cfg.eval.n_episodes < 0:
+        raise KilovlaError(f"{_spelling(args, '--eval-episodes', '--eval.n_episodes')} {cfg.eval.n_episodes}: "
+                           "must be >= 0 (0 skips the closed-loop comparison)")
+    evaluation = _quant_evaluation(cfg, source) if cfg.eval.n_episodes else None
+    report = quantize_policy_folder(source, cfg.output_dir, config, dataset=q.dataset, samples=q.samples,
+                                    evaluation=evaluation, seed=cfg.eval.seed, latency_repeats=q.latency_repeats,
+                                    kernel=q.kernel, device=q.device, ema=cfg.policy.ema)
     print_report(report, console=_console())
-    print(f"wrote {args.out} (policy folder) and {args.out}/quant_report.json")
+    print(f"wrote {cfg.output_dir} (policy folder) and {cfg.output_dir}/quant_report.json")
     return 0
+
+
+def _quant_evaluation(cfg, source: str):
+    """quantize's closed-loop comparison: `evaluation(policy) -> report`, checked against the folder first."""
+    from kilovla.eval.closed_loop import evaluate, task_progress
+    from kilovla.quant.folder import describe_source
+
+    settings = cfg.eval.settings(cfg.env, cfg.env.tasks(), videos=0)
+    # Before the weights are even loaded: a policy that cannot run in the env fails in a second.
+    settings.check_fits(describe_source(source))
+
+    def evaluation(policy):
+        progress, update = task_progress(f"eval {policy.name}")
+        with progress:
+            return evaluate(policy, settings, label=f"eval {policy.name}", progress=update)
+
+    return evaluation
 
 
 def cmd_serve(args) -> int:
@@ -478,42 +481,11 @@ def _bench_parser(sub) -> None:
 
 
 def _quantize_parser(sub) -> None:
-    p = sub.add_parser("quantize", help="block-wise FP8 post-training quantization of a policy folder, with a report")
-    p.add_argument("policy_dir", help="a policy folder (a training checkpoint or `kilovla eval --policy` folder)")
-    p.add_argument("--out", required=True, help="the new folder for the quantized policy (must not exist)")
-    p.add_argument("--block", type=int, default=128, help="weight block size (block x block tiles)")
-    p.add_argument("--include", default=None, help="regex over module names (default: the family's language "
-                   "model and action expert / DiT)")
-    p.add_argument("--exclude", default=None, help="regex over module names to keep unquantized")
-    p.add_argument("--ema", action="store_true",
-                   help="quantize the folder's EMA weights (ema.safetensors, what `kilovla demo` evaluates)")
-    p.add_argument("--scope", default="default", choices=("default", "all"),
-                   help="without --include: 'default' quantizes the language model and action expert; 'all' every "
-                        "Linear, token table and per-embodiment Linear outside the vision tower (smallest folder)")
-    p.add_argument("--activations", default="1x128", choices=["none", "1x128"],
-                   help="1x128: W8A8 with per-token 1x128 activation scales; none: weight-only")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="on-disk dtype of the layers that stay unquantized")
-    p.add_argument("--device", default="cpu", help="where both policies run for the measurements: cpu, cuda, "
-                   "cuda:N, or auto (cuda when available, else cpu)")
-    p.add_argument("--kernel", default="auto", choices=["auto", "scaled_mm", "torchao", "emulate"],
-                   help="FP8 GEMM for the report's measurements. scaled_mm (Hopper, CUDA >= 12.9) and torchao "
-                   "(SM >= 8.9, torchao + Triton) need --device cuda; auto takes the fastest that runs there; "
-                   "on the CPU every choice emulates (dequantize + matmul), with one warning line if another was asked")
-    p.add_argument("--dataset", default=None, help="held-out LeRobot dataset: action MSE and layer output SQNR")
-    p.add_argument("--samples", type=int, default=64, help="held-out frames used from --dataset")
-    p.add_argument("--eval-episodes", type=int, default=0, help="closed-loop episodes per task for both policies (0: skip)")
-    p.add_argument("--env", default="metaworld")
-    p.add_argument("--tasks", default="default")
-    p.add_argument("--cameras", default=None, help="comma-separated env cameras for the closed-loop comparison "
-                   "(default: the env's own, as `kilovla eval` uses)")
-    p.add_argument("--max-steps", type=int, default=None, help="episode length limit (default: the env's)")
-    p.add_argument("--resolution", type=int, default=None, help="camera resolution of the closed-loop envs "
-                   "(default: the policy's training resolution, policy.json image_size)")
-    p.add_argument("--batch-size", type=int, default=8, help="envs per task in the closed-loop evaluation")
-    p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
-    p.add_argument("--latency-repeats", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
+    from kilovla.cli_config import QUANTIZE_ALIASES, QuantizeCommand, add_config_flags
+
+    p = sub.add_parser("quantize", help="block-wise FP8 post-training quantization of a policy folder, with a report",
+                       description="kilovla quantize --policy.path=DIR --output_dir=NEW [--eval.n_episodes=50]")
+    add_config_flags(p, QuantizeCommand, QUANTIZE_ALIASES, positional=("policy_dir", "policy.path"))
     p.set_defaults(func=cmd_quantize)
 
 
@@ -533,22 +505,12 @@ def _train_rl_parsers(sub) -> None:
 
 
 def _collect_parser(sub) -> None:
-    p = sub.add_parser("collect", help="scripted demonstrations -> a LeRobot v3.0 dataset")
-    p.add_argument("--env", default="metaworld")
-    p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default")
-    p.add_argument("--episodes-per-task", type=int, default=10)
-    p.add_argument("--out", required=True)
-    p.add_argument("--cameras", default="scene,wrist")
-    p.add_argument("--resolution", type=int, default=96)
-    p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise added to expert actions")
-    p.add_argument("--labels", choices=("executed", "expert"), default="executed",
-                   help="with --noise, the action recorded: the noisy one executed, or the expert's noise-free one "
-                        "for the state reached (DART)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=4, help="envs stepped together per task")
-    p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
-    p.add_argument("--overwrite", action="store_true")
+    from kilovla.cli_config import COLLECT_ALIASES, CollectCommand, add_config_flags
+
+    p = sub.add_parser("collect", help="scripted demonstrations -> a LeRobot v3.0 dataset",
+                       description="kilovla collect --env.task=reach-v3,push-v3 --collect.n_episodes=20 "
+                       "--output_dir=data/mw")
+    add_config_flags(p, CollectCommand, COLLECT_ALIASES)
     p.set_defaults(func=cmd_collect)
 
 

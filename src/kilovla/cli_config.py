@@ -4,7 +4,8 @@
         --eval.n_episodes=20 --eval.batch_size=10 --output_dir=DIR
 
 `add_config_flags` declares `--section.key` for every field (`--help` lists them per section with their
-defaults) and today's dashed flags as aliases that print the new spelling once on stderr. `config_from`
+defaults) and today's dashed flags as aliases that print the new spelling once on stderr (a terminal's:
+off one, bad input stays one error line). `config_from`
 reads the values with config.py's machinery (each checked against its field's type); a key that does not
 exist stops with config.py's did-you-mean. The sections (`PolicySection`, `EnvSection`, `EvalSection`)
 are defined once, here, and shared by the commands that take them.
@@ -26,11 +27,12 @@ from kilovla.errors import KilovlaError
 PREFIX = "cfg:"  # namespace attributes holding config keys
 
 
-def _f(default, help: str):
-    """A field with its `--help` line."""
+def _f(default, help: str, choices: tuple[str, ...] | None = None):
+    """A field with its `--help` line (and the values it takes, checked by argparse)."""
+    meta = {"help": help, "choices": choices}
     if dataclasses.is_dataclass(default):
-        return field(default_factory=lambda: dataclasses.replace(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: dataclasses.replace(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -92,6 +94,74 @@ class EvalCommand:
                                 "evaluation is refused); default: a fresh eval-output/<UTC date>_<time>_<env>_<policy>/")
 
 
+@dataclass
+class QuantSection:
+    block: int = _f(128, "weight block size (block x block tiles)")
+    include: str | None = _f(None, "regex over module names (default: the family's language model and action "
+                             "expert / DiT)")
+    exclude: str | None = _f(None, "regex over module names to keep unquantized")
+    scope: str = _f("default", "without quant.include: 'default' quantizes the language model and action expert; "
+                    "'all' every Linear, token table and per-embodiment Linear outside the vision tower",
+                    ("default", "all"))
+    activations: str = _f("1x128", "1x128: W8A8 with per-token 1x128 activation scales; none: weight-only",
+                          ("none", "1x128"))
+    dtype: str = _f("bfloat16", "on-disk dtype of the layers that stay unquantized", ("bfloat16", "float16", "float32"))
+    device: str = _f("cpu", "where both policies run for the measurements: cpu, cuda, cuda:N, or auto")
+    kernel: str = _f("auto", "FP8 GEMM for the measurements: scaled_mm (Hopper, CUDA >= 12.9) and torchao "
+                     "(SM >= 8.9) need a cuda device; auto: the fastest that runs there; the CPU emulates",
+                     ("auto", "scaled_mm", "torchao", "emulate"))
+    dataset: str | None = _f(None, "held-out LeRobot dataset: action MSE and layer output SQNR")
+    samples: int = _f(64, "held-out frames used from quant.dataset")
+    latency_repeats: int = _f(5, "timed repeats of each latency measurement")
+
+
+@dataclass
+class QuantizeCommand:
+    """`kilovla quantize`: block-wise FP8 of a policy folder, with a report."""
+
+    policy: PolicySection = _f(PolicySection(path=None), "")
+    quant: QuantSection = _f(QuantSection(), "")
+    env: EnvSection = _f(EnvSection(), "")
+    eval: EvalSection = _f(EvalSection(n_episodes=0, videos=0), "the closed-loop comparison of both policies "
+                           "(eval.n_episodes=0 skips it)")
+    output_dir: str | None = _f(None, "the new folder for the quantized policy (must not exist)")
+
+
+@dataclass
+class CollectSection:
+    n_episodes: int = _f(10, "successful episodes kept per task")
+    noise: float = _f(0.0, "std of Gaussian noise added to expert actions")
+    labels: str = _f("executed", "with collect.noise, the action recorded: the noisy one executed, or the expert's "
+                     "noise-free one for the state reached (DART)", ("executed", "expert"))
+    seed: int = _f(0, "the collection stream's seed (disjoint from evaluation's)")
+    batch_size: int = _f(4, "envs stepped together per task")
+    workers: int = _f(0, "env processes (0: in this process)")
+    overwrite: bool = _f(False, "replace output_dir if it holds a dataset")
+
+
+@dataclass
+class CollectCommand:
+    """`kilovla collect`: scripted demonstrations -> a LeRobot v3.0 dataset."""
+
+    env: EnvSection = _f(EnvSection(cameras="scene,wrist", resolution=96), "")
+    collect: CollectSection = _f(CollectSection(), "")
+    output_dir: str | None = _f(None, "the dataset folder to write")
+
+
+_ENV_ALIASES = {"--env": "env.type", "--tasks": "env.task", "--cameras": "env.cameras",
+                "--resolution": "env.resolution", "--max-steps": "env.max_steps"}
+QUANTIZE_ALIASES = {
+    **_ENV_ALIASES, "--ema": "policy.ema", "--out": "output_dir", "--eval-episodes": "eval.n_episodes",
+    "--batch-size": "eval.batch_size", "--workers": "eval.workers", "--seed": "eval.seed",
+    **{f"--{k.replace('_', '-')}": f"quant.{k}" for k in ("block", "include", "exclude", "scope", "activations",
+                                                           "dtype", "device", "kernel", "dataset", "samples",
+                                                           "latency_repeats")},
+}
+COLLECT_ALIASES = {
+    **_ENV_ALIASES, "--out": "output_dir", "--episodes-per-task": "collect.n_episodes", "--noise": "collect.noise",
+    "--labels": "collect.labels", "--seed": "collect.seed", "--batch-size": "collect.batch_size",
+    "--workers": "collect.workers", "--overwrite": "collect.overwrite",
+}
 EVAL_ALIASES = {
     "--policy": "policy.path", "--ema": "policy.ema", "--env": "env.type", "--tasks": "env.task",
     "--cameras": "env.cameras", "--resolution": "env.resolution", "--max-steps": "env.max_steps",
@@ -103,14 +173,14 @@ EVAL_ALIASES = {
 
 # -- argparse ------------------------------------------------------------------------------------------
 def _fields(cls, default, prefix: str = ""):
-    """(dotted key, type hint, default value, help) of every leaf field, in declaration order."""
+    """(dotted key, type hint, default value, field metadata) of every leaf field, in declaration order."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         value = getattr(default, f.name)
         if dataclasses.is_dataclass(hints[f.name]):
             yield from _fields(hints[f.name], value, f"{prefix}{f.name}.")
         else:
-            yield f"{prefix}{f.name}", hints[f.name], value, f.metadata.get("help", "")
+            yield f"{prefix}{f.name}", hints[f.name], value, f.metadata
 
 
 def _hint_name(hint) -> str:
@@ -130,28 +200,40 @@ class _Alias(argparse.Action):
         said = namespace.__dict__.setdefault("_aliases_said", set())
         if option_string not in said:
             said.add(option_string)
-            sys.stderr.write(f"{option_string} is now --{self.key}\n")
+            if _tty():  # said to the person typing; scripts and logs keep bad input to one error line
+                sys.stderr.write(f"{option_string} is now --{self.key}\n")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, str] | None = None) -> None:
-    """`--key` for every field of `cls`, grouped per section in `--help`; `aliases`: old flag -> key."""
+def _tty() -> bool:
+    return sys.stderr.isatty()
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, str] | None = None,
+                     positional: tuple[str, str] | None = None) -> None:
+    """`--key` for every field of `cls`, grouped per section in `--help`; `aliases`: old flag -> key;
+    `positional`: (name, key) of an old positional argument that fills `key`."""
     groups: dict[str, argparse._ArgumentGroup] = {}
-    hints = {}
-    for key, hint, default, help in _fields(cls, cls()):
-        hints[key] = hint
+    meta = {}
+    for key, hint, default, m in _fields(cls, cls()):
+        meta[key] = (hint, m.get("choices"))
         section = key.split(".")[0] if "." in key else "options"
         if section not in groups:
             groups[section] = parser.add_argument_group(f"--{section}.*" if "." in key else "other options")
+        help = m.get("help", "")
         shown = "" if "default:" in help else f" (default: {default})"
         bare = dict(nargs="?", const="true") if hint is bool else {}  # `--eval.allow_seen_seeds` alone: true
         groups[section].add_argument(f"--{key}", dest=PREFIX + key, default=argparse.SUPPRESS, **bare,
-                                     metavar=_hint_name(hint), help=help + shown)
+                                     choices=m.get("choices"), metavar=_hint_name(hint), help=help + shown)
     for flag, key in (aliases or {}).items():
-        parser.add_argument(flag, dest=PREFIX + key, action=_Alias, key=key, flag=hints[key] is bool,
-                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        hint, choices = meta[key]
+        parser.add_argument(flag, dest=PREFIX + key, action=_Alias, key=key, flag=hint is bool,
+                            choices=None if hint is bool else choices, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
+    if positional:
+        parser.add_argument(positional[0], nargs="?", default=None, help=f"the same as --{positional[1]}")
     if aliases:
         parser.epilog = "old flags still work: " + ", ".join(f"{a} = --{k}" for a, k in aliases.items())
-    parser.set_defaults(config_cls=cls)
+    parser.set_defaults(config_cls=cls, config_positional=positional)
 
 
 def _value(raw, hint):
@@ -180,6 +262,9 @@ def config_from(args: argparse.Namespace):
     cls = args.config_cls
     hints = {key: hint for key, hint, _, _ in _fields(cls, cls())}
     data = to_dict(cls())
+    positional = getattr(args, "config_positional", None)
+    if positional and getattr(args, positional[0]) is not None:
+        set_dotted(data, positional[1], getattr(args, positional[0]))
     for name, raw in vars(args).items():
         if name.startswith(PREFIX):
             key = name[len(PREFIX):]

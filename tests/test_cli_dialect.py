@@ -118,3 +118,29 @@ def test_quantize_and_collect_name_what_is_missing_or_misspelt(capsys):
     with pytest.raises(SystemExit) as e:
         main(["quantize", "--policy.path=x", "--output_dir=q", "--quant.scope=most"])
     assert e.value.code == 2 and "invalid choice: 'most'" in capsys.readouterr().err
+
+
+def test_serve_takes_policy_path_and_its_serve_section_and_keeps_its_old_flags(capsys, monkeypatch):
+    from kilovla import cli_config
+    from kilovla.cli_config import ServeCommand
+
+    monkeypatch.setattr(cli_config, "_tty", lambda: True)
+    new = _config(["serve", "--policy.path=runs/mw", "--serve.host=0.0.0.0", "--serve.port=0", "--serve.map=a=b",
+                   "--serve.map=[c=d]", "--serve.cuda_graphs=false", "--serve.max_batch=4"])
+    old = _config(["serve", "--policy", "runs/mw", "--host", "0.0.0.0", "--port", "0", "--map", "a=b", "--map",
+                   "c=d", "--no-cuda-graphs", "--max-batch", "4"])
+    assert isinstance(new, ServeCommand) and new == old
+    assert new.serve.map == ["a=b", "c=d"] and new.serve.cuda_graphs is False
+    err = capsys.readouterr().err.splitlines()
+    assert "--no-cuda-graphs is now --serve.cuda_graphs=false" in err and err.count("--map is now --serve.map") == 1
+    assert main(["serve", "--serve.port=0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: serve: give --policy.path=DIR, the policy folder to serve"
+    assert main(["serve", "--policy.path=x", "--serve.map=nokey"]) == 2
+    assert "error: --serve.map 'nokey': give REQUEST_KEY=POLICY_KEY" in capsys.readouterr().err
+
+
+def test_bench_takes_policy_path_and_the_old_policy_flag():
+    parser = cli.build_parser()
+    assert parser.parse_args(["bench", "rl", "--policy.path=runs/x"]).policy == "runs/x"
+    assert parser.parse_args(["bench", "fp8", "--policy", "runs/y"]).policy == "runs/y"
+    assert parser.parse_args(["bench", "serve"]).policy is None

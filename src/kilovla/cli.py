@@ -367,19 +367,24 @@ def cmd_serve(args) -> int:
 
     from kilovla.serve.server import ServeConfig, run
 
+    cfg, sv = args.cfg, args.cfg.serve  # cli_config.ServeCommand
+    if cfg.policy.path is None:
+        raise KilovlaError("serve: give --policy.path=DIR, the policy folder to serve")
     mapping = {}
-    for item in args.map:
+    for item in sv.map:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
-            raise KilovlaError(f"--map {item!r}: give REQUEST_KEY=POLICY_KEY, e.g. observation/image=observation.images.scene")
+            raise KilovlaError(f"{_spelling(args, '--map', '--serve.map')} {item!r}: give REQUEST_KEY=POLICY_KEY, "
+                               "e.g. observation/image=observation.images.scene")
         mapping[key] = value
-    if args.max_message_mb is not None and args.max_message_mb <= 0:
-        raise KilovlaError(f"--max-message-mb {args.max_message_mb}: must be > 0 (leave it out for no cap)")
-    cfg = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                      api_key=args.api_key or os.environ.get("KILOVLA_API_KEY"), max_message_mb=args.max_message_mb,
-                      layout=None if args.layout == "auto" else args.layout, mapping=mapping)
-    return run(args.policy, cfg, device=args.device, ema=args.ema, precision=args.precision,
-               cuda_graphs=not args.no_cuda_graphs)
+    if sv.max_message_mb is not None and sv.max_message_mb <= 0:
+        raise KilovlaError(f"{_spelling(args, '--max-message-mb', '--serve.max_message_mb')} {sv.max_message_mb}: "
+                           "must be > 0 (leave it out for no cap)")
+    config = ServeConfig(host=sv.host, port=sv.port, max_batch=sv.max_batch, max_wait_ms=sv.max_wait_ms,
+                         api_key=sv.api_key or os.environ.get("KILOVLA_API_KEY"), max_message_mb=sv.max_message_mb,
+                         layout=None if sv.layout == "auto" else sv.layout, mapping=mapping)
+    return run(cfg.policy.path, config, device=sv.device, ema=cfg.policy.ema, precision=sv.precision,
+               cuda_graphs=sv.cuda_graphs)
 
 
 def cmd_demo(args) -> int:
@@ -460,14 +465,19 @@ def _data_parsers(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
+    from kilovla.cli_config import _Alias
+
     p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
     p.add_argument("suite", choices=[*SUITES, "all", "table"],
                    help="table: render PATH's <suite>.json as markdown (README's tables) instead of measuring")
     p.add_argument("path", nargs="?", default=None, help="table: a <suite>.json or a folder of them")
     p.add_argument("--readme", default=None, help="table: write the tables into this README between its markers")
     _bench_flags(p)
-    p.add_argument("--policy", default=None, help="rl, fp8, serve: the policy folder to fine-tune / quantize / serve (default: the "
-                   "demo's checkpoint; fp8 trains one with the demo's recipe when there is none)")
+    p.add_argument("--policy.path", dest="policy", default=None, help="rl, fp8, serve: the policy folder to fine-tune / "
+                   "quantize / serve (default: the demo's checkpoint; fp8 trains one with the demo's recipe when there "
+                   "is none)")
+    p.add_argument("--policy", dest="policy", action=_Alias, key="policy.path", flag=False, default=None,
+                   help=argparse.SUPPRESS)  # the old spelling
     p.add_argument("--minutes", type=float, default=60.0, help="rl: wall-time cap of each RL run of the gain rows")
     p.add_argument("--env-steps", type=int, default=120_000, help="rl: env-step budget of each RL run of the gain rows (bench.rl.GAIN_ENV_STEPS)")
     p.add_argument("--only", choices=["gain", "throughput"], default=None,
@@ -515,23 +525,11 @@ def _collect_parser(sub) -> None:
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a policy folder over openpi's websocket protocol, batched across robots")
-    p.add_argument("--policy", required=True, help="a policy folder: supervised, RL or FP8")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost, set --api-key)")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    p.add_argument("--max-batch", type=int, default=16, help="most requests in one forward (1: no batching)")
-    p.add_argument("--max-wait-ms", type=float, default=5.0,
-                   help="how long the oldest queued request waits for others before its batch runs")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Api-Key KEY` (default: $KILOVLA_API_KEY)")
-    p.add_argument("--max-message-mb", type=float, default=None, help="refuse larger frames (default: no cap)")
-    p.add_argument("--layout", default="auto", choices=["auto", "lerobot", "libero", "droid"],
-                   help="observation keys clients send (auto: detected per request)")
-    p.add_argument("--map", action="append", default=[], metavar="REQUEST_KEY=POLICY_KEY",
-                   help="map a request key onto a policy key (repeatable), e.g. observation/image=observation.images.scene")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--ema", action="store_true", help="serve the folder's EMA weights")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"], help="auto: bf16 on CUDA")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="on CUDA, run the denoising loop eagerly")
+    from kilovla.cli_config import SERVE_ALIASES, ServeCommand, add_config_flags
+
+    p = sub.add_parser("serve", help="serve a policy folder over openpi's websocket protocol, batched across robots",
+                       description="kilovla serve --policy.path=DIR [--serve.host=0.0.0.0 --serve.api_key=KEY]")
+    add_config_flags(p, ServeCommand, SERVE_ALIASES)
     p.set_defaults(func=cmd_serve)
 
 

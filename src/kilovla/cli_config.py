@@ -32,6 +32,8 @@ def _f(default, help: str, choices: tuple[str, ...] | None = None):
     meta = {"help": help, "choices": choices}
     if dataclasses.is_dataclass(default):
         return field(default_factory=lambda: dataclasses.replace(default), metadata=meta)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -148,6 +150,37 @@ class CollectCommand:
     output_dir: str | None = _f(None, "the dataset folder to write")
 
 
+@dataclass
+class ServeSection:
+    host: str = _f("127.0.0.1", "address to listen on (beyond localhost, set serve.api_key)")
+    port: int = _f(8000, "0: any free port (printed)")
+    max_batch: int = _f(16, "most requests in one forward (1: no batching)")
+    max_wait_ms: float = _f(5.0, "how long the oldest queued request waits for others before its batch runs")
+    api_key: str | None = _f(None, "require `Authorization: Api-Key KEY` (default: $KILOVLA_API_KEY)")
+    max_message_mb: float | None = _f(None, "refuse larger frames (default: no cap)")
+    layout: str = _f("auto", "observation keys clients send (auto: detected per request)",
+                     ("auto", "lerobot", "libero", "droid"))
+    map: list[str] = _f([], "REQUEST_KEY=POLICY_KEY maps a request key onto a policy key (repeatable), "
+                        "e.g. observation/image=observation.images.scene")
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto")
+    precision: str = _f("auto", "auto: bf16 on CUDA", ("auto", "fp32", "bf16"))
+    cuda_graphs: bool = _f(True, "on CUDA, capture the denoising loop (false: run it eagerly)")
+
+
+@dataclass
+class ServeCommand:
+    """`kilovla serve`: a policy folder over openpi's websocket protocol."""
+
+    policy: PolicySection = _f(PolicySection(path=None), "")
+    serve: ServeSection = _f(ServeSection(), "")
+
+
+SERVE_ALIASES = {
+    "--policy": "policy.path", "--ema": "policy.ema", "--no-cuda-graphs": ("serve.cuda_graphs", False),
+    **{f"--{k.replace('_', '-')}": f"serve.{k}" for k in ("host", "port", "max_batch", "max_wait_ms", "api_key",
+                                                           "max_message_mb", "layout", "map", "device",
+                                                           "precision")},
+}
 _ENV_ALIASES = {"--env": "env.type", "--tasks": "env.task", "--cameras": "env.cameras",
                 "--resolution": "env.resolution", "--max-steps": "env.max_steps"}
 QUANTIZE_ALIASES = {
@@ -189,19 +222,25 @@ def _hint_name(hint) -> str:
 
 
 class _Alias(argparse.Action):
-    """A dashed flag of the old dialect: sets its dotted key and says the new spelling, once."""
+    """A flag of the old dialect: sets its dotted key (a flag: to `const`; a list key: appends) and says
+    the new spelling, once."""
 
-    def __init__(self, option_strings, dest, key: str, flag: bool, **kw):
-        self.key, self.flag = key, flag
+    def __init__(self, option_strings, dest, key: str, flag: bool, append: bool = False, **kw):
+        self.key, self.flag, self.append = key, flag, append
         super().__init__(option_strings, dest, nargs=0 if flag else None, **kw)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, True if self.flag else values)
+        if self.flag:
+            values = self.const
+        elif self.append:
+            values = [*getattr(namespace, self.dest, []), values]
+        setattr(namespace, self.dest, values)
         said = namespace.__dict__.setdefault("_aliases_said", set())
         if option_string not in said:
             said.add(option_string)
             if _tty():  # said to the person typing; scripts and logs keep bad input to one error line
-                sys.stderr.write(f"{option_string} is now --{self.key}\n")
+                new = f"--{self.key}" + ("" if self.const in (None, True) else f"={str(self.const).lower()}")
+                sys.stderr.write(f"{option_string} is now {new}\n")
 
 
 def _tty() -> bool:
@@ -222,22 +261,30 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, st
         help = m.get("help", "")
         shown = "" if "default:" in help else f" (default: {default})"
         bare = dict(nargs="?", const="true") if hint is bool else {}  # `--eval.allow_seen_seeds` alone: true
+        if typing.get_origin(hint) is list:
+            bare = dict(action="append")  # repeatable; each value a YAML item or list
         groups[section].add_argument(f"--{key}", dest=PREFIX + key, default=argparse.SUPPRESS, **bare,
                                      choices=m.get("choices"), metavar=_hint_name(hint), help=help + shown)
-    for flag, key in (aliases or {}).items():
+    for flag, target in (aliases or {}).items():
+        key, const = target if isinstance(target, tuple) else (target, True)
         hint, choices = meta[key]
-        parser.add_argument(flag, dest=PREFIX + key, action=_Alias, key=key, flag=hint is bool,
-                            choices=None if hint is bool else choices, default=argparse.SUPPRESS,
-                            help=argparse.SUPPRESS)
+        parser.add_argument(flag, dest=PREFIX + key, action=_Alias, key=key, flag=hint is bool, const=const,
+                            append=typing.get_origin(hint) is list, choices=None if hint is bool else choices,
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     if positional:
         parser.add_argument(positional[0], nargs="?", default=None, help=f"the same as --{positional[1]}")
     if aliases:
-        parser.epilog = "old flags still work: " + ", ".join(f"{a} = --{k}" for a, k in aliases.items())
+        parser.epilog = "old flags still work: " + ", ".join(
+            f"{a} = --{k[0]}={str(k[1]).lower()}" if isinstance(k, tuple) else f"{a} = --{k}" for a, k in aliases.items())
     parser.set_defaults(config_cls=cls, config_positional=positional)
 
 
 def _value(raw, hint):
-    """A flag's text as the field's value: strings stay strings where the field takes one, else YAML."""
+    """A flag's text as the field's value: strings stay strings where the field takes one, else YAML;
+    a repeated list flag: its items, each a YAML item or list."""
+    if isinstance(raw, list):
+        items = [yaml.safe_load(r) if isinstance(r, str) and r.startswith("[") else r for r in raw]
+        return [x for item in items for x in (item if isinstance(item, list) else [item])]
     if not isinstance(raw, str):
         return raw
     if hint is str or str in typing.get_args(hint):

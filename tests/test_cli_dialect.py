@@ -15,10 +15,9 @@ from kilovla.cli_config import EvalCommand
 
 def _config(argv: list[str]):
     args, extra = cli.build_parser().parse_known_args(argv)
-    from kilovla.cli_config import check_extra, config_from
+    from kilovla.cli_config import config_from
 
-    check_extra(args.config_cls, extra)
-    return config_from(args)
+    return config_from(args, extra)
 
 
 def test_lerobot_spellings_fill_the_eval_config():
@@ -144,3 +143,18 @@ def test_bench_takes_policy_path_and_the_old_policy_flag():
     assert parser.parse_args(["bench", "rl", "--policy.path=runs/x"]).policy == "runs/x"
     assert parser.parse_args(["bench", "fp8", "--policy", "runs/y"]).policy == "runs/y"
     assert parser.parse_args(["bench", "serve"]).policy is None
+
+
+def test_demo_takes_dotted_overrides_of_its_recipe(capsys):
+    from kilovla.demo import FULL, QUICK
+
+    cfg = _config(["demo", "--quick", "--policy.preset=pi05-tiny", "--policy.overrides.expert.width=128",
+                   "--seed=3", "--output_dir=d"])
+    recipe = cfg.recipe()
+    assert (recipe.preset, recipe.train_steps, cfg.output_dir) == ("pi05-tiny", QUICK.train_steps, "d")
+    assert recipe.model == {"expert": {"width": 128, "mlp_dim": 256}}  # merged into the recipe's, not replacing it
+    assert (recipe.collect_seed, recipe.train_seed, recipe.eval_seed) == (3, 3, 4)
+    assert _config(["demo"]).recipe() == FULL and _config(["demo", "--quick", "--out", "x"]).recipe() == QUICK
+    assert main(["demo", "--policy.overides.x=1"]) == 2
+    assert "unknown config key 'policy.overides.x' (did you mean 'policy.overrides'?)" in capsys.readouterr().err
+    assert main(["demo", "--policy.overrides.expert.width"]) == 2  # a key below a mapping needs its value

@@ -73,11 +73,13 @@ def check_command(command: str, root: Path = ROOT) -> None:
             return
         raise AssertionError(err.getvalue().strip().splitlines()[-1]) from None
     if getattr(args, "config_cls", None) is not None:  # the dotted dialect: every key exists, every value fits
-        from kilovla.cli_config import check_extra, config_from
+        from kilovla.cli_config import _dict_key, config_from
 
+        bad = [a for a in extra if not (a.startswith("--") and _dict_key(args.config_cls, a[2:].split("=")[0]))]
+        if bad:
+            raise AssertionError(f"unrecognized arguments: {' '.join(bad)}")
         try:
-            check_extra(args.config_cls, extra)
-            config_from(args)
+            config_from(args, extra)
         except KilovlaError as e:
             raise AssertionError(str(e)) from None
         return

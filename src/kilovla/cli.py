@@ -390,7 +390,8 @@ def cmd_serve(args) -> int:
 def cmd_demo(args) -> int:
     from kilovla.demo import run_demo
 
-    run_demo(out_dir=args.out, quick=args.quick)
+    cfg = args.cfg  # cli_config.DemoCommand
+    run_demo(out_dir=cfg.output_dir, quick=cfg.quick, recipe=cfg.recipe())
     return 0
 
 
@@ -534,9 +535,12 @@ def _serve_parser(sub) -> None:
 
 
 def _demo_parser(sub) -> None:
-    p = sub.add_parser("demo", help="the main job on an embedded default")
-    p.add_argument("--quick", action="store_true", help="minute-scale smoke run")
-    p.add_argument("--out", default="demo-output")
+    from kilovla.cli_config import DEMO_ALIASES, DemoCommand, add_config_flags
+
+    p = sub.add_parser("demo", help="the main job on an embedded default",
+                       description="kilovla demo [--quick] [--policy.preset=pi0-tiny] "
+                       "[--policy.overrides.expert.width=128] [--seed=S] [--output_dir=demo-output]")
+    add_config_flags(p, DemoCommand, DEMO_ALIASES)
     p.set_defaults(func=cmd_demo)
 
 
@@ -585,10 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if dotted:
-            from kilovla.cli_config import check_extra, config_from
+            from kilovla.cli_config import config_from
 
-            check_extra(args.config_cls, extra)
-            args.cfg = config_from(args)
+            args.cfg = config_from(args, extra)
         return args.func(args)
     except KilovlaError as e:
         _say_error(e)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from kilovla.config import _unknown, from_dict, set_dotted, to_dict
+from kilovla.config import _unknown, from_dict, parse_override, set_dotted, to_dict
 from kilovla.errors import KilovlaError
 
 PREFIX = "cfg:"  # namespace attributes holding config keys
@@ -32,8 +32,8 @@ def _f(default, help: str, choices: tuple[str, ...] | None = None):
     meta = {"help": help, "choices": choices}
     if dataclasses.is_dataclass(default):
         return field(default_factory=lambda: dataclasses.replace(default), metadata=meta)
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -181,6 +181,37 @@ SERVE_ALIASES = {
                                                            "max_message_mb", "layout", "map", "device",
                                                            "precision")},
 }
+@dataclass
+class DemoPolicySection:
+    preset: str | None = _f(None, "the model preset (default: the recipe's, pi0-tiny)")
+    overrides: dict = _f({}, "model config overrides merged into the recipe's, as --policy.overrides.KEY=VALUE "
+                         "(e.g. --policy.overrides.expert.width=128) or one JSON/YAML mapping")
+
+
+@dataclass
+class DemoCommand:
+    """`kilovla demo`: its recipe (demo.py `DemoRecipe`), with these changes."""
+
+    quick: bool = _f(False, "the minute-scale recipe (QUICK) instead of the full one")
+    output_dir: str = _f("demo-output", "the demo's folder (an earlier demo's is replaced, nothing else)")
+    seed: int | None = _f(None, "collection and training seed S, evaluation seed S+1 (default: the recipe's, 0)")
+    policy: DemoPolicySection = _f(DemoPolicySection(), "")
+
+    def recipe(self):
+        from kilovla.demo import FULL, QUICK
+        from kilovla.train.config import _merged
+
+        recipe = QUICK if self.quick else FULL
+        changes = {}
+        if self.policy.preset is not None:
+            changes["preset"] = self.policy.preset
+        if self.policy.overrides:
+            changes["model"] = _merged(recipe.model, self.policy.overrides)
+        if self.seed is not None:
+            changes.update(collect_seed=self.seed, train_seed=self.seed, eval_seed=self.seed + 1)
+        return recipe.replace(**changes)
+
+
 _ENV_ALIASES = {"--env": "env.type", "--tasks": "env.task", "--cameras": "env.cameras",
                 "--resolution": "env.resolution", "--max-steps": "env.max_steps"}
 QUANTIZE_ALIASES = {
@@ -295,17 +326,16 @@ def _value(raw, hint):
         return raw
 
 
-def check_extra(cls, extra: list[str]) -> None:
-    """Arguments argparse did not know: a misspelt key gets config.py's did-you-mean."""
-    for item in extra:
-        if item.startswith("--"):
-            raise _unknown(cls, item[2:].split("=", 1)[0])
-    if extra:
-        raise KilovlaError(f"unexpected arguments {extra}; flags look like --section.key=value")
+def _dict_key(cls, key: str) -> bool:
+    """`key` lies below a field that is a mapping (`policy.overrides.expert.width`)."""
+    fields = {k: h for k, h, _, _ in _fields(cls, cls())}
+    parts = key.split(".")
+    return any(fields.get(".".join(parts[:i])) is dict for i in range(1, len(parts)))
 
 
-def config_from(args: argparse.Namespace):
-    """The command's config: its defaults, then every key given (dotted or by an alias), type-checked."""
+def config_from(args: argparse.Namespace, extra: list[str] = ()):
+    """The command's config: its defaults, then every key given (dotted or by an alias), type-checked.
+    `extra` (what argparse did not know): keys below a mapping field; any other gets did-you-mean."""
     cls = args.config_cls
     hints = {key: hint for key, hint, _, _ in _fields(cls, cls())}
     data = to_dict(cls())
@@ -316,4 +346,14 @@ def config_from(args: argparse.Namespace):
         if name.startswith(PREFIX):
             key = name[len(PREFIX):]
             set_dotted(data, key, _value(raw, hints[key]))
+    for item in extra:
+        if not item.startswith("--"):
+            raise KilovlaError(f"unexpected arguments {list(extra)}; flags look like --section.key=value")
+        key = item[2:].split("=", 1)[0]
+        if not _dict_key(cls, key) or "=" not in item:
+            raise _unknown(cls, key)
+        set_dotted(data, *parse_override(item))
     return from_dict(cls, data)
+
+
+DEMO_ALIASES = {"--out": "output_dir"}

@@ -158,3 +158,17 @@ def test_demo_takes_dotted_overrides_of_its_recipe(capsys):
     assert main(["demo", "--policy.overides.x=1"]) == 2
     assert "unknown config key 'policy.overides.x' (did you mean 'policy.overrides'?)" in capsys.readouterr().err
     assert main(["demo", "--policy.overrides.expert.width"]) == 2  # a key below a mapping needs its value
+
+
+def test_train_takes_policy_path_as_its_starting_weights_and_keeps_init_from(capsys, monkeypatch):
+    from kilovla import cli_config
+    from kilovla.cli_config import train_overrides
+    from kilovla.config import load_config
+    from kilovla.train.config import TrainConfig
+
+    new = load_config(TrainConfig, None, train_overrides(["--policy.path=ckpt/a", "--steps=3"]))
+    assert new.policy.init_from == "ckpt/a" and new.steps == 3
+    monkeypatch.setattr(cli_config, "_tty", lambda: True)
+    old = load_config(TrainConfig, None, train_overrides(["--policy.init_from=ckpt/a", "--steps=3"]))
+    assert old == new
+    assert capsys.readouterr().err == "--policy.init_from is now --policy.path\n"

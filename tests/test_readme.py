@@ -97,7 +97,9 @@ def check_command(command: str, root: Path = ROOT) -> None:
                 from kilovla.config import load_config
                 from kilovla.train.config import TrainConfig, validate_config
 
-                validate_config(load_config(TrainConfig, config, extra), world_size=world)
+                from kilovla.cli_config import train_overrides
+
+                validate_config(load_config(TrainConfig, config, train_overrides(extra)), world_size=world)
             else:
                 from kilovla.rl import runner
 

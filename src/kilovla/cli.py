@@ -295,7 +295,9 @@ def cmd_train(args) -> int:
     unknown = [a for a in args.overrides if not (a.startswith("--") and "=" in a)]
     if unknown:
         raise KilovlaError(f"unexpected arguments {unknown}; overrides look like --section.key=value")
-    cfg = load_config(TrainConfig, args.config, args.overrides)
+    from kilovla.cli_config import train_overrides
+
+    cfg = load_config(TrainConfig, args.config, train_overrides(args.overrides))
     summary = train(cfg, resume=args.resume)
     if summary:
         print(json.dumps(summary, indent=2))
@@ -502,7 +504,8 @@ def _quantize_parser(sub) -> None:
 
 def _train_rl_parsers(sub) -> None:
     p = sub.add_parser("train", help="train a VLA policy (single process, or under torchrun)")
-    p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4")
+    p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4; "
+                   "--policy.path=DIR: the starting weights (the config's policy.init_from)")
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'auto' for the run's latest")
     p.set_defaults(func=cmd_train, overrides=[])
 

@@ -357,3 +357,19 @@ def config_from(args: argparse.Namespace, extra: list[str] = ()):
 
 
 DEMO_ALIASES = {"--out": "output_dir"}
+
+
+# `kilovla train`'s dotted keys that are spelt differently in TrainConfig (the YAML keeps the config's).
+TRAIN_KEYS = {"policy.path": "policy.init_from"}
+
+
+def train_overrides(overrides: list[str]) -> list[str]:
+    """`kilovla train` overrides as TrainConfig keys: `--policy.path=DIR` (LeRobot's spelling of the
+    starting weights) is `--policy.init_from=DIR`; `--policy.init_from` itself stays, as an alias."""
+    out = []
+    for item in overrides:
+        key, sep, value = item.removeprefix("--").partition("=")
+        if key == "policy.init_from" and _tty():
+            sys.stderr.write("--policy.init_from is now --policy.path\n")
+        out.append(f"--{TRAIN_KEYS[key]}{sep}{value}" if key in TRAIN_KEYS else item)
+    return out

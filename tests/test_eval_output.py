@@ -89,6 +89,9 @@ def test_eval_out_under_a_file_is_refused_in_one_line_before_any_episode(tmp_pat
     err = capsys.readouterr().err
     assert err.strip() == (f"error: --out {tmp_path / 'afile' / 'sub'}: cannot create it: {tmp_path / 'afile'} "
                            "is a file, not a folder")
+    assert main(["eval", "--env.task=reach-v3", f"--output_dir={tmp_path / 'afile' / 'sub'}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --output_dir {tmp_path / 'afile' / 'sub'}: cannot create "
+                                               f"it: {tmp_path / 'afile'} is a file, not a folder")
 
 
 def test_evaluate_into_a_folder_replaces_the_earlier_evaluation_whole(tmp_path):

@@ -72,6 +72,17 @@ def check_command(command: str, root: Path = ROOT) -> None:
         if e.code == 0:  # `kilovla --version` / `--help`: argparse answers and exits 0
             return
         raise AssertionError(err.getvalue().strip().splitlines()[-1]) from None
+    if getattr(args, "config_cls", None) is not None:  # the dotted dialect: every key exists, every value fits
+        from kilovla.cli_config import _dict_key, config_from
+
+        bad = [a for a in extra if not (a.startswith("--") and _dict_key(args.config_cls, a[2:].split("=")[0]))]
+        if bad:
+            raise AssertionError(f"unrecognized arguments: {' '.join(bad)}")
+        try:
+            config_from(args, extra)
+        except KilovlaError as e:
+            raise AssertionError(str(e)) from None
+        return
     if extra and args.func not in (cli.cmd_train, cli.cmd_rl):
         raise AssertionError(f"unrecognized arguments: {' '.join(extra)}")
     if args.func in (cli.cmd_train, cli.cmd_rl):
@@ -86,7 +97,9 @@ def check_command(command: str, root: Path = ROOT) -> None:
                 from kilovla.config import load_config
                 from kilovla.train.config import TrainConfig, validate_config
 
-                validate_config(load_config(TrainConfig, config, extra), world_size=world)
+                from kilovla.cli_config import train_overrides
+
+                validate_config(load_config(TrainConfig, config, train_overrides(extra)), world_size=world)
             else:
                 from kilovla.rl import checks, runner
 

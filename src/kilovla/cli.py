@@ -220,23 +220,20 @@ def cmd_bench_table(args) -> int:
 
 
 # -- kilovla collect / eval ------------------------------------------------------------------------
-def _cameras(flag: str | None) -> tuple[str, ...] | None:
-    """--cameras as given; None: the env's own (its `EnvType.cameras`)."""
-    return tuple(flag.split(",")) if flag else None
-
-
 def cmd_collect(args) -> int:
-    from kilovla.envs.base import env_type
     from kilovla.envs.collect import collect
     from kilovla.eval.closed_loop import task_progress
 
-    tasks = env_type(args.env).tasks(args.tasks)
+    cfg = args.cfg  # cli_config.CollectCommand
+    if cfg.output_dir is None:
+        raise KilovlaError("collect: give --output_dir=DIR, the dataset folder to write")
+    tasks, c = cfg.env.tasks(), cfg.collect
     progress, update = task_progress("collect")
     with progress:
-        report = collect(args.out, env=args.env, tasks=tasks, episodes_per_task=args.episodes_per_task,
-                         cameras=tuple(args.cameras.split(",")), resolution=args.resolution, noise_std=args.noise,
-                         seed=args.seed, max_steps=args.max_steps, batch_size=args.batch_size,
-                         num_workers=args.workers, labels=args.labels, overwrite=args.overwrite, progress=update)
+        report = collect(cfg.output_dir, env=cfg.env.type, tasks=tasks, episodes_per_task=c.n_episodes,
+                         cameras=cfg.env.camera_tuple() or ("scene", "wrist"), resolution=cfg.env.resolution or 96,
+                         noise_std=c.noise, seed=c.seed, max_steps=cfg.env.max_steps, batch_size=c.batch_size,
+                         num_workers=c.workers, labels=c.labels, overwrite=c.overwrite, progress=update)
     for task in tasks:
         print(f"{task}: kept {report.kept[task]}, dropped {report.dropped[task]} failed episodes")
     print(f"wrote {report.root} ({report.frames} frames)")
@@ -244,33 +241,40 @@ def cmd_collect(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from rich.table import Table
-
-    from kilovla.envs.base import env_type
     from kilovla.eval.closed_loop import check_action_steps, evaluate, load_policy, new_output_dir, task_progress
-    from kilovla.eval.settings import EvalSettings
     from kilovla.folders import check_new_evaluation
 
-    tasks = env_type(args.env).tasks(args.tasks)
-    if args.out is not None:  # a folder the user named: never overwrite an evaluation in it
-        check_new_evaluation(args.out)
-    policy = load_policy(args.policy, env=args.env, seed=args.seed, ema=args.ema)
-    check_action_steps(policy, args.n_action_steps)
-    settings = EvalSettings(env=args.env, tasks=tasks, episodes=args.episodes, seed=args.seed,
-                            batch_size=args.batch_size, workers=args.workers, cameras=_cameras(args.cameras),
-                            resolution=args.resolution, max_steps=args.max_steps, n_action_steps=args.n_action_steps,
-                            videos=args.videos, allow_seen_seeds=args.allow_seen_seeds)
-    out = args.out if args.out is not None else new_output_dir("eval-output", args.env,
-                                                                getattr(policy, "source", None) or args.policy)
+    cfg = args.cfg  # cli_config.EvalCommand
+    tasks = cfg.env.tasks()
+    if cfg.output_dir is not None:  # a folder the user named: never overwrite an evaluation in it
+        check_new_evaluation(cfg.output_dir, flag=_spelling(args, "--out", "--output_dir"))
+    policy = load_policy(cfg.policy.path, env=cfg.env.type, seed=cfg.eval.seed, ema=cfg.policy.ema)
+    check_action_steps(policy, cfg.eval.n_action_steps)
+    settings = cfg.eval.settings(cfg.env, tasks)
+    out = cfg.output_dir if cfg.output_dir is not None else new_output_dir(
+        "eval-output", cfg.env.type, getattr(policy, "source", None) or cfg.policy.path)
     print(f"eval: report and videos go to {out}", flush=True)
     progress, update = task_progress("eval")
     try:
         with progress:
             report = evaluate(policy, settings, out_dir=out, replace=False, progress=update)
     except BaseException:
-        if args.out is None and not any(out.iterdir()):  # refused before writing: no empty folder left behind
+        if cfg.output_dir is None and not any(out.iterdir()):  # refused before writing: no empty folder left behind
             out.rmdir()
         raise
+    _print_eval_report(report)
+    print(f"wrote {out}/report.json, {out}/report.md")
+    return 1 if report["crashed_episodes"] else 0
+
+
+def _spelling(args, alias: str, flag: str) -> str:
+    """The flag as the user typed it, for error messages: the old alias or the dotted key."""
+    return alias if alias in getattr(args, "_aliases_said", ()) else flag
+
+
+def _print_eval_report(report: dict) -> None:
+    from rich.table import Table
+
     table = Table(title=f"{report['policy']} on {report['env']} ({report['env_backend']})")
     for col in ("task", "success", "episodes", "mean steps"):
         table.add_column(col)
@@ -282,8 +286,6 @@ def cmd_eval(args) -> int:
     table.add_row("overall", f"{report['overall_success_rate']:.1%}"
                   + (f" ({crashed} crashed episodes counted as failures)" if crashed else ""), "", "")
     _console().print(table)
-    print(f"wrote {out}/report.json, {out}/report.md")
-    return 1 if crashed else 0
 
 
 def cmd_train(args) -> int:
@@ -293,7 +295,9 @@ def cmd_train(args) -> int:
     unknown = [a for a in args.overrides if not (a.startswith("--") and "=" in a)]
     if unknown:
         raise KilovlaError(f"unexpected arguments {unknown}; overrides look like --section.key=value")
-    cfg = load_config(TrainConfig, args.config, args.overrides)
+    from kilovla.cli_config import train_overrides
+
+    cfg = load_config(TrainConfig, args.config, train_overrides(args.overrides))
     summary = train(cfg, resume=args.resume)
     if summary:
         print(json.dumps(summary, indent=2))
@@ -323,35 +327,41 @@ def cmd_quantize(args) -> int:
     from kilovla.quantize.folder import quantize_policy_folder
     from kilovla.quantize.report import print_report
 
-    args.policy_dir = str(policy_folder(args.policy_dir))  # a run folder or checkpoints/latest: its newest
-    config = Fp8Config(block=args.block, include=args.include, exclude=args.exclude, scope=args.scope,
-                       activations=args.activations, dtype=args.dtype)
-    if args.eval_episodes < 0:
-        raise KilovlaError(f"--eval-episodes {args.eval_episodes}: must be >= 0 (0 skips the closed-loop comparison)")
-    evaluation = None
-    if args.eval_episodes:
-        from kilovla.envs.base import env_type
-        from kilovla.eval.closed_loop import evaluate, task_progress
-        from kilovla.eval.settings import EvalSettings
-        from kilovla.quantize.folder import describe_source
-
-        settings = EvalSettings(env=args.env, tasks=env_type(args.env).tasks(args.tasks), episodes=args.eval_episodes,
-                                seed=args.seed, batch_size=args.batch_size, workers=args.workers,
-                                cameras=_cameras(args.cameras), resolution=args.resolution, max_steps=args.max_steps)
-        # Before the weights are even loaded: a policy that cannot run in the env fails in a second.
-        settings.check_fits(describe_source(args.policy_dir))
-
-        def evaluation(policy):
-            progress, update = task_progress(f"eval {policy.name}")
-            with progress:
-                return evaluate(policy, settings, label=f"eval {policy.name}", progress=update)
-
-    report = quantize_policy_folder(args.policy_dir, args.out, config, dataset=args.dataset, samples=args.samples,
-                                    evaluation=evaluation, seed=args.seed, latency_repeats=args.latency_repeats,
-                                    kernel=args.kernel, device=args.device, ema=args.ema)
+    cfg, q = args.cfg, args.cfg.quant  # cli_config.QuantizeCommand
+    if cfg.policy.path is None:
+        raise KilovlaError("quantize: give --policy.path=DIR, the policy folder to quantize")
+    if cfg.output_dir is None:
+        raise KilovlaError("quantize: give --output_dir=DIR, the new folder for the quantized policy")
+    source = str(policy_folder(cfg.policy.path))  # a run folder or checkpoints/latest: its newest
+    config = Fp8Config(block=q.block, include=q.include, exclude=q.exclude, scope=q.scope,
+                       activations=q.activations, dtype=q.dtype)
+    if cfg.eval.n_episodes < 0:
+        raise KilovlaError(f"{_spelling(args, '--eval-episodes', '--eval.n_episodes')} {cfg.eval.n_episodes}: "
+                           "must be >= 0 (0 skips the closed-loop comparison)")
+    evaluation = _quant_evaluation(cfg, source) if cfg.eval.n_episodes else None
+    report = quantize_policy_folder(source, cfg.output_dir, config, dataset=q.dataset, samples=q.samples,
+                                    evaluation=evaluation, seed=cfg.eval.seed, latency_repeats=q.latency_repeats,
+                                    kernel=q.kernel, device=q.device, ema=cfg.policy.ema)
     print_report(report, console=_console())
-    print(f"wrote {args.out} (policy folder) and {args.out}/quant_report.json")
+    print(f"wrote {cfg.output_dir} (policy folder) and {cfg.output_dir}/quant_report.json")
     return 0
+
+
+def _quant_evaluation(cfg, source: str):
+    """quantize's closed-loop comparison: `evaluation(policy) -> report`, checked against the folder first."""
+    from kilovla.eval.closed_loop import evaluate, task_progress
+    from kilovla.quantize.folder import describe_source
+
+    settings = cfg.eval.settings(cfg.env, cfg.env.tasks(), videos=0)
+    # Before the weights are even loaded: a policy that cannot run in the env fails in a second.
+    settings.check_fits(describe_source(source))
+
+    def evaluation(policy):
+        progress, update = task_progress(f"eval {policy.name}")
+        with progress:
+            return evaluate(policy, settings, label=f"eval {policy.name}", progress=update)
+
+    return evaluation
 
 
 def cmd_serve(args) -> int:
@@ -359,25 +369,31 @@ def cmd_serve(args) -> int:
 
     from kilovla.serve.server import ServeConfig, run
 
+    cfg, sv = args.cfg, args.cfg.serve  # cli_config.ServeCommand
+    if cfg.policy.path is None:
+        raise KilovlaError("serve: give --policy.path=DIR, the policy folder to serve")
     mapping = {}
-    for item in args.map:
+    for item in sv.map:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
-            raise KilovlaError(f"--map {item!r}: give REQUEST_KEY=POLICY_KEY, e.g. observation/image=observation.images.scene")
+            raise KilovlaError(f"{_spelling(args, '--map', '--serve.map')} {item!r}: give REQUEST_KEY=POLICY_KEY, "
+                               "e.g. observation/image=observation.images.scene")
         mapping[key] = value
-    if args.max_message_mb is not None and args.max_message_mb <= 0:
-        raise KilovlaError(f"--max-message-mb {args.max_message_mb}: must be > 0 (leave it out for no cap)")
-    cfg = ServeConfig(host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-                      api_key=args.api_key or os.environ.get("KILOVLA_API_KEY"), max_message_mb=args.max_message_mb,
-                      layout=None if args.layout == "auto" else args.layout, mapping=mapping)
-    return run(args.policy, cfg, device=args.device, ema=args.ema, precision=args.precision,
-               cuda_graphs=not args.no_cuda_graphs)
+    if sv.max_message_mb is not None and sv.max_message_mb <= 0:
+        raise KilovlaError(f"{_spelling(args, '--max-message-mb', '--serve.max_message_mb')} {sv.max_message_mb}: "
+                           "must be > 0 (leave it out for no cap)")
+    config = ServeConfig(host=sv.host, port=sv.port, max_batch=sv.max_batch, max_wait_ms=sv.max_wait_ms,
+                         api_key=sv.api_key or os.environ.get("KILOVLA_API_KEY"), max_message_mb=sv.max_message_mb,
+                         layout=None if sv.layout == "auto" else sv.layout, mapping=mapping)
+    return run(cfg.policy.path, config, device=sv.device, ema=cfg.policy.ema, precision=sv.precision,
+               cuda_graphs=sv.cuda_graphs)
 
 
 def cmd_demo(args) -> int:
     from kilovla.demo import run_demo
 
-    run_demo(out_dir=args.out, quick=args.quick)
+    cfg = args.cfg  # cli_config.DemoCommand
+    run_demo(out_dir=cfg.output_dir, quick=cfg.quick, recipe=cfg.recipe())
     return 0
 
 
@@ -399,12 +415,7 @@ def _version() -> str:
         return kilovla.__version__
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kilovla", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--version", action="version", version=f"kilovla {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _data_parsers(sub) -> None:
     data = sub.add_parser("data", help="inspect, check, convert and benchmark LeRobot datasets")
     dsub = data.add_subparsers(dest="data_command", required=True)
     p = dsub.add_parser("info", help="episodes, frames, fps, features, tasks, cameras, codec, size")
@@ -455,14 +466,21 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_flags(p)
     p.set_defaults(func=cmd_data_bench)
 
+
+def _bench_parser(sub) -> None:
+    from kilovla.cli_config import _Alias
+
     p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
     p.add_argument("suite", choices=[*SUITES, "all", "table"],
                    help="table: render PATH's <suite>.json as markdown (README's tables) instead of measuring")
     p.add_argument("path", nargs="?", default=None, help="table: a <suite>.json or a folder of them")
     p.add_argument("--readme", default=None, help="table: write the tables into this README between its markers")
     _bench_flags(p)
-    p.add_argument("--policy", default=None, help="rl, fp8, serve: the policy folder to fine-tune / quantize / serve (default: the "
-                   "demo's checkpoint; fp8 trains one with the demo's recipe when there is none)")
+    p.add_argument("--policy.path", dest="policy", default=None, help="rl, fp8, serve: the policy folder to fine-tune / "
+                   "quantize / serve (default: the demo's checkpoint; fp8 trains one with the demo's recipe when there "
+                   "is none)")
+    p.add_argument("--policy", dest="policy", action=_Alias, key="policy.path", flag=False, default=None,
+                   help=argparse.SUPPRESS)  # the old spelling
     p.add_argument("--minutes", type=float, default=60.0, help="rl: wall-time cap of each RL run of the gain rows")
     p.add_argument("--env-steps", type=int, default=120_000, help="rl: env-step budget of each RL run of the gain rows (bench.rl.GAIN_ENV_STEPS)")
     p.add_argument("--only", choices=["gain", "throughput"], default=None,
@@ -474,124 +492,86 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: closed-loop episodes per task (default 50; 0 skips the comparison)")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("quantize", help="block-wise FP8 post-training quantization of a policy folder, with a report")
-    p.add_argument("policy_dir", help="a policy folder (a training checkpoint or `kilovla eval --policy` folder)")
-    p.add_argument("--out", required=True, help="the new folder for the quantized policy (must not exist)")
-    p.add_argument("--block", type=int, default=128, help="weight block size (block x block tiles)")
-    p.add_argument("--include", default=None, help="regex over module names (default: the family's language "
-                   "model and action expert / DiT)")
-    p.add_argument("--exclude", default=None, help="regex over module names to keep unquantized")
-    p.add_argument("--ema", action="store_true",
-                   help="quantize the folder's EMA weights (ema.safetensors, what `kilovla demo` evaluates)")
-    p.add_argument("--scope", default="default", choices=("default", "all"),
-                   help="without --include: 'default' quantizes the language model and action expert; 'all' every "
-                        "Linear, token table and per-embodiment Linear outside the vision tower (smallest folder)")
-    p.add_argument("--activations", default="1x128", choices=["none", "1x128"],
-                   help="1x128: W8A8 with per-token 1x128 activation scales; none: weight-only")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="on-disk dtype of the layers that stay unquantized")
-    p.add_argument("--device", default="cpu", help="where both policies run for the measurements: cpu, cuda, "
-                   "cuda:N, or auto (cuda when available, else cpu)")
-    p.add_argument("--kernel", default="auto", choices=["auto", "scaled_mm", "torchao", "emulate"],
-                   help="FP8 GEMM for the report's measurements. scaled_mm (Hopper, CUDA >= 12.9) and torchao "
-                   "(SM >= 8.9, torchao + Triton) need --device cuda; auto takes the fastest that runs there; "
-                   "on the CPU every choice emulates (dequantize + matmul), with one warning line if another was asked")
-    p.add_argument("--dataset", default=None, help="held-out LeRobot dataset: action MSE and layer output SQNR")
-    p.add_argument("--samples", type=int, default=64, help="held-out frames used from --dataset")
-    p.add_argument("--eval-episodes", type=int, default=0, help="closed-loop episodes per task for both policies (0: skip)")
-    p.add_argument("--env", default="metaworld")
-    p.add_argument("--tasks", default="default")
-    p.add_argument("--cameras", default=None, help="comma-separated env cameras for the closed-loop comparison "
-                   "(default: the env's own, as `kilovla eval` uses)")
-    p.add_argument("--max-steps", type=int, default=None, help="episode length limit (default: the env's)")
-    p.add_argument("--resolution", type=int, default=None, help="camera resolution of the closed-loop envs "
-                   "(default: the policy's training resolution, policy.json image_size)")
-    p.add_argument("--batch-size", type=int, default=8, help="envs per task in the closed-loop evaluation")
-    p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
-    p.add_argument("--latency-repeats", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
+
+def _quantize_parser(sub) -> None:
+    from kilovla.cli_config import QUANTIZE_ALIASES, QuantizeCommand, add_config_flags
+
+    p = sub.add_parser("quantize", help="block-wise FP8 post-training quantization of a policy folder, with a report",
+                       description="kilovla quantize --policy.path=DIR --output_dir=NEW [--eval.n_episodes=50]")
+    add_config_flags(p, QuantizeCommand, QUANTIZE_ALIASES, positional=("policy_dir", "policy.path"))
     p.set_defaults(func=cmd_quantize)
 
+
+def _train_rl_parsers(sub) -> None:
     p = sub.add_parser("train", help="train a VLA policy (single process, or under torchrun)")
-    p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4")
+    p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4; "
+                   "--policy.path=DIR: the starting weights (the config's policy.init_from)")
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'auto' for the run's latest")
     p.set_defaults(func=cmd_train, overrides=[])
 
     p = sub.add_parser("rl", help="RL fine-tuning of a policy folder on Ray: sync baseline or async (RL-VLA3)")
-    p.add_argument("--config", default=None, help="YAML file (kilovla.rl.runner.RLConfig); dotted overrides follow")
+    p.add_argument("--config", default=None, help="YAML file (kilovla.rl.config.RLConfig); dotted overrides follow")
     p.add_argument("--mode", choices=["sync", "async"], default=None)
     p.add_argument("--policy", default=None, help="the policy folder to start from (e.g. the demo's checkpoint)")
     p.add_argument("--resume", default=None, help="an RL checkpoint folder, or 'auto' for the run's latest")
     p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' after `ray start`); default: local")
     p.set_defaults(func=cmd_rl, overrides=[])
 
-    p = sub.add_parser("collect", help="scripted demonstrations -> a LeRobot v3.0 dataset")
-    p.add_argument("--env", default="metaworld")
-    p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default")
-    p.add_argument("--episodes-per-task", type=int, default=10)
-    p.add_argument("--out", required=True)
-    p.add_argument("--cameras", default="scene,wrist")
-    p.add_argument("--resolution", type=int, default=96)
-    p.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise added to expert actions")
-    p.add_argument("--labels", choices=("executed", "expert"), default="executed",
-                   help="with --noise, the action recorded: the noisy one executed, or the expert's noise-free one "
-                        "for the state reached (DART)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=4, help="envs stepped together per task")
-    p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
-    p.add_argument("--overwrite", action="store_true")
+
+def _collect_parser(sub) -> None:
+    from kilovla.cli_config import COLLECT_ALIASES, CollectCommand, add_config_flags
+
+    p = sub.add_parser("collect", help="scripted demonstrations -> a LeRobot v3.0 dataset",
+                       description="kilovla collect --env.task=reach-v3,push-v3 --collect.n_episodes=20 "
+                       "--output_dir=data/mw")
+    add_config_flags(p, CollectCommand, COLLECT_ALIASES)
     p.set_defaults(func=cmd_collect)
 
-    p = sub.add_parser("eval", help="closed-loop evaluation: success rate per task, videos, report")
-    p.add_argument("--policy", default="scripted", help="scripted, random, a checkpoint path (a run folder or its "
-                   "checkpoints/latest: the newest complete checkpoint), or ws://HOST:PORT of `kilovla serve` (its "
-                   "api key from $KILOVLA_API_KEY)")
-    p.add_argument("--env", default="metaworld")
-    p.add_argument("--tasks", default="default", help="comma-separated tasks, or MT10 / MT50 / default; "
-                   "LIBERO: suite names or suite/index")
-    p.add_argument("--episodes", type=int, default=10, help="episodes per task")
-    p.add_argument("--out", default=None, help="a new folder for report.json, report.md and videos/ (one that "
-                   "holds an evaluation is refused); default: a fresh eval-output/<UTC date>_<time>_<env>_<policy>/")
-    p.add_argument("--videos", type=int, default=2, help="record the first K episodes per task")
-    p.add_argument("--batch-size", type=int, default=8, help="envs per task, one policy batch")
-    p.add_argument("--n-action-steps", type=int, default=None, help="actions executed per predicted chunk")
-    p.add_argument("--workers", type=int, default=0, help="env processes (0: in this process)")
-    p.add_argument("--cameras", default=None)
-    p.add_argument("--resolution", type=int, default=None, help="camera pixels (default: the policy's training "
-                   "resolution, from policy.json; 96 for scripted/random policies and folders that lack it)")
-    p.add_argument("--ema", action="store_true", help="evaluate the folder's EMA weights (ema.safetensors, what "
-                   "`kilovla demo` evaluates)")
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--allow-seen-seeds", action="store_true", help="evaluate even on seeds the policy's demonstrations "
-                   "started from (policy.json's demonstration_seeds; refused otherwise)")
-    p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("serve", help="serve a policy folder over openpi's websocket protocol, batched across robots")
-    p.add_argument("--policy", required=True, help="a policy folder: supervised, RL or FP8")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost, set --api-key)")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    p.add_argument("--max-batch", type=int, default=16, help="most requests in one forward (1: no batching)")
-    p.add_argument("--max-wait-ms", type=float, default=5.0,
-                   help="how long the oldest queued request waits for others before its batch runs")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Api-Key KEY` (default: $KILOVLA_API_KEY)")
-    p.add_argument("--max-message-mb", type=float, default=None, help="refuse larger frames (default: no cap)")
-    p.add_argument("--layout", default="auto", choices=["auto", "lerobot", "libero", "droid"],
-                   help="observation keys clients send (auto: detected per request)")
-    p.add_argument("--map", action="append", default=[], metavar="REQUEST_KEY=POLICY_KEY",
-                   help="map a request key onto a policy key (repeatable), e.g. observation/image=observation.images.scene")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--ema", action="store_true", help="serve the folder's EMA weights")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"], help="auto: bf16 on CUDA")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="on CUDA, run the denoising loop eagerly")
+def _serve_parser(sub) -> None:
+    from kilovla.cli_config import SERVE_ALIASES, ServeCommand, add_config_flags
+
+    p = sub.add_parser("serve", help="serve a policy folder over openpi's websocket protocol, batched across robots",
+                       description="kilovla serve --policy.path=DIR [--serve.host=0.0.0.0 --serve.api_key=KEY]")
+    add_config_flags(p, ServeCommand, SERVE_ALIASES)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("demo", help="the main job on an embedded default")
-    p.add_argument("--quick", action="store_true", help="minute-scale smoke run")
-    p.add_argument("--out", default="demo-output")
+
+def _demo_parser(sub) -> None:
+    from kilovla.cli_config import DEMO_ALIASES, DemoCommand, add_config_flags
+
+    p = sub.add_parser("demo", help="the main job on an embedded default",
+                       description="kilovla demo [--quick] [--policy.preset=pi0-tiny] "
+                       "[--policy.overrides.expert.width=128] [--seed=S] [--output_dir=demo-output]")
+    add_config_flags(p, DemoCommand, DEMO_ALIASES)
     p.set_defaults(func=cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kilovla", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"kilovla {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _data_parsers(sub)
+    _bench_parser(sub)
+    _quantize_parser(sub)
+    _train_rl_parsers(sub)
+    _collect_parser(sub)
+    _eval_parser(sub)
+    _serve_parser(sub)
+    _demo_parser(sub)
     return parser
+
+
+def _eval_parser(sub) -> None:
+    from kilovla.cli_config import EVAL_ALIASES, EvalCommand, add_config_flags
+
+    p = sub.add_parser("eval", help="closed-loop evaluation: success rate per task, videos, report",
+                       description="kilovla eval --policy.path=DIR --env.type=metaworld --env.task=reach-v3,push-v3 "
+                       "--eval.n_episodes=20 --output_dir=DIR")
+    add_config_flags(p, EvalCommand, EVAL_ALIASES)
+    p.set_defaults(func=cmd_eval)
 
 
 def _say_error(problem) -> None:
@@ -604,12 +584,17 @@ def _say_error(problem) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "func", None) not in (cmd_train, cmd_rl):
+    dotted = getattr(args, "config_cls", None) is not None
+    if extra and not dotted and args.func not in (cmd_train, cmd_rl):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:
+    if extra and not dotted:
         args.overrides = extra
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if dotted:
+            from kilovla.cli_config import config_from
+
+            args.cfg = config_from(args, extra)
         return args.func(args)
     except KilovlaError as e:
         _say_error(e)
@@ -617,7 +602,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -76,6 +76,7 @@ class DemoRecipe:
     # evaluation
     eval_episodes: int = 20  # per task, for the policy and for the expert
     eval_seed: int = 1  # closed_loop.episode_seeds(eval_seed, ...): disjoint from the collection seeds
+    train_seed: int = 0  # the training run's seed (model init, sampling order)
     videos_per_task: int = 1
     workers: int = 2  # env processes
 
@@ -104,7 +105,7 @@ def train_overrides(recipe: DemoRecipe, data: Path, run: Path, progress: bool) -
     if recipe.state_in_prompt:  # ~4 bytes per state dimension: 43 dimensions need ~200 prompt tokens
         model.setdefault("max_language_tokens", 256)
     flags = [
-        f"--run_dir={run}", f"--steps={recipe.train_steps}", f"--dataset.roots=[{data}]",
+        f"--run_dir={run}", f"--seed={recipe.train_seed}", f"--steps={recipe.train_steps}", f"--dataset.roots=[{data}]",
         # Steps fixed in tokens, so that packed rows come out full.
         f"--batch.global_batch_tokens={recipe.batch_tokens}", "--batch.token_budget=4096",
         f"--checkpoint.every={recipe.train_steps}", f"--policy.preset={recipe.preset}",

@@ -1,0 +1,375 @@
+"""The dotted dialect of the CLI: a command's flags are the fields of one small dataclass.
+
+    kilovla eval --policy.path=DIR --env.type=metaworld --env.task=reach-v3,push-v3 \\
+        --eval.n_episodes=20 --eval.batch_size=10 --output_dir=DIR
+
+`add_config_flags` declares `--section.key` for every field (`--help` lists them per section with their
+defaults) and today's dashed flags as aliases that print the new spelling once on stderr (a terminal's:
+off one, bad input stays one error line). `config_from`
+reads the values with config.py's machinery (each checked against its field's type); a key that does not
+exist stops with config.py's did-you-mean. The sections (`PolicySection`, `EnvSection`, `EvalSection`)
+are defined once, here, and shared by the commands that take them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+from kilovla.config import _unknown, from_dict, parse_override, set_dotted, to_dict
+from kilovla.errors import KilovlaError
+
+PREFIX = "cfg:"  # namespace attributes holding config keys
+
+
+def _f(default, help: str, choices: tuple[str, ...] | None = None):
+    """A field with its `--help` line (and the values it takes, checked by argparse)."""
+    meta = {"help": help, "choices": choices}
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: dataclasses.replace(default), metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class PolicySection:
+    path: str | None = _f("scripted", "a policy folder, a run folder or its checkpoints/latest (the newest complete "
+                          "checkpoint), scripted, random, or ws://HOST:PORT of `kilovla serve` ($KILOVLA_API_KEY)")
+    ema: bool = _f(False, "the folder's EMA weights (ema.safetensors, what `kilovla demo` evaluates)")
+
+
+@dataclass
+class EnvSection:
+    type: str = _f("metaworld", "a registered env (metaworld, libero, ...)")
+    task: str = _f("default", "comma-separated tasks, or a task set: default, MT10, MT50; LIBERO: suite names "
+                   "or suite/index")
+    cameras: str | None = _f(None, "comma-separated env cameras (default: the env's own)")
+    resolution: int | None = _f(None, "camera pixels (default: the policy's training resolution, policy.json "
+                                "image_size; 96 for scripted/random policies and folders that lack it)")
+    max_steps: int | None = _f(None, "episode length limit (default: the env's)")
+
+    def camera_tuple(self) -> tuple[str, ...] | None:
+        return tuple(self.cameras.split(",")) if self.cameras else None
+
+    def tasks(self) -> list[str]:
+        from kilovla.envs.base import env_type
+
+        return env_type(self.type).tasks(self.task)
+
+
+@dataclass
+class EvalSection:
+    n_episodes: int = _f(10, "episodes per task")
+    batch_size: int = _f(8, "envs per task stepped together, one policy batch")
+    seed: int = _f(0, "the eval stream's seed: the same env seeds for every policy")
+    n_action_steps: int | None = _f(None, "actions executed per predicted chunk (default: the policy's)")
+    workers: int = _f(0, "env processes (0: in this process)")
+    videos: int = _f(2, "record the first K episodes per task")
+    allow_seen_seeds: bool = _f(False, "evaluate even on seeds the policy's demonstrations started from "
+                                "(policy.json's demonstration_seeds; refused otherwise)")
+
+    def settings(self, env: EnvSection, tasks, **fields):
+        """The `EvalSettings` these sections describe; `fields` override (quantize: no videos)."""
+        from kilovla.eval.settings import EvalSettings
+
+        values = dict(env=env.type, tasks=tasks, episodes=self.n_episodes, seed=self.seed,
+                      batch_size=self.batch_size, workers=self.workers, cameras=env.camera_tuple(),
+                      resolution=env.resolution, max_steps=env.max_steps, n_action_steps=self.n_action_steps,
+                      videos=self.videos, allow_seen_seeds=self.allow_seen_seeds)
+        return EvalSettings(**{**values, **fields})
+
+
+@dataclass
+class EvalCommand:
+    """`kilovla eval`."""
+
+    policy: PolicySection = _f(PolicySection(), "")
+    env: EnvSection = _f(EnvSection(), "")
+    eval: EvalSection = _f(EvalSection(), "")
+    output_dir: str | None = _f(None, "a new folder for report.json, report.md and videos/ (one that holds an "
+                                "evaluation is refused); default: a fresh eval-output/<UTC date>_<time>_<env>_<policy>/")
+
+
+@dataclass
+class QuantSection:
+    block: int = _f(128, "weight block size (block x block tiles)")
+    include: str | None = _f(None, "regex over module names (default: the family's language model and action "
+                             "expert / DiT)")
+    exclude: str | None = _f(None, "regex over module names to keep unquantized")
+    scope: str = _f("default", "without quant.include: 'default' quantizes the language model and action expert; "
+                    "'all' every Linear, token table and per-embodiment Linear outside the vision tower",
+                    ("default", "all"))
+    activations: str = _f("1x128", "1x128: W8A8 with per-token 1x128 activation scales; none: weight-only",
+                          ("none", "1x128"))
+    dtype: str = _f("bfloat16", "on-disk dtype of the layers that stay unquantized", ("bfloat16", "float16", "float32"))
+    device: str = _f("cpu", "where both policies run for the measurements: cpu, cuda, cuda:N, or auto")
+    kernel: str = _f("auto", "FP8 GEMM for the measurements: scaled_mm (Hopper, CUDA >= 12.9) and torchao "
+                     "(SM >= 8.9) need a cuda device; auto: the fastest that runs there; the CPU emulates",
+                     ("auto", "scaled_mm", "torchao", "emulate"))
+    dataset: str | None = _f(None, "held-out LeRobot dataset: action MSE and layer output SQNR")
+    samples: int = _f(64, "held-out frames used from quant.dataset")
+    latency_repeats: int = _f(5, "timed repeats of each latency measurement")
+
+
+@dataclass
+class QuantizeCommand:
+    """`kilovla quantize`: block-wise FP8 of a policy folder, with a report."""
+
+    policy: PolicySection = _f(PolicySection(path=None), "")
+    quant: QuantSection = _f(QuantSection(), "")
+    env: EnvSection = _f(EnvSection(), "")
+    eval: EvalSection = _f(EvalSection(n_episodes=0, videos=0), "the closed-loop comparison of both policies "
+                           "(eval.n_episodes=0 skips it)")
+    output_dir: str | None = _f(None, "the new folder for the quantized policy (must not exist)")
+
+
+@dataclass
+class CollectSection:
+    n_episodes: int = _f(10, "successful episodes kept per task")
+    noise: float = _f(0.0, "std of Gaussian noise added to expert actions")
+    labels: str = _f("executed", "with collect.noise, the action recorded: the noisy one executed, or the expert's "
+                     "noise-free one for the state reached (DART)", ("executed", "expert"))
+    seed: int = _f(0, "the collection stream's seed (disjoint from evaluation's)")
+    batch_size: int = _f(4, "envs stepped together per task")
+    workers: int = _f(0, "env processes (0: in this process)")
+    overwrite: bool = _f(False, "replace output_dir if it holds a dataset")
+
+
+@dataclass
+class CollectCommand:
+    """`kilovla collect`: scripted demonstrations -> a LeRobot v3.0 dataset."""
+
+    env: EnvSection = _f(EnvSection(cameras="scene,wrist", resolution=96), "")
+    collect: CollectSection = _f(CollectSection(), "")
+    output_dir: str | None = _f(None, "the dataset folder to write")
+
+
+@dataclass
+class ServeSection:
+    host: str = _f("127.0.0.1", "address to listen on (beyond localhost, set serve.api_key)")
+    port: int = _f(8000, "0: any free port (printed)")
+    max_batch: int = _f(16, "most requests in one forward (1: no batching)")
+    max_wait_ms: float = _f(5.0, "how long the oldest queued request waits for others before its batch runs")
+    api_key: str | None = _f(None, "require `Authorization: Api-Key KEY` (default: $KILOVLA_API_KEY)")
+    max_message_mb: float | None = _f(None, "refuse larger frames (default: no cap)")
+    layout: str = _f("auto", "observation keys clients send (auto: detected per request)",
+                     ("auto", "lerobot", "libero", "droid"))
+    map: list[str] = _f([], "REQUEST_KEY=POLICY_KEY maps a request key onto a policy key (repeatable), "
+                        "e.g. observation/image=observation.images.scene")
+    device: str = _f("auto", "cpu, cuda, cuda:N or auto")
+    precision: str = _f("auto", "auto: bf16 on CUDA", ("auto", "fp32", "bf16"))
+    cuda_graphs: bool = _f(True, "on CUDA, capture the denoising loop (false: run it eagerly)")
+
+
+@dataclass
+class ServeCommand:
+    """`kilovla serve`: a policy folder over openpi's websocket protocol."""
+
+    policy: PolicySection = _f(PolicySection(path=None), "")
+    serve: ServeSection = _f(ServeSection(), "")
+
+
+SERVE_ALIASES = {
+    "--policy": "policy.path", "--ema": "policy.ema", "--no-cuda-graphs": ("serve.cuda_graphs", False),
+    **{f"--{k.replace('_', '-')}": f"serve.{k}" for k in ("host", "port", "max_batch", "max_wait_ms", "api_key",
+                                                           "max_message_mb", "layout", "map", "device",
+                                                           "precision")},
+}
+@dataclass
+class DemoPolicySection:
+    preset: str | None = _f(None, "the model preset (default: the recipe's, pi0-tiny)")
+    overrides: dict = _f({}, "model config overrides merged into the recipe's, as --policy.overrides.KEY=VALUE "
+                         "(e.g. --policy.overrides.expert.width=128) or one JSON/YAML mapping")
+
+
+@dataclass
+class DemoCommand:
+    """`kilovla demo`: its recipe (demo.py `DemoRecipe`), with these changes."""
+
+    quick: bool = _f(False, "the minute-scale recipe (QUICK) instead of the full one")
+    output_dir: str = _f("demo-output", "the demo's folder (an earlier demo's is replaced, nothing else)")
+    seed: int | None = _f(None, "collection and training seed S, evaluation seed S+1 (default: the recipe's, 0)")
+    policy: DemoPolicySection = _f(DemoPolicySection(), "")
+
+    def recipe(self):
+        from kilovla.demo import FULL, QUICK
+        from kilovla.train.config import _merged
+
+        recipe = QUICK if self.quick else FULL
+        changes = {}
+        if self.policy.preset is not None:
+            changes["preset"] = self.policy.preset
+        if self.policy.overrides:
+            changes["model"] = _merged(recipe.model, self.policy.overrides)
+        if self.seed is not None:
+            changes.update(collect_seed=self.seed, train_seed=self.seed, eval_seed=self.seed + 1)
+        return recipe.replace(**changes)
+
+
+_ENV_ALIASES = {"--env": "env.type", "--tasks": "env.task", "--cameras": "env.cameras",
+                "--resolution": "env.resolution", "--max-steps": "env.max_steps"}
+QUANTIZE_ALIASES = {
+    **_ENV_ALIASES, "--ema": "policy.ema", "--out": "output_dir", "--eval-episodes": "eval.n_episodes",
+    "--batch-size": "eval.batch_size", "--workers": "eval.workers", "--seed": "eval.seed",
+    **{f"--{k.replace('_', '-')}": f"quant.{k}" for k in ("block", "include", "exclude", "scope", "activations",
+                                                           "dtype", "device", "kernel", "dataset", "samples",
+                                                           "latency_repeats")},
+}
+COLLECT_ALIASES = {
+    **_ENV_ALIASES, "--out": "output_dir", "--episodes-per-task": "collect.n_episodes", "--noise": "collect.noise",
+    "--labels": "collect.labels", "--seed": "collect.seed", "--batch-size": "collect.batch_size",
+    "--workers": "collect.workers", "--overwrite": "collect.overwrite",
+}
+EVAL_ALIASES = {
+    "--policy": "policy.path", "--ema": "policy.ema", "--env": "env.type", "--tasks": "env.task",
+    "--cameras": "env.cameras", "--resolution": "env.resolution", "--max-steps": "env.max_steps",
+    "--episodes": "eval.n_episodes", "--batch-size": "eval.batch_size", "--seed": "eval.seed",
+    "--n-action-steps": "eval.n_action_steps", "--workers": "eval.workers", "--videos": "eval.videos",
+    "--allow-seen-seeds": "eval.allow_seen_seeds", "--out": "output_dir",
+}
+
+
+# -- argparse ------------------------------------------------------------------------------------------
+def _fields(cls, default, prefix: str = ""):
+    """(dotted key, type hint, default value, field metadata) of every leaf field, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _fields(hints[f.name], value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", hints[f.name], value, f.metadata
+
+
+def _hint_name(hint) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return "|".join(getattr(a, "__name__", str(a)) for a in args).upper()
+
+
+class _Alias(argparse.Action):
+    """A flag of the old dialect: sets its dotted key (a flag: to `const`; a list key: appends) and says
+    the new spelling, once."""
+
+    def __init__(self, option_strings, dest, key: str, flag: bool, append: bool = False, **kw):
+        self.key, self.flag, self.append = key, flag, append
+        super().__init__(option_strings, dest, nargs=0 if flag else None, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.flag:
+            values = self.const
+        elif self.append:
+            values = [*getattr(namespace, self.dest, []), values]
+        setattr(namespace, self.dest, values)
+        said = namespace.__dict__.setdefault("_aliases_said", set())
+        if option_string not in said:
+            said.add(option_string)
+            if _tty():  # said to the person typing; scripts and logs keep bad input to one error line
+                new = f"--{self.key}" + ("" if self.const in (None, True) else f"={str(self.const).lower()}")
+                sys.stderr.write(f"{option_string} is now {new}\n")
+
+
+def _tty() -> bool:
+    return sys.stderr.isatty()
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, str] | None = None,
+                     positional: tuple[str, str] | None = None) -> None:
+    """`--key` for every field of `cls`, grouped per section in `--help`; `aliases`: old flag -> key;
+    `positional`: (name, key) of an old positional argument that fills `key`."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    meta = {}
+    for key, hint, default, m in _fields(cls, cls()):
+        meta[key] = (hint, m.get("choices"))
+        section = key.split(".")[0] if "." in key else "options"
+        if section not in groups:
+            groups[section] = parser.add_argument_group(f"--{section}.*" if "." in key else "other options")
+        help = m.get("help", "")
+        shown = "" if "default:" in help else f" (default: {default})"
+        bare = dict(nargs="?", const="true") if hint is bool else {}  # `--eval.allow_seen_seeds` alone: true
+        if typing.get_origin(hint) is list:
+            bare = dict(action="append")  # repeatable; each value a YAML item or list
+        groups[section].add_argument(f"--{key}", dest=PREFIX + key, default=argparse.SUPPRESS, **bare,
+                                     choices=m.get("choices"), metavar=_hint_name(hint), help=help + shown)
+    for flag, target in (aliases or {}).items():
+        key, const = target if isinstance(target, tuple) else (target, True)
+        hint, choices = meta[key]
+        parser.add_argument(flag, dest=PREFIX + key, action=_Alias, key=key, flag=hint is bool, const=const,
+                            append=typing.get_origin(hint) is list, choices=None if hint is bool else choices,
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    if positional:
+        parser.add_argument(positional[0], nargs="?", default=None, help=f"the same as --{positional[1]}")
+    if aliases:
+        parser.epilog = "old flags still work: " + ", ".join(
+            f"{a} = --{k[0]}={str(k[1]).lower()}" if isinstance(k, tuple) else f"{a} = --{k}" for a, k in aliases.items())
+    parser.set_defaults(config_cls=cls, config_positional=positional)
+
+
+def _value(raw, hint):
+    """A flag's text as the field's value: strings stay strings where the field takes one, else YAML;
+    a repeated list flag: its items, each a YAML item or list."""
+    if isinstance(raw, list):
+        items = [yaml.safe_load(r) if isinstance(r, str) and r.startswith("[") else r for r in raw]
+        return [x for item in items for x in (item if isinstance(item, list) else [item])]
+    if not isinstance(raw, str):
+        return raw
+    if hint is str or str in typing.get_args(hint):
+        return raw
+    try:
+        return yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def _dict_key(cls, key: str) -> bool:
+    """`key` lies below a field that is a mapping (`policy.overrides.expert.width`)."""
+    fields = {k: h for k, h, _, _ in _fields(cls, cls())}
+    parts = key.split(".")
+    return any(fields.get(".".join(parts[:i])) is dict for i in range(1, len(parts)))
+
+
+def config_from(args: argparse.Namespace, extra: list[str] = ()):
+    """The command's config: its defaults, then every key given (dotted or by an alias), type-checked.
+    `extra` (what argparse did not know): keys below a mapping field; any other gets did-you-mean."""
+    cls = args.config_cls
+    hints = {key: hint for key, hint, _, _ in _fields(cls, cls())}
+    data = to_dict(cls())
+    positional = getattr(args, "config_positional", None)
+    if positional and getattr(args, positional[0]) is not None:
+        set_dotted(data, positional[1], getattr(args, positional[0]))
+    for name, raw in vars(args).items():
+        if name.startswith(PREFIX):
+            key = name[len(PREFIX):]
+            set_dotted(data, key, _value(raw, hints[key]))
+    for item in extra:
+        if not item.startswith("--"):
+            raise KilovlaError(f"unexpected arguments {list(extra)}; flags look like --section.key=value")
+        key = item[2:].split("=", 1)[0]
+        if not _dict_key(cls, key) or "=" not in item:
+            raise _unknown(cls, key)
+        set_dotted(data, *parse_override(item))
+    return from_dict(cls, data)
+
+
+DEMO_ALIASES = {"--out": "output_dir"}
+
+
+# `kilovla train`'s dotted keys that are spelt differently in TrainConfig (the YAML keeps the config's).
+TRAIN_KEYS = {"policy.path": "policy.init_from"}
+
+
+def train_overrides(overrides: list[str]) -> list[str]:
+    """`kilovla train` overrides as TrainConfig keys: `--policy.path=DIR` (LeRobot's spelling of the
+    starting weights) is `--policy.init_from=DIR`; `--policy.init_from` itself stays, as an alias."""
+    out = []
+    for item in overrides:
+        key, sep, value = item.removeprefix("--").partition("=")
+        if key == "policy.init_from" and _tty():
+            sys.stderr.write("--policy.init_from is now --policy.path\n")
+        out.append(f"--{TRAIN_KEYS[key]}{sep}{value}" if key in TRAIN_KEYS else item)
+    return out

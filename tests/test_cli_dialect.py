@@ -1,0 +1,174 @@
+"""The dotted dialect of eval (and the commands that share its sections): LeRobot's spellings, did-you-mean
+for a misspelt key, the old dashed flags as aliases that say their new spelling once, `--help` listing
+every field with its default."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kilovla import cli
+from kilovla.cli import main
+from kilovla.cli_config import EvalCommand
+
+
+def _config(argv: list[str]):
+    args, extra = cli.build_parser().parse_known_args(argv)
+    from kilovla.cli_config import config_from
+
+    return config_from(args, extra)
+
+
+def test_lerobot_spellings_fill_the_eval_config():
+    cfg = _config(["eval", "--policy.path=runs/x", "--env.type=metaworld", "--env.task=reach-v3,push-v3",
+                   "--eval.n_episodes=20", "--eval.batch_size=10", "--output_dir=out/e", "--env.cameras=scene",
+                   "--env.resolution", "64", "--eval.allow_seen_seeds"])
+    assert isinstance(cfg, EvalCommand)
+    assert (cfg.policy.path, cfg.env.type, cfg.env.task) == ("runs/x", "metaworld", "reach-v3,push-v3")
+    assert (cfg.eval.n_episodes, cfg.eval.batch_size, cfg.output_dir) == (20, 10, "out/e")
+    assert (cfg.env.resolution, cfg.eval.allow_seen_seeds, cfg.env.camera_tuple()) == (64, True, ("scene",))
+    settings = cfg.eval.settings(cfg.env, ["reach-v3"])
+    assert (settings.episodes, settings.batch_size, settings.resolution, settings.videos) == (20, 10, 64, 2)
+
+
+def test_the_old_flags_map_onto_the_same_config_and_say_the_new_spelling_once(capsys, monkeypatch):
+    from kilovla import cli_config
+
+    monkeypatch.setattr(cli_config, "_tty", lambda: True)
+    old = _config(["eval", "--policy", "random", "--tasks", "MT10", "--episodes", "3", "--n-action-steps", "2",
+                   "--episodes", "4", "--ema", "--allow-seen-seeds", "--out", "o", "--max-steps", "7"])
+    new = _config(["eval", "--policy.path=random", "--env.task=MT10", "--eval.n_episodes=4",
+                   "--eval.n_action_steps=2", "--policy.ema=true", "--eval.allow_seen_seeds=true",
+                   "--output_dir=o", "--env.max_steps=7"])
+    assert old == new
+    err = capsys.readouterr().err.splitlines()
+    assert "--n-action-steps is now --eval.n_action_steps" in err
+    assert err.count("--episodes is now --eval.n_episodes") == 1  # given twice, said once
+    assert "--policy is now --policy.path" in err and "--out is now --output_dir" in err
+
+
+def test_a_misspelt_key_gets_did_you_mean_and_exit_2(capsys):
+    assert main(["eval", "--eval.n_episods=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: unknown config key 'eval.n_episods' (did you mean 'eval.n_episodes'?)"]
+
+
+def test_a_bad_value_is_one_line_and_exit_2(capsys):
+    assert main(["eval", "--eval.n_episodes=many"]) == 2
+    assert capsys.readouterr().err.strip() == "error: config key 'eval.n_episodes': 'many' is not a int"
+    assert main(["eval", "--policy.path=scripted", "stray"]) == 2
+    assert "unexpected arguments ['stray']" in capsys.readouterr().err
+
+
+def test_help_lists_every_field_per_section_with_its_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for section in ("--policy.*:", "--env.*:", "--eval.*:"):
+        assert section in out
+    for key in ("--policy.path", "--policy.ema", "--env.type", "--env.task", "--env.cameras", "--env.resolution",
+                "--env.max_steps", "--eval.n_episodes", "--eval.batch_size", "--eval.seed", "--eval.n_action_steps",
+                "--eval.workers", "--eval.videos", "--eval.allow_seen_seeds", "--output_dir"):
+        assert key in out
+    assert "episodes per task (default: 10)" in out and "(default: metaworld)" in out
+    assert "--n-action-steps = --eval.n_action_steps" in out  # the aliases, in the epilog
+
+
+def test_eval_runs_in_the_dotted_dialect(tmp_path, capsys):
+    out = tmp_path / "ev"
+    assert main(["eval", "--policy.path=scripted", "--env.type=metaworld", "--env.task=reach-v3",
+                 "--eval.n_episodes=1", "--eval.batch_size=1", "--env.resolution=32", "--env.max_steps=5",
+                 "--eval.videos=0", f"--output_dir={out}"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["per_task"]["reach-v3"]["episodes"] == 1
+    assert capsys.readouterr().err == ""  # no alias used, no notice
+
+
+def test_off_a_terminal_the_old_flags_are_silent_so_bad_input_stays_one_line(capsys):
+    assert main(["eval", "--tasks", "push-v9", "--episodes", "1"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_quantize_and_collect_share_the_env_and_eval_sections_and_keep_their_old_flags():
+    from kilovla.cli_config import CollectCommand, EnvSection, EvalSection, QuantizeCommand
+
+    new = _config(["quantize", "--policy.path=runs/x", "--output_dir=q", "--eval.n_episodes=50",
+                   "--env.type=libero", "--env.task=libero_spatial/0", "--quant.block=64", "--quant.scope=all"])
+    old = _config(["quantize", "runs/x", "--out", "q", "--eval-episodes", "50", "--env", "libero", "--tasks",
+                   "libero_spatial/0", "--block", "64", "--scope", "all"])
+    assert isinstance(new, QuantizeCommand) and new == old
+    assert isinstance(new.env, EnvSection) and isinstance(new.eval, EvalSection)
+    assert (QuantizeCommand().eval.n_episodes, QuantizeCommand().quant.samples) == (0, 64)  # quantize's defaults
+    new = _config(["collect", "--env.task=reach-v3", "--collect.n_episodes=2", "--output_dir=d",
+                   "--collect.noise=0.1", "--collect.labels=expert", "--collect.overwrite"])
+    old = _config(["collect", "--tasks", "reach-v3", "--episodes-per-task", "2", "--out", "d", "--noise", "0.1",
+                   "--labels", "expert", "--overwrite"])
+    assert isinstance(new, CollectCommand) and new == old
+    assert (new.env.cameras, new.env.resolution, new.collect.noise) == ("scene,wrist", 96, 0.1)  # collect's defaults
+
+
+def test_quantize_and_collect_name_what_is_missing_or_misspelt(capsys):
+    assert main(["quantize", "--output_dir=q"]) == 2
+    assert capsys.readouterr().err.strip() == "error: quantize: give --policy.path=DIR, the policy folder to quantize"
+    assert main(["collect", "--collect.n_epsiodes=2", "--output_dir=d"]) == 2
+    assert "(did you mean 'collect.n_episodes'?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", "--policy.path=x", "--output_dir=q", "--quant.scope=most"])
+    assert e.value.code == 2 and "invalid choice: 'most'" in capsys.readouterr().err
+
+
+def test_serve_takes_policy_path_and_its_serve_section_and_keeps_its_old_flags(capsys, monkeypatch):
+    from kilovla import cli_config
+    from kilovla.cli_config import ServeCommand
+
+    monkeypatch.setattr(cli_config, "_tty", lambda: True)
+    new = _config(["serve", "--policy.path=runs/mw", "--serve.host=0.0.0.0", "--serve.port=0", "--serve.map=a=b",
+                   "--serve.map=[c=d]", "--serve.cuda_graphs=false", "--serve.max_batch=4"])
+    old = _config(["serve", "--policy", "runs/mw", "--host", "0.0.0.0", "--port", "0", "--map", "a=b", "--map",
+                   "c=d", "--no-cuda-graphs", "--max-batch", "4"])
+    assert isinstance(new, ServeCommand) and new == old
+    assert new.serve.map == ["a=b", "c=d"] and new.serve.cuda_graphs is False
+    err = capsys.readouterr().err.splitlines()
+    assert "--no-cuda-graphs is now --serve.cuda_graphs=false" in err and err.count("--map is now --serve.map") == 1
+    assert main(["serve", "--serve.port=0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: serve: give --policy.path=DIR, the policy folder to serve"
+    assert main(["serve", "--policy.path=x", "--serve.map=nokey"]) == 2
+    assert "error: --serve.map 'nokey': give REQUEST_KEY=POLICY_KEY" in capsys.readouterr().err
+
+
+def test_bench_takes_policy_path_and_the_old_policy_flag():
+    parser = cli.build_parser()
+    assert parser.parse_args(["bench", "rl", "--policy.path=runs/x"]).policy == "runs/x"
+    assert parser.parse_args(["bench", "fp8", "--policy", "runs/y"]).policy == "runs/y"
+    assert parser.parse_args(["bench", "serve"]).policy is None
+
+
+def test_demo_takes_dotted_overrides_of_its_recipe(capsys):
+    from kilovla.demo import FULL, QUICK
+
+    cfg = _config(["demo", "--quick", "--policy.preset=pi05-tiny", "--policy.overrides.expert.width=128",
+                   "--seed=3", "--output_dir=d"])
+    recipe = cfg.recipe()
+    assert (recipe.preset, recipe.train_steps, cfg.output_dir) == ("pi05-tiny", QUICK.train_steps, "d")
+    assert recipe.model == {"expert": {"width": 128, "mlp_dim": 256}}  # merged into the recipe's, not replacing it
+    assert (recipe.collect_seed, recipe.train_seed, recipe.eval_seed) == (3, 3, 4)
+    assert _config(["demo"]).recipe() == FULL and _config(["demo", "--quick", "--out", "x"]).recipe() == QUICK
+    assert main(["demo", "--policy.overides.x=1"]) == 2
+    assert "unknown config key 'policy.overides.x' (did you mean 'policy.overrides'?)" in capsys.readouterr().err
+    assert main(["demo", "--policy.overrides.expert.width"]) == 2  # a key below a mapping needs its value
+
+
+def test_train_takes_policy_path_as_its_starting_weights_and_keeps_init_from(capsys, monkeypatch):
+    from kilovla import cli_config
+    from kilovla.cli_config import train_overrides
+    from kilovla.config import load_config
+    from kilovla.train.config import TrainConfig
+
+    new = load_config(TrainConfig, None, train_overrides(["--policy.path=ckpt/a", "--steps=3"]))
+    assert new.policy.init_from == "ckpt/a" and new.steps == 3
+    monkeypatch.setattr(cli_config, "_tty", lambda: True)
+    old = load_config(TrainConfig, None, train_overrides(["--policy.init_from=ckpt/a", "--steps=3"]))
+    assert old == new
+    assert capsys.readouterr().err == "--policy.init_from is now --policy.path\n"

@@ -86,9 +86,11 @@ def test_eval_out_under_a_file_is_refused_in_one_line_before_any_episode(tmp_pat
     (tmp_path / "afile").write_text("not a folder")
     monkeypatch.setattr(closed_loop, "evaluate", lambda *a, **k: pytest.fail("an episode ran"))
     assert main(["eval", *QUICK, "--out", str(tmp_path / "afile" / "sub")]) == 2
-    err = capsys.readouterr().err
-    assert err.strip() == (f"error: --out {tmp_path / 'afile' / 'sub'}: cannot create it: {tmp_path / 'afile'} "
-                           "is a file, not a folder")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--out is now --output_dir" in err[:-1]  # the old flags say their new spelling, then one error line
+    errors = [line for line in err if " is now --" not in line]
+    assert errors == [f"error: --out {tmp_path / 'afile' / 'sub'}: cannot create it: {tmp_path / 'afile'} "
+                      "is a file, not a folder"]
     assert main(["eval", "--env.task=reach-v3", f"--output_dir={tmp_path / 'afile' / 'sub'}"]) == 2
     assert capsys.readouterr().err.strip() == (f"error: --output_dir {tmp_path / 'afile' / 'sub'}: cannot create "
                                                f"it: {tmp_path / 'afile'} is a file, not a folder")

@@ -269,13 +269,8 @@ class _Alias(argparse.Action):
         said = namespace.__dict__.setdefault("_aliases_said", set())
         if option_string not in said:
             said.add(option_string)
-            if _tty():  # said to the person typing; scripts and logs keep bad input to one error line
-                new = f"--{self.key}" + ("" if self.const in (None, True) else f"={str(self.const).lower()}")
-                sys.stderr.write(f"{option_string} is now {new}\n")
-
-
-def _tty() -> bool:
-    return sys.stderr.isatty()
+            new = f"--{self.key}" + ("" if self.const in (None, True) else f"={str(self.const).lower()}")
+            sys.stderr.write(f"{option_string} is now {new}\n")
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, str] | None = None,
@@ -365,11 +360,10 @@ TRAIN_KEYS = {"policy.path": "policy.init_from"}
 
 def train_overrides(overrides: list[str]) -> list[str]:
     """`kilovla train` overrides as TrainConfig keys: `--policy.path=DIR` (LeRobot's spelling of the
-    starting weights) is `--policy.init_from=DIR`; `--policy.init_from` itself stays, as an alias."""
+    starting weights) is `--policy.init_from=DIR`; `--policy.init_from` itself stays, the config's own key
+    (YAML files spell it so), without a notice."""
     out = []
     for item in overrides:
         key, sep, value = item.removeprefix("--").partition("=")
-        if key == "policy.init_from" and _tty():
-            sys.stderr.write("--policy.init_from is now --policy.path\n")
         out.append(f"--{TRAIN_KEYS[key]}{sep}{value}" if key in TRAIN_KEYS else item)
     return out

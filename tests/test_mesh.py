@@ -8,7 +8,7 @@ import torch
 from kilovla.config import load_config
 from kilovla.errors import KilovlaError
 from kilovla.train.config import TrainConfig, validate_config
-from tests.test_train import _args, _gradients, _max_diff, _metrics, _run, _trained, _weights, dataset, reference, references  # noqa: F401
+from tests.test_train import _args, _gradients, _max_diff, _metrics, _run, _trained, _weights, dataset  # noqa: F401
 
 
 PACKED = ["--policy.overrides.packing=true"]  # the varlen path: rows of samples laid end to end

@@ -217,15 +217,16 @@ def train_dataset(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def references(train_dataset, tmp_path_factory):
-    """references(family) -> a one-process trained_with_gradients run on train_dataset, made on first use
-    and shared by test_train and test_mesh; read-only."""
+    """references(family, extra=()) -> a one-process trained_with_gradients run on train_dataset (`extra`:
+    more flags), made on first use and shared by test_train, test_mesh and test_lora; read-only."""
     runs = {}
 
-    def get(family):
-        if family not in runs:
-            run = trained_with_gradients(train_dataset, tmp_path_factory.mktemp("ref") / "run", family)
-            runs[family] = (run, _listing(run))
-        return runs[family][0]
+    def get(family, extra=()):
+        key = (family, tuple(extra))
+        if key not in runs:
+            run = trained_with_gradients(train_dataset, tmp_path_factory.mktemp("ref") / "run", family, extra=extra)
+            runs[key] = (run, _listing(run))
+        return runs[key][0]
 
     yield get
     for run, before in runs.values():

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -124,17 +127,112 @@ def assert_training_reduces_loss(model, batch, steps: int = 30) -> None:
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def tiny_reach_policy(root: Path, *overrides: str) -> str:
-    """A tiny pi0.5 trained for 2 steps on 2 scripted reach-v3 demonstrations at 32 px (cameras scene and
-    wrist, 4-D state, chunks of 4): a policy folder for the tests that serve, evaluate or fine-tune one.
-    `overrides` (dotted flags) come after the defaults and win."""
-    from kilovla.config import load_config
+def _listing(root: Path) -> dict:
+    """Every file and link under root with its size and modification time (links not followed)."""
+    found = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            st = os.lstat(os.path.join(folder, name))
+            found[os.path.relpath(os.path.join(folder, name), root)] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+@pytest.fixture(scope="session")
+def reach_demos(tmp_path_factory) -> Path:
+    """2 scripted reach-v3 demonstrations at 32 px (cameras scene and wrist, 4-D state), collected once a
+    session and shared: read-only (copy it to change it; the session fails if a test changed it)."""
     from kilovla.envs.collect import collect
+
+    root = tmp_path_factory.mktemp("reach") / "mw"
+    collect(root, tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
+    before = _listing(root)
+    yield root
+    assert _listing(root) == before, f"a test changed the shared demonstrations {root}"
+
+
+@pytest.fixture(scope="session")
+def reach_policy(reach_demos, tmp_path_factory):
+    """reach_policy(*overrides) -> the last checkpoint of a tiny pi0.5 trained for 2 steps on reach_demos
+    (chunks of 4): a policy folder for the tests that serve, evaluate or fine-tune one. `overrides`
+    (dotted flags) come after the defaults and win. Each set of overrides trains once a session; the
+    run folder (the checkpoint's parents[1]) is shared and read-only, as reach_demos is."""
+    from kilovla.config import load_config
     from kilovla.train.trainer import TrainConfig, train
 
-    collect(root / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
-    cfg = load_config(TrainConfig, None, [
-        f"--run_dir={root / 'run'}", "--steps=2", f"--dataset.roots=[{root / 'mw'}]", "--batch.global_batch_size=8",
-        "--batch.token_budget=512", "--progress=false", "--policy.n_action_steps=4",
-        "--policy.overrides={chunk_size: 4}", *overrides])
-    return train(cfg)["checkpoint"]
+    runs = {}
+
+    def get(*overrides: str) -> str:
+        if overrides not in runs:
+            run = tmp_path_factory.mktemp("reach-policy") / "run"
+            cfg = load_config(TrainConfig, None, [
+                f"--run_dir={run}", "--steps=2", f"--dataset.roots=[{reach_demos}]", "--batch.global_batch_size=8",
+                "--batch.token_budget=512", "--progress=false", "--policy.n_action_steps=4",
+                "--policy.overrides={chunk_size: 4}", *overrides])
+            checkpoint = train(cfg)["checkpoint"]
+            runs[overrides] = (checkpoint, run, _listing(run))
+        return runs[overrides][0]
+
+    yield get
+    for _, run, before in runs.values():
+        assert _listing(run) == before, f"a test changed the shared policy run {run}"
+
+
+# A global batch of 16 samples in rows of at most 150 tokens: 4-6 packed rows per rank on 2 ranks,
+# so every step accumulates over several rows. Clipping off: gradients are compared as they are.
+def train_args(dataset, run_dir, steps=4, family="pi05-tiny"):
+    args = [f"--run_dir={run_dir}", f"--steps={steps}", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=16",
+            "--batch.token_budget=150", "--checkpoint.every=2", f"--policy.preset={family}", "--progress=false",
+            "--log_sample_ids=true", "--optim.warmup_steps=1", "--optim.clip_grad_norm=0"]
+    return args + (["--policy.overrides.chunk_size=4"] if family.startswith("pi0") else [])
+
+
+def train_process(args, nproc=1, env=None, timeout=300):
+    """`kilovla train` in a child process, under torchrun when nproc > 1."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "kilovla", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "kilovla", "train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def trained_with_gradients(dataset, run, family="pi05-tiny", nproc=1, extra=(), env=None):
+    """A 4-step run that dumps the gradients of every step (before the optimizer step) into run/grads."""
+    proc = train_process([*train_args(dataset, run, family=family), *extra], nproc=nproc,
+                         env={"KILOVLA_DUMP_GRADS": str(run / "grads"), **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="session")
+def train_dataset(tmp_path_factory) -> Path:
+    """6 synthetic episodes at 32x32: the data of the trainer's equivalence tests (test_train, test_mesh,
+    test_lora), made once a session; read-only."""
+    root = make_synthetic_dataset(tmp_path_factory.mktemp("train") / "ds", episodes=6, frames=(16, 24),
+                                  resolution=(32, 32), seed=4)
+    before = _listing(root)
+    yield root
+    assert _listing(root) == before, f"a test changed the shared dataset {root}"
+
+
+@pytest.fixture(scope="session")
+def references(train_dataset, tmp_path_factory):
+    """references(family, extra=()) -> a one-process trained_with_gradients run on train_dataset (`extra`:
+    more flags), made on first use and shared by test_train, test_mesh and test_lora; read-only."""
+    runs = {}
+
+    def get(family, extra=()):
+        key = (family, tuple(extra))
+        if key not in runs:
+            run = trained_with_gradients(train_dataset, tmp_path_factory.mktemp("ref") / "run", family, extra=extra)
+            runs[key] = (run, _listing(run))
+        return runs[key][0]
+
+    yield get
+    for run, before in runs.values():
+        assert _listing(run) == before, f"a test changed the shared reference run {run}"
+
+
+@pytest.fixture(scope="session")
+def reference(references):
+    return references("pi05-tiny")

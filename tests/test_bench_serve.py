@@ -5,7 +5,6 @@ import json
 import numpy as np
 import pytest
 
-from conftest import tiny_reach_policy
 from kilovla.bench import serve as serve_bench
 
 pytest.importorskip("openpi_client")
@@ -17,11 +16,10 @@ TINY = serve_bench.ServeBenchSize(duration_s=1.0, repeats=1, warmup=1, load_requ
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
+def result(reach_policy, tmp_path_factory):
     """The suite's quick path on a tiny pi0.5 (reach-v3, 2 episodes at 32 px, 2 training steps)."""
     root = tmp_path_factory.mktemp("bench-serve")
-    policy = tiny_reach_policy(root)
-    path = serve_bench.run(quick=True, out_dir=root / "out", policy=policy, size=TINY)
+    path = serve_bench.run(quick=True, out_dir=root / "out", policy=reach_policy(), size=TINY)
     return json.loads(path.read_text())
 
 

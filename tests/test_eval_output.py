@@ -184,12 +184,8 @@ def test_a_run_without_a_complete_checkpoint_is_one_line(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> Path:
-    from conftest import tiny_reach_policy
-
-    root = tmp_path_factory.mktemp("trained")
-    tiny_reach_policy(root)
-    return root / "run"
+def trained_run(reach_policy) -> Path:
+    return Path(reach_policy()).parents[1]
 
 
 @pytest.mark.parametrize("given", ["", "checkpoints/latest", "checkpoints/last"])

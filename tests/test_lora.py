@@ -125,8 +125,8 @@ def test_a_lora_run_checkpoints_adapters_ends_merged_and_resumes_exactly(dataset
     assert reseeded.returncode == 2 and "base weights differ" in reseeded.stderr
 
 
-def test_adapters_are_refused_on_another_base(dataset, tmp_path):
-    run = _trained(dataset, tmp_path / "run", extra=LORA)
+def test_adapters_are_refused_on_another_base(dataset, references, tmp_path):
+    run = references("pi05-tiny", LORA)
     folder = run / "checkpoints" / "step_000002"
     section = json.loads((folder / "policy.json").read_text())["lora"]
     with pytest.raises(KilovlaError, match="base weights differ"):
@@ -157,8 +157,8 @@ def test_adapters_are_refused_on_another_base(dataset, tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_of_a_lora_run_give_the_one_process_gradients(dataset, tmp_path, strategy):
-    one = _trained(dataset, tmp_path / "one", extra=LORA)
+def test_two_ranks_of_a_lora_run_give_the_one_process_gradients(dataset, references, tmp_path, strategy):
+    one = references("pi05-tiny", LORA)
     two = _trained(dataset, tmp_path / "two", nproc=2, extra=[*LORA, f"--parallel.strategy={strategy}"])
     assert min(r["rows_per_rank"] for r in _metrics(two)) >= 3
     for step in range(1, 5):

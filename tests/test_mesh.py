@@ -8,24 +8,10 @@ import torch
 from kilovla.config import load_config
 from kilovla.errors import KilovlaError
 from kilovla.train.config import TrainConfig, validate_config
-from tests.test_train import _args, _gradients, _max_diff, _metrics, _run, _trained, _weights, dataset, reference, references  # noqa: F401
+from tests.test_train import _args, _gradients, _max_diff, _metrics, _run, _trained, _weights, dataset  # noqa: F401
 
 
 PACKED = ["--policy.overrides.packing=true"]  # the varlen path: rows of samples laid end to end
-
-
-@pytest.fixture(scope="module")
-def packed_references(dataset, tmp_path_factory):
-    """One-process runs on the packed (varlen) path, per family (and model overrides), made on first use."""
-    runs = {}
-
-    def get(family, extra=()):
-        key = (family, tuple(extra))
-        if key not in runs:
-            runs[key] = _trained(dataset, tmp_path_factory.mktemp("packed") / "run", family, extra=[*PACKED, *extra])
-        return runs[key]
-
-    return get
 
 
 def _relative_error(a: dict, b: dict) -> float:
@@ -55,21 +41,19 @@ def _assert_same_gradients(one, mesh, world_size=4, tp=1):
 @pytest.mark.slow
 @pytest.mark.parametrize("family,strategy,packed", [("pi05-tiny", "ddp", True), ("pi0-tiny", "fsdp", False),
                                                     ("groot-tiny", "ddp", True)])
-def test_tp2_by_dp2_gives_the_one_process_gradients(dataset, references, packed_references, tmp_path, family,
-                                                    strategy, packed):
+def test_tp2_by_dp2_gives_the_one_process_gradients(dataset, references, tmp_path, family, strategy, packed):
     """pi0/pi0.5: the single key/value head stays whole on both tp ranks (its gradient summed over
     them); GR00T: the DiT's heads split, biases and all. Packed rows: the heads split, cu_seqlens shared."""
     mesh = _trained(dataset, tmp_path / "mesh", family, nproc=4,
                     extra=["--parallel.tp=2", f"--parallel.strategy={strategy}", *(PACKED if packed else [])])
-    _assert_same_gradients((packed_references if packed else references)(family), mesh, tp=2)
+    _assert_same_gradients(references(family, PACKED if packed else ()), mesh, tp=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,mesh,packed", [("pi05-tiny", ["--parallel.pp=2"], True),
                                                 ("pi0-tiny", ["--parallel.pp=2", "--parallel.tp=2"], False),
                                                 ("groot-tiny", ["--parallel.pp=2"], True)])
-def test_pipeline_stages_give_the_one_process_gradients(dataset, references, packed_references, tmp_path, family,
-                                                        mesh, packed):
+def test_pipeline_stages_give_the_one_process_gradients(dataset, references, tmp_path, family, mesh, packed):
     """PP=2 x DP=2 and TP=2 x PP=2: 1F1B over several rows per replica (rows of different lengths:
     each stage takes the shapes it receives from the row), one layer per stage, pi0.5's time MLP and
     GR00T's timestep encoder on both stages (their gradients summed over them); GR00T's VL features
@@ -77,7 +61,7 @@ def test_pipeline_stages_give_the_one_process_gradients(dataset, references, pac
     # GR00T: 4 DiT blocks, so the second stage has a cross-attention block (the VL features' gradient crosses)
     model = ["--policy.overrides.dit.depth=4"] if family.startswith("groot") else []
     run = _trained(dataset, tmp_path / "mesh", family, nproc=4, extra=[*mesh, *model, *(PACKED if packed else [])])
-    one = packed_references(family, model) if packed else references(family)
+    one = references(family, [*PACKED, *model]) if packed else references(family)
     _assert_same_gradients(one, run, tp=2 if "--parallel.tp=2" in mesh else 1)
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_reach_policy
 from kilovla.errors import KilovlaError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -21,11 +20,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.filterwarnings("ign
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
+def policy_dir(reach_policy):
     """A tiny pi0.5 reading the environment state too (3 training steps, a checkpoint at the last)."""
-    return tiny_reach_policy(tmp_path_factory.mktemp("rlpolicy"), "--steps=3", "--checkpoint.every=3",
-                             "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
-                             "--policy.state_keys=[observation.state, observation.environment_state]")
+    return reach_policy("--steps=3", "--checkpoint.every=3",
+                        "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
+                        "--policy.state_keys=[observation.state, observation.environment_state]")
 
 
 @pytest.fixture(scope="module")

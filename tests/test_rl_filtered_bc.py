@@ -8,17 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_reach_policy
 from kilovla.rl.core.trajectory import Episode, Segment
 from kilovla.rl import checks, checkpoints
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
+def policy_dir(reach_policy):
     """A tiny pi0.5 reading the environment state too (chunks of 4, all 4 executed)."""
-    return tiny_reach_policy(tmp_path_factory.mktemp("bcpolicy"), "--steps=2", "--checkpoint.every=2",
-                             "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
-                             "--policy.state_keys=[observation.state, observation.environment_state]")
+    return reach_policy("--steps=2", "--checkpoint.every=2",
+                        "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
+                        "--policy.state_keys=[observation.state, observation.environment_state]")
 
 
 def _obs(states, seed=0):

@@ -9,17 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_reach_policy
 from kilovla.rl.core.trajectory import Segment
 from kilovla.rl import checks, checkpoints
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
+def policy_dir(reach_policy):
     """A tiny pi0.5 reading the environment state too (chunks of 4, all 4 executed)."""
-    return tiny_reach_policy(tmp_path_factory.mktemp("sacpolicy"), "--steps=2", "--checkpoint.every=2",
-                             "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
-                             "--policy.state_keys=[observation.state, observation.environment_state]")
+    return reach_policy("--steps=2", "--checkpoint.every=2",
+                        "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
+                        "--policy.state_keys=[observation.state, observation.environment_state]")
 
 
 def _learner(policy_dir, segments_per_step, seed=0, **sac):
@@ -245,16 +244,14 @@ def test_serve_answers_an_rl_folder_with_the_residual_and_refuses_rtc_for_it(rl_
     assert not engine.supports_rtc and engine.no_rtc == "an RL residual policy"
 
 
-def test_quantize_takes_the_base_of_an_rl_folder_and_keeps_its_residual(rl_folder, policy_dir, tmp_path):
+def test_quantize_takes_the_base_of_an_rl_folder_and_keeps_its_residual(rl_folder, reach_demos, tmp_path):
     from kilovla.policy_folder import load_policy_folder
     from kilovla.models.residual import ResidualPolicyModel
     from kilovla.quant.fp8 import Fp8Weights
     from kilovla.quantize.folder import quantize_policy_folder
 
-    from pathlib import Path
-
-    dataset = Path(policy_dir).parents[2] / "mw"  # the demonstrations the test policy was trained on
-    report = quantize_policy_folder(rl_folder, tmp_path / "q", dataset=dataset, samples=8, latency_repeats=1)
+    # reach_demos: the demonstrations the test policy was trained on
+    report = quantize_policy_folder(rl_folder, tmp_path / "q", dataset=reach_demos, samples=8, latency_repeats=1)
     assert report["layers"] and not any(k.startswith(("base.", "actor.")) for k in report["layers"])  # the base's names
     quantized = load_policy_folder(tmp_path / "q")
     assert isinstance(quantized.model, ResidualPolicyModel)

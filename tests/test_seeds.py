@@ -12,7 +12,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import tiny_reach_policy
 from kilovla.cli import main
 from kilovla.data.meta import DatasetMeta
 from kilovla.envs.seeds import SEED_RULE, collect_seed, eval_seed, rl_train_seed, stream_of
@@ -56,10 +55,9 @@ def test_the_seed_rule_refuses_values_outside_its_fields(call, message):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(reach_policy, reach_demos):
     """A tiny policy trained on 2 collected reach-v3 demonstrations, and those demonstrations."""
-    root = tmp_path_factory.mktemp("seeds")
-    return {"policy": Path(tiny_reach_policy(root)), "dataset": root / "mw"}
+    return {"policy": Path(reach_policy()), "dataset": reach_demos}
 
 
 def test_collect_records_each_episode_seed_and_the_seed_rule(trained):

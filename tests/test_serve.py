@@ -15,7 +15,6 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import tiny_reach_policy
 from kilovla.serve.protocol import BadRequest, PolicyInputs, packb, to_policy_observation, unpackb
 
 pytest.importorskip("openpi_client")
@@ -24,8 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a 
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    return tiny_reach_policy(tmp_path_factory.mktemp("serve"))
+def policy_dir(reach_policy):
+    return reach_policy()
 
 
 @pytest.fixture(scope="module")

@@ -11,35 +11,16 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import train_args as _args, train_process as _run, trained_with_gradients as _trained
 from kilovla.cli import main
 from kilovla.config import load_config
-from kilovla.data.synthetic import make_synthetic_dataset
 from kilovla.errors import KilovlaError
 from kilovla.train.trainer import TrainConfig, train
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_synthetic_dataset(tmp_path_factory.mktemp("train") / "ds", episodes=6, frames=(16, 24),
-                                  resolution=(32, 32), seed=4)
-
-
-# A global batch of 16 samples in rows of at most 150 tokens: 4-6 packed rows per rank on 2 ranks,
-# so every step accumulates over several rows. Clipping off: gradients are compared as they are.
-def _args(dataset, run_dir, steps=4, family="pi05-tiny"):
-    args = [f"--run_dir={run_dir}", f"--steps={steps}", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=16",
-            "--batch.token_budget=150", "--checkpoint.every=2", f"--policy.preset={family}", "--progress=false",
-            "--log_sample_ids=true", "--optim.warmup_steps=1", "--optim.clip_grad_norm=0"]
-    return args + (["--policy.overrides.chunk_size=4"] if family.startswith("pi0") else [])
-
-
-def _run(args, nproc=1, env=None, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "kilovla", "train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "kilovla", "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+def dataset(train_dataset):
+    return train_dataset
 
 
 def _metrics(run_dir):
@@ -57,36 +38,10 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _trained(dataset, run, family="pi05-tiny", nproc=1, extra=(), env=None):
-    """A 4-step run that dumps the gradients of every step (before the optimizer step) into run/grads."""
-    proc = _run([*_args(dataset, run, family=family), *extra], nproc=nproc,
-                env={"KILOVLA_DUMP_GRADS": str(run / "grads"), **(env or {})})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
-
-
 def _gradients(run, step):
     from safetensors.torch import load_file
 
     return load_file(str(run / "grads" / f"step_{step:06d}.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def references(dataset, tmp_path_factory):
-    """One-process runs, per family, made on first use."""
-    runs = {}
-
-    def get(family):
-        if family not in runs:
-            runs[family] = _trained(dataset, tmp_path_factory.mktemp("ref") / "run", family)
-        return runs[family]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def reference(references):
-    return references("pi05-tiny")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -164,11 +119,8 @@ def test_fsdp_gathers_one_layer_at_a_time(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_fsdp_with_closed_loop_evaluation_finishes(tmp_path):
-    from kilovla.envs.collect import collect
-
-    collect(tmp_path / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
-    proc = _run([f"--run_dir={tmp_path / 'run'}", "--steps=3", f"--dataset.roots=[{tmp_path / 'mw'}]",
+def test_fsdp_with_closed_loop_evaluation_finishes(reach_demos, tmp_path):
+    proc = _run([f"--run_dir={tmp_path / 'run'}", "--steps=3", f"--dataset.roots=[{reach_demos}]",
                  "--batch.global_batch_size=8", "--batch.token_budget=512", "--policy.overrides.chunk_size=4",
                  "--parallel.strategy=fsdp", "--eval.every=2", "--eval.tasks=[reach-v3]", "--eval.episodes=1",
                  "--eval.resolution=32", "--eval.max_steps=8", "--progress=false", "--parallel.timeout_s=120"],
@@ -268,13 +220,10 @@ def test_ema_freezing_and_checkpointing_switches(dataset, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_in_training_closed_loop_evaluation_is_logged(tmp_path, capsys):
-    from kilovla.envs.collect import collect
-
-    collect(tmp_path / "mw", tasks=["reach-v3"], episodes_per_task=2, resolution=32, batch_size=2)
+def test_in_training_closed_loop_evaluation_is_logged(reach_demos, tmp_path, capsys):
     seen = []
     cfg = load_config(TrainConfig, None, [
-        f"--run_dir={tmp_path / 'run'}", "--steps=2", f"--dataset.roots=[{tmp_path / 'mw'}]",
+        f"--run_dir={tmp_path / 'run'}", "--steps=2", f"--dataset.roots=[{reach_demos}]",
         "--batch.global_batch_size=8", "--batch.token_budget=512", "--policy.overrides.chunk_size=4",
         "--eval.every=2", "--eval.tasks=[reach-v3]", "--eval.episodes=1", "--eval.resolution=32",
         "--eval.max_steps=8", "--progress=false"])

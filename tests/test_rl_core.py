@@ -379,7 +379,9 @@ def test_at_the_plain_shapings_documented_scale_any_successful_episode_outscores
     all: tests/test_rl_workers.py)."""
     from kilovla.rl.core.trajectory import step_reward
     from kilovla.rl.config import EnvSection
-    from kilovla.rl.checks import METAWORLD_MAX_REWARD
+    from kilovla.envs.base import env_type
+
+    METAWORLD_MAX_REWARD = env_type("metaworld").max_reward  # noqa: N806
 
     env = EnvSection(shaping="reward", reward_scale=2e-4)
     reward = lambda r, s: step_reward(r, s, env.reward_scale, env.success_bonus)  # noqa: E731

@@ -229,7 +229,9 @@ def test_policy_threads_leave_the_env_workers_their_cores_and_restore(monkeypatc
 def test_eval_renders_at_the_policy_s_training_resolution_unless_told(caplog):
     from types import SimpleNamespace
 
-    from kilovla.eval.closed_loop import render_resolution
+    from kilovla.envs.base import env_type
+
+    render_resolution = env_type("metaworld").render_resolution
 
     trained = SimpleNamespace(name="pi05-tiny", meta=SimpleNamespace(image_size=[32, 32]))
     assert render_resolution(trained, None) == 32

@@ -233,14 +233,3 @@ def test_a_checkpoint_of_another_layout_with_a_config_yaml_is_not_taken_for_a_ru
     (tmp_path / "export" / "config.yaml").write_text("model: pi05\n")
     (tmp_path / "export" / "model.safetensors").write_bytes(b"")
     assert policy_folder(tmp_path / "export") == tmp_path / "export"
-
-
-def test_evaluate_takes_the_settings_fields_as_keywords_too():
-    """rl/runner.py's final evaluation passes the fields, not an EvalSettings: the same episodes run."""
-    fields = dict(tasks=["reach-v3"], episodes=2, batch_size=2, resolution=16, max_steps=30, seed=3)
-    by_settings = evaluate(load_policy("scripted"), EvalSettings(**fields), progress=lambda *a: None)
-    by_fields = evaluate(load_policy("scripted"), env="metaworld", cameras=("scene", "wrist"), progress=lambda *a: None,
-                         **fields)
-    assert by_fields["per_task"] == by_settings["per_task"] and by_fields["cameras"] == ["scene", "wrist"]
-    with pytest.raises(TypeError, match="not both"):
-        evaluate(load_policy("scripted"), EvalSettings(**fields), episodes=1)

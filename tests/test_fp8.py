@@ -931,7 +931,7 @@ def test_the_closed_loop_comparison_uses_the_envs_cameras_and_checks_them_first(
 
     def fake_evaluate(policy, settings, **kwargs):
         spec = settings.spec()
-        closed_loop.check_compatible(policy, libero.spec(settings.tasks[0], cameras=spec.cameras))
+        libero.spec(settings.tasks[0], cameras=spec.cameras).check_fits(policy)
         calls.append({"cameras": spec.cameras, "max_steps": settings.max_steps})
         return {"overall_success_rate": 0.5, "per_task": {"libero_spatial/0": {"success_rate": 0.5}},
                 "episodes_per_task": settings.episodes}

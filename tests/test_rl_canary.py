@@ -70,10 +70,11 @@ def local_ray():
 def _success(folder) -> tuple[int, tuple[float, float]]:
     from kilovla.eval.closed_loop import evaluate, load_policy
     from kilovla.eval.intervals import wilson_interval
+    from kilovla.eval.settings import EvalSettings
 
     torch.manual_seed(0)  # the base's noise: the same draws for every policy evaluated
-    report = evaluate(load_policy(str(folder)), tasks=["reach-v3"], episodes=EPISODES, batch_size=10, seed=1,
-                      resolution=32, max_steps=HORIZON, num_workers=2)
+    report = evaluate(load_policy(str(folder)), EvalSettings(tasks=["reach-v3"], episodes=EPISODES, batch_size=10, seed=1,
+                                                             resolution=32, max_steps=HORIZON, workers=2))
     won = round(report["overall_success_rate"] * EPISODES)
     return won, wilson_interval(won, EPISODES)
 

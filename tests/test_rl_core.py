@@ -379,7 +379,9 @@ def test_at_the_plain_shapings_documented_scale_any_successful_episode_outscores
     all: tests/test_rl_workers.py)."""
     from kilovla.rl.core.trajectory import step_reward
     from kilovla.rl.config import EnvSection
-    from kilovla.rl.checks import METAWORLD_MAX_REWARD
+    from kilovla.envs.base import env_type
+
+    METAWORLD_MAX_REWARD = env_type("metaworld").max_reward  # noqa: N806
 
     env = EnvSection(shaping="reward", reward_scale=2e-4)
     reward = lambda r, s: step_reward(r, s, env.reward_scale, env.success_bonus)  # noqa: E731
@@ -835,3 +837,19 @@ def test_each_algorithm_names_its_own_warmup_flag():
     assert algorithm("ppo").warmup(algo) is None
     assert algorithm("residual_sac").warmup(algo) == ("learner.algo.sac.warmup_transitions", 1_000)
     assert algorithm("filtered_bc").warmup(algo) == ("learner.algo.filtered_bc.warmup", 256)
+
+
+def test_the_final_evaluation_runs_the_eval_sections_episodes_on_the_run_s_env():
+    """rl/runner.py's final evaluation: eval.episodes, eval.tasks (default: the training tasks) and
+    eval.batch_size on env.env with env's cameras, step limit and resolution, at the run's seed."""
+    from kilovla.eval.settings import EvalSettings
+    from kilovla.rl.config import RLConfig
+
+    cfg = RLConfig()
+    cfg.env.resolution = 32
+    assert cfg.eval.settings(cfg.env, 3) == EvalSettings(env="metaworld", tasks=("reach-v3", "push-v3"), episodes=10,
+                                                         batch_size=10, seed=3, cameras=("scene", "wrist"),
+                                                         resolution=32, max_steps=150)
+    cfg.eval.tasks, cfg.eval.episodes, cfg.eval.batch_size = ["push-v3"], 4, 2
+    assert cfg.eval.settings(cfg.env, 0) == EvalSettings(tasks=("push-v3",), episodes=4, batch_size=2, seed=0,
+                                                         cameras=("scene", "wrist"), resolution=32, max_steps=150)

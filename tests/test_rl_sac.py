@@ -305,6 +305,7 @@ def test_the_folder_replans_as_its_residual_was_trained_and_eval_refuses_to_run_
     # asked to execute 4 would run 2 actions a chunk uncorrected: refused before any env starts
     from kilovla.errors import KilovlaError
     from kilovla.eval.closed_loop import evaluate
+    from kilovla.eval.settings import EvalSettings
     from kilovla.policy_folder import load_policy_folder
     from kilovla.rl.sac import SACConfig, SACLearner, load_residual_agent
 
@@ -314,7 +315,7 @@ def test_the_folder_replans_as_its_residual_was_trained_and_eval_refuses_to_run_
     policy = load_policy_folder(folder)
     assert policy.n_action_steps == policy.model.actor.spec.steps == 2
     with pytest.raises(KilovlaError, match="residual corrects only the first 2 actions"):
-        evaluate(policy, tasks=["reach-v3"], episodes=1, n_action_steps=4, resolution=32)
+        evaluate(policy, EvalSettings(tasks=["reach-v3"], episodes=1, n_action_steps=4, resolution=32))
 
 
 def test_resume_needs_the_actor_and_its_critics_whole_and_names_the_file(rl_folder, tmp_path):

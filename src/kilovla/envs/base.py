@@ -4,6 +4,7 @@
     env.tasks("MT10")                 -> the MT10 task names ('a,b' lists names; LIBERO expands suites)
     env.check_tasks(["push-v9"])      -> KilovlaError naming the valid tasks
     env.spec("push-v3")               -> EnvSpec: action/state dims, cameras, episode length, fps
+    env.check_fits(policy, tasks)     -> the tasks exist and the policy fits the spec (KilovlaError if not)
     env.expert(noise_std=0.1, seed=0) -> its scripted expert, a batched Policy (what `collect` records)
     env.make(task="push-v3", resolution=96)         -> a gymnasium env
     env.render_resolution(policy, asked=None)       -> the pixels a policy's cameras render at
@@ -74,11 +75,6 @@ class EnvSpec:
                                + "; ".join(problems))
 
 
-def check_compatible(policy, spec: EnvSpec) -> None:
-    """`spec.check_fits(policy)`, under the name eval and rl call it by."""
-    spec.check_fits(policy)
-
-
 class EnvType:
     """One simulator: its name, tasks and task sets, spec (dims, cameras, fps), scripted expert and
     env factory. Subclasses set the class attributes and override what their simulator provides."""
@@ -88,6 +84,7 @@ class EnvType:
     cameras: tuple[str, ...]  # the cameras an evaluation renders unless told otherwise
     robot: str  # meta/info.json's robot_type of a recorded dataset: `<name>-<robot>`
     resolution = 96  # pixels for a policy that does not record its training resolution
+    max_reward: float | None = None  # the largest shaped reward of one step; None: not bounded here
 
     def task_names(self) -> list[str] | None:
         """Every valid task; None where the names are not listed (only an empty list is refused)."""
@@ -108,6 +105,15 @@ class EnvType:
     def spec(self, task: str = "", cameras: tuple[str, ...] | None = None, max_steps: int | None = None) -> EnvSpec:
         """The env's declared dims for `task`; None keeps the env's own cameras and step limit."""
         raise NotImplementedError
+
+    def check_fits(self, policy, tasks, cameras: tuple[str, ...] | None = None,
+                   max_steps: int | None = None) -> EnvSpec:
+        """The tasks exist and `policy` (loaded, or a folder's `Interface`) fits the env's action, state and
+        cameras (the first task's spec, with these cameras and step limit); before any env is built."""
+        tasks = self.check_tasks(list(tasks))
+        spec = self.spec(tasks[0], cameras=cameras, max_steps=max_steps)
+        spec.check_fits(policy)
+        return spec
 
     def make(self, **kwargs):
         """A gymnasium env; kwargs go to the simulator's env class (task, cameras, resolution, ...)."""

@@ -241,6 +241,7 @@ class MetaWorld(EnvType):
     """Meta-World in the registry: 50 tasks, the MT10 / MT50 / default sets, scripted experts."""
 
     name, fps, cameras, robot = "metaworld", FPS, DEFAULT_CAMERAS, "sawyer"
+    max_reward = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]
 
     def task_names(self) -> list[str]:
         return task_names()

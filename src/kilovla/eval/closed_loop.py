@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kilovla.envs.base import check_compatible, env_type  # noqa: F401 (rl imports check_compatible here)
+from kilovla.envs.base import env_type
 from kilovla.envs.rollout import run_episodes
 from kilovla.envs.seeds import eval_seeds
 from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
@@ -144,19 +144,14 @@ def new_output_dir(root: str | Path, env: str, policy_spec: str, now: datetime.d
             folder = base.with_name(f"{base.name}_{n}")
 
 
-def evaluate(policy, settings: EvalSettings | None = None, *, out_dir: str | Path | None = None,
-             replace: bool = True, progress: Callable[[str, int, int], None] | None = None, label: str = "eval",
-             **fields) -> dict:
-    """Play `settings` (an `EvalSettings`; or its fields as keywords, rl/runner.py's form) with `policy`.
+def evaluate(policy, settings: EvalSettings, *, out_dir: str | Path | None = None, replace: bool = True,
+             progress: Callable[[str, int, int], None] | None = None, label: str = "eval") -> dict:
+    """Play `settings` with `policy`.
     `progress(task, finished, total)` hears of every finished episode (and of each task's start, with 0);
     without one, the evaluation shows its own (`task_progress(label)`). `replace`: whether an earlier
     evaluation in `out_dir` is replaced (else refused, before anything runs). Episodes on seeds the
     policy's demonstrations started from are refused unless `settings.allow_seen_seeds`
     (`check_unseen_seeds`); the report's `demonstration_seeds_shared` counts them either way."""
-    if settings is None:
-        settings = EvalSettings(**fields)
-    elif fields:
-        raise TypeError(f"evaluate: give the settings or their fields {sorted(fields)}, not both")
     if progress is None:
         own, update = task_progress(label)
         with own:
@@ -336,11 +331,6 @@ def write_report(out: Path, report: dict) -> None:
         tmp = out / f".{name}.{uuid.uuid4().hex[:8]}"
         tmp.write_text(text)
         os.replace(tmp, out / name)
-
-
-def render_resolution(policy, asked: int | None, flag: str = "--resolution", env: str = "metaworld") -> int:
-    """`env`'s rule for the pixels `policy` renders at (`EnvType.render_resolution`), by env name."""
-    return env_type(env).render_resolution(policy, asked, flag)
 
 
 def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim: int | None = None,

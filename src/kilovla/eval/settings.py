@@ -49,7 +49,4 @@ class EvalSettings:
     def check_fits(self, policy) -> EnvSpec:
         """The tasks exist and `policy` (loaded, or a folder's `Interface`) fits the env's action, state and
         cameras; before any env is built. Returns the env's spec."""
-        self.env_type.check_tasks(list(self.tasks))
-        spec = self.spec()
-        spec.check_fits(policy)
-        return spec
+        return self.env_type.check_fits(policy, self.tasks, cameras=self.cameras, max_steps=self.max_steps)

@@ -11,6 +11,7 @@ import logging
 import math
 from pathlib import Path
 
+from kilovla.envs.base import env_type
 from kilovla.envs.seeds import rl_train_seed
 from kilovla.errors import KilovlaError
 from kilovla.policy_folder import Interface, PolicyFolder
@@ -18,7 +19,6 @@ from kilovla.rl.algorithms import algorithm
 from kilovla.rl.config import RLConfig
 
 log = logging.getLogger(__name__)
-METAWORLD_MAX_REWARD = 10.0  # Meta-World v3's shaped reward per step lies in [0, 10]
 
 
 def check_config(cfg: RLConfig) -> None:
@@ -56,25 +56,27 @@ def check_config(cfg: RLConfig) -> None:
                            f"{cfg.learner.ranks} learner ranks")
     if cfg.env.shaping not in ("reward", "progress"):
         raise KilovlaError(f"env.shaping must be reward or progress, not {cfg.env.shaping!r}")
-    if cfg.env.env == "metaworld" and cfg.env.shaping == "reward" and cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale >= cfg.env.success_bonus:
+    if cfg.env.shaping == "reward":
+        _warn_if_a_miss_outscores_a_success(cfg)
+
+
+def _warn_if_a_miss_outscores_a_success(cfg: RLConfig) -> None:
+    """env.shaping=reward: one warning when a full episode of the env's largest shaped reward
+    (`EnvType.max_reward`; an env without one is not checked) reaches the success bonus."""
+    top = env_type(cfg.env.env).max_reward
+    if top is not None and cfg.env.max_steps * top * cfg.env.reward_scale >= cfg.env.success_bonus:
         log.warning("env.reward_scale %g: a full episode's shaped reward (up to %g) can exceed the success bonus %g, "
                     "so a near miss may pay more than a success", cfg.env.reward_scale,
-                    cfg.env.max_steps * METAWORLD_MAX_REWARD * cfg.env.reward_scale, cfg.env.success_bonus)
+                    cfg.env.max_steps * top * cfg.env.reward_scale, cfg.env.success_bonus)
 
 
 def check_policy_fits_env(cfg: RLConfig, declared: Interface) -> None:
-    """The training tasks exist and the policy's action, state and cameras fit the env (from policy.json)."""
-    from kilovla.envs.base import check_tasks, env_spec
-    from kilovla.eval.closed_loop import check_compatible
-
-    if cfg.env.env == "metaworld":
-        from kilovla.envs import metaworld
-
-        check_tasks(cfg.env.env, list(cfg.env.tasks), metaworld.task_names())
-    elif not cfg.env.tasks:
+    """The training tasks exist and the policy's action, state and cameras fit the env (from policy.json):
+    the env's own check (`EnvType.check_fits`), the one every evaluation makes."""
+    if not cfg.env.tasks:
         raise KilovlaError("env.tasks is empty: name the tasks to train on")
-    spec = env_spec(cfg.env.env, cfg.env.tasks[0], cameras=tuple(cfg.env.cameras), max_steps=cfg.env.max_steps)
-    check_compatible(declared, spec)
+    env_type(cfg.env.env).check_fits(declared, cfg.env.tasks, cameras=tuple(cfg.env.cameras),
+                                     max_steps=cfg.env.max_steps)
 
 
 def fit_algorithm(cfg: RLConfig, source: PolicyFolder, n_action_steps: int, folder: Path | None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kilovla import config as config_mod
+from kilovla.eval.settings import EvalSettings
 from kilovla.rl.compute import ComputeSection
 from kilovla.rl.filtered_bc import FilteredBCConfig
 from kilovla.rl.sac import SACConfig
@@ -65,9 +66,9 @@ class EnvSection:
     # on success. `shaping` "progress" (the default; the gain recipe's): the change of the simulator's shaped
     # reward since the previous action (a difference, undiscounted: an episode's shaping sums to reward_scale
     # x (last reward - first), at most 1.0 here, so getting closer pays and hovering near the goal pays
-    # nothing more). "reward": the simulator's shaped reward itself; then keep max_steps x 10 (Meta-World's
-    # largest reward) x reward_scale below success_bonus (e.g. 150 x 10 x 2e-4 = 0.3 < 1.0), or a near miss
-    # that hovers by the goal until the time limit outscores a success (`kilovla rl` warns).
+    # nothing more). "reward": the simulator's shaped reward itself; then keep max_steps x the env's largest
+    # reward (EnvType.max_reward; Meta-World's 10) x reward_scale below success_bonus (e.g. 150 x 10 x 2e-4 =
+    # 0.3 < 1.0), or a near miss that hovers by the goal until the time limit outscores a success (`kilovla rl` warns).
     shaping: str = "progress"
     reward_scale: float = 0.1
     success_bonus: float = 1.0
@@ -104,6 +105,13 @@ class EvalSection:
     episodes: int = 10  # per task; 0: no final evaluation
     tasks: list[str] = field(default_factory=list)  # default: the training tasks
     batch_size: int = 10
+
+    def settings(self, env: EnvSection, seed: int) -> EvalSettings:
+        """The final evaluation: these episodes on the run's env, its cameras, step limit and resolution
+        (None: the policy's), with the run's seed."""
+        return EvalSettings(env=env.env, tasks=self.tasks or env.tasks, episodes=self.episodes, seed=seed,
+                            batch_size=self.batch_size, cameras=env.cameras, resolution=env.resolution,
+                            max_steps=env.max_steps)
 
 
 @dataclass

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from kilovla import config as config_mod
 from kilovla.data.ray_cluster import connect_ray
+from kilovla.envs.base import env_type
 from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear, policy_folder
 from kilovla.policy_folder import POLICY_JSON, RL_STATE, Interface, PolicyFolder
@@ -82,8 +83,9 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     if cfg.eval.episodes:  # the final evaluation's seeds: refused now if demonstrations started there, not after the run
         from kilovla.eval.closed_loop import check_unseen_seeds
 
-        check_unseen_seeds(source.meta.demonstration_seeds, list(cfg.eval.tasks or cfg.env.tasks), cfg.seed,
-                           cfg.eval.episodes, env=cfg.env.env, who=f"--policy {policy_dir}",
+        final_eval = cfg.eval.settings(cfg.env, cfg.seed)
+        check_unseen_seeds(source.meta.demonstration_seeds, list(final_eval.tasks), final_eval.seed,
+                           final_eval.episodes, env=final_eval.env, who=f"--policy {policy_dir}",
                            remedy="set another --seed (it also picks the final evaluation's), or --eval.episodes=0")
     cfg = _with_policy_resolution(cfg, declared)
     sde, n_action_steps = _sde(cfg, source), cfg.rollout.n_action_steps or declared.n_action_steps or 1
@@ -155,10 +157,8 @@ def _finish(run_dir: Path, summary: dict, started: float, cfg: RLConfig) -> dict
 
 def _with_policy_resolution(cfg: RLConfig, declared: Interface) -> RLConfig:
     """Rollouts and the final evaluation render at the policy's training resolution unless env.resolution
-    says otherwise (eval's rule, `render_resolution`)."""
-    from kilovla.eval.closed_loop import render_resolution
-
-    resolution = render_resolution(declared, cfg.env.resolution, "--env.resolution")
+    says otherwise (the env's rule, `EnvType.render_resolution`, the one evaluations follow)."""
+    resolution = env_type(cfg.env.env).render_resolution(declared, cfg.env.resolution, "--env.resolution")
     if resolution == cfg.env.resolution:
         return cfg
     return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, resolution=resolution))
@@ -190,9 +190,7 @@ def _sde(cfg: RLConfig, source: PolicyFolder) -> FlowSDE:
 def _evaluate(folder: Path, cfg: RLConfig) -> dict:
     from kilovla.eval.closed_loop import evaluate, load_policy
 
-    report = evaluate(load_policy(str(folder)), env=cfg.env.env, tasks=list(cfg.eval.tasks or cfg.env.tasks),
-                      episodes=cfg.eval.episodes, batch_size=cfg.eval.batch_size, resolution=cfg.env.resolution,
-                      cameras=tuple(cfg.env.cameras), max_steps=cfg.env.max_steps, seed=cfg.seed,
+    report = evaluate(load_policy(str(folder)), cfg.eval.settings(cfg.env, cfg.seed),
                       out_dir=Path(cfg.run_dir) / "eval", label="rl final eval")
     return {"success_rate": report["overall_success_rate"],
             "per_task": {t: r["success_rate"] for t, r in report["per_task"].items()}}

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
-from kilovla.rl.algorithms import Algorithm, LearnerRun
+from kilovla.rl.algorithm import Algorithm, LearnerRun
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.flow import flow_draws, flow_matching_error
 from kilovla.rl.policy import ActorCritic, load_actor_critic

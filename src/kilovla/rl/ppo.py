@@ -47,7 +47,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.policy_folder import POLICY_JSON
-from kilovla.rl.algorithms import Algorithm, LearnerRun
+from kilovla.rl.algorithm import Algorithm, LearnerRun
 from kilovla.rl.compute import ComputeSection, sleep_until
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.losses import awr_loss, decoupled_ppo_loss, gae, value_loss

@@ -15,7 +15,7 @@ import torch
 from kilovla.envs.seeds import rl_train_seed
 from kilovla.errors import KilovlaError
 from kilovla.policy_folder import PolicyFolder
-from kilovla.rl.algorithms import LearnerRun
+from kilovla.rl.algorithm import LearnerRun
 from kilovla.rl.checkpoints import replay_rows, write_checkpoint
 from kilovla.rl.config import RLConfig
 from kilovla.rl.core.flow import FlowSDE

@@ -48,7 +48,7 @@ from kilovla.errors import KilovlaError
 from kilovla.models.family import chunk_length
 from kilovla.models.processor import PolicyMeta, Processor
 from kilovla.models.residual import ResidualActor, ResidualSpec, mlp, pooled_width
-from kilovla.rl.algorithms import Algorithm, LearnerRun
+from kilovla.rl.algorithm import Algorithm, LearnerRun
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.losses import sac_actor_loss, sac_critic_loss, sac_td_target, sac_temperature_loss
 from kilovla.rl.offpolicy import (OffPolicySchedule, check_one_learner, check_replay_capacity, check_saved_replay,

@@ -414,7 +414,7 @@ class LearnerWorker:
 
         torch.set_num_threads(threads)
         torch.manual_seed(0)
-        self.algorithm, self.run = algorithm(run.algo.name), run  # run: algorithms.LearnerRun
+        self.algorithm, self.run = algorithm(run.algo.name), run  # run: algorithm.LearnerRun
         self.model = self.algorithm.load_agent(policy_dir, run.algo, sde, n_action_steps, privileged).eval()  # no dropout
         self.busy = _Busy()
 

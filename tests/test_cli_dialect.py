@@ -167,3 +167,15 @@ def test_train_takes_policy_path_as_its_starting_weights_and_keeps_init_from(cap
     old = load_config(TrainConfig, None, train_overrides(["--policy.init_from=ckpt/a", "--steps=3"]))
     assert old == new
     assert capsys.readouterr().err == ""  # init_from is the config's own key (YAML files), not an old flag
+
+
+def test_a_prefix_of_a_key_is_not_taken_for_the_key(capsys):
+    """argparse's abbreviation ran `--eval.n_episode=2` as --eval.n_episodes: a typo must not run."""
+    assert main(["eval", "--eval.n_episode=2"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: unknown config key 'eval.n_episode' "
+                                               "(did you mean 'eval.n_episodes'?)")
+    assert main(["collect", "--collect.n_episode=1", "--output_dir=d"]) == 2
+    assert "(did you mean 'collect.n_episodes'?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "rl", "--env-step", "5"])
+    assert e.value.code == 2 and "unrecognized arguments: --env-step" in capsys.readouterr().err

@@ -470,7 +470,7 @@ def _data_parsers(sub) -> None:
 def _bench_parser(sub) -> None:
     from kilovla.cli_config import _Alias
 
-    p = sub.add_parser("bench", help="benchmark suites: print a table, write DIR/<suite>.json")
+    p = sub.add_parser("bench", allow_abbrev=False, help="benchmark suites: print a table, write DIR/<suite>.json")
     p.add_argument("suite", choices=[*SUITES, "all", "table"],
                    help="table: render PATH's <suite>.json as markdown (README's tables) instead of measuring")
     p.add_argument("path", nargs="?", default=None, help="table: a <suite>.json or a folder of them")
@@ -496,7 +496,7 @@ def _bench_parser(sub) -> None:
 def _quantize_parser(sub) -> None:
     from kilovla.cli_config import QUANTIZE_ALIASES, QuantizeCommand, add_config_flags
 
-    p = sub.add_parser("quantize", help="block-wise FP8 post-training quantization of a policy folder, with a report",
+    p = sub.add_parser("quantize", allow_abbrev=False, help="block-wise FP8 post-training quantization of a policy folder, with a report",
                        description="kilovla quantize --policy.path=DIR --output_dir=NEW [--eval.n_episodes=50]")
     add_config_flags(p, QuantizeCommand, QUANTIZE_ALIASES, positional=("policy_dir", "policy.path"))
     p.set_defaults(func=cmd_quantize)
@@ -521,7 +521,7 @@ def _train_rl_parsers(sub) -> None:
 def _collect_parser(sub) -> None:
     from kilovla.cli_config import COLLECT_ALIASES, CollectCommand, add_config_flags
 
-    p = sub.add_parser("collect", help="scripted demonstrations -> a LeRobot v3.0 dataset",
+    p = sub.add_parser("collect", allow_abbrev=False, help="scripted demonstrations -> a LeRobot v3.0 dataset",
                        description="kilovla collect --env.task=reach-v3,push-v3 --collect.n_episodes=20 "
                        "--output_dir=data/mw")
     add_config_flags(p, CollectCommand, COLLECT_ALIASES)
@@ -531,7 +531,7 @@ def _collect_parser(sub) -> None:
 def _serve_parser(sub) -> None:
     from kilovla.cli_config import SERVE_ALIASES, ServeCommand, add_config_flags
 
-    p = sub.add_parser("serve", help="serve a policy folder over openpi's websocket protocol, batched across robots",
+    p = sub.add_parser("serve", allow_abbrev=False, help="serve a policy folder over openpi's websocket protocol, batched across robots",
                        description="kilovla serve --policy.path=DIR [--serve.host=0.0.0.0 --serve.api_key=KEY]")
     add_config_flags(p, ServeCommand, SERVE_ALIASES)
     p.set_defaults(func=cmd_serve)
@@ -540,7 +540,7 @@ def _serve_parser(sub) -> None:
 def _demo_parser(sub) -> None:
     from kilovla.cli_config import DEMO_ALIASES, DemoCommand, add_config_flags
 
-    p = sub.add_parser("demo", help="the main job on an embedded default",
+    p = sub.add_parser("demo", allow_abbrev=False, help="the main job on an embedded default",
                        description="kilovla demo [--quick] [--policy.preset=pi0-tiny] "
                        "[--policy.overrides.expert.width=128] [--seed=S] [--output_dir=demo-output]")
     add_config_flags(p, DemoCommand, DEMO_ALIASES)
@@ -567,7 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _eval_parser(sub) -> None:
     from kilovla.cli_config import EVAL_ALIASES, EvalCommand, add_config_flags
 
-    p = sub.add_parser("eval", help="closed-loop evaluation: success rate per task, videos, report",
+    p = sub.add_parser("eval", allow_abbrev=False, help="closed-loop evaluation: success rate per task, videos, report",
                        description="kilovla eval --policy.path=DIR --env.type=metaworld --env.task=reach-v3,push-v3 "
                        "--eval.n_episodes=20 --output_dir=DIR")
     add_config_flags(p, EvalCommand, EVAL_ALIASES)

@@ -179,3 +179,27 @@ def test_a_prefix_of_a_key_is_not_taken_for_the_key(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "rl", "--env-step", "5"])
     assert e.value.code == 2 and "unrecognized arguments: --env-step" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, spellings", [
+    (["eval", "--eval.n_episodes=0", "--episodes", "3"], "--eval.n_episodes=0 and --episodes 3"),
+    (["collect", "--output_dir=c4", "--out", "c5"], "--output_dir=c4 and --out c5"),
+    (["quantize", "RUN_A", "--policy.path=RUN_B"], "--policy.path=RUN_B and RUN_A (the positional policy_dir)"),
+    (["serve", "--policy.path=x", "--no-cuda-graphs", "--serve.cuda_graphs=true"],
+     "--no-cuda-graphs and --serve.cuda_graphs=true"),
+    (["bench", "rl", "--policy.path=a", "--policy", "b"], "--policy.path=a and --policy b"),
+])
+def test_two_spellings_of_one_key_with_two_values_are_refused(capsys, argv, spellings):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: {spellings} are one setting with two values; give one"
+
+
+def test_two_spellings_of_one_key_with_one_value_agree():
+    from kilovla.cli_config import check_spellings
+
+    for argv in (["eval", "--eval.n_episodes=3", "--episodes", "3", "--ema", "--policy.ema=true"],
+                 ["quantize", "runs/x", "--policy.path=runs/x"]):
+        check_spellings(cli.build_parser().parse_known_args(argv)[0])  # no error
+    cfg = _config(["eval", "--eval.n_episodes=3", "--episodes", "3", "--ema", "--policy.ema=true"])
+    assert (cfg.eval.n_episodes, cfg.policy.ema) == (3, True)

@@ -468,7 +468,7 @@ def _data_parsers(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    from kilovla.cli_config import _Alias
+    from kilovla.cli_config import _Alias, _Key
 
     p = sub.add_parser("bench", allow_abbrev=False, help="benchmark suites: print a table, write DIR/<suite>.json")
     p.add_argument("suite", choices=[*SUITES, "all", "table"],
@@ -476,7 +476,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("path", nargs="?", default=None, help="table: a <suite>.json or a folder of them")
     p.add_argument("--readme", default=None, help="table: write the tables into this README between its markers")
     _bench_flags(p)
-    p.add_argument("--policy.path", dest="policy", default=None, help="rl, fp8, serve: the policy folder to fine-tune / "
+    p.add_argument("--policy.path", dest="policy", action=_Key, default=None, help="rl, fp8, serve: the policy folder to fine-tune / "
                    "quantize / serve (default: the demo's checkpoint; fp8 trains one with the demo's recipe when there "
                    "is none)")
     p.add_argument("--policy", dest="policy", action=_Alias, key="policy.path", flag=False, default=None,
@@ -591,9 +591,11 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = extra
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if dotted:
-            from kilovla.cli_config import config_from
+        if dotted or "_spelt" in vars(args):
+            from kilovla.cli_config import check_spellings, config_from
 
+            check_spellings(args)
+        if dotted:
             args.cfg = config_from(args, extra)
         return args.func(args)
     except KilovlaError as e:

@@ -252,6 +252,43 @@ def _hint_name(hint) -> str:
     return "|".join(getattr(a, "__name__", str(a)) for a in args).upper()
 
 
+def _note(namespace, dest: str, option_string: str, shown: str, value) -> None:
+    """Remember what each spelling of `dest` gave (`check_spellings` refuses two that disagree)."""
+    namespace.__dict__.setdefault("_spelt", {}).setdefault(dest, {})[option_string] = (shown, value)
+
+
+def _plain(value):
+    """A flag's value as YAML reads it, so that `--episodes 3` and `--eval.n_episodes=3` agree."""
+    try:
+        return yaml.safe_load(value) if isinstance(value, str) else value
+    except yaml.YAMLError:
+        return value
+
+
+def check_spellings(args: argparse.Namespace) -> None:
+    """Two spellings of one key (old and new, or the old positional) with different values: an error, not
+    the last one silently winning."""
+    spelt = {dest: dict(given) for dest, given in getattr(args, "_spelt", {}).items()}
+    positional = getattr(args, "config_positional", None)
+    if positional and getattr(args, positional[0], None) is not None:
+        value = getattr(args, positional[0])
+        spelt.setdefault(PREFIX + positional[1], {})[positional[0]] = (f"{value} (the positional {positional[0]})",
+                                                                        value)
+    for given in spelt.values():
+        (shown, value), *rest = given.values()
+        for other, other_value in rest:
+            if _plain(value) != _plain(other_value):
+                raise KilovlaError(f"{shown} and {other} are one setting with two values; give one")
+
+
+class _Key(argparse._StoreAction):
+    """A dotted flag (`--eval.n_episodes=3`): stores its value and notes its spelling."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        _note(namespace, self.dest, option_string, f"{option_string}={values}", values)
+
+
 class _Alias(argparse.Action):
     """A flag of the old dialect: sets its dotted key (a flag: to `const`; a list key: appends) and says
     the new spelling, once."""
@@ -263,8 +300,11 @@ class _Alias(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         if self.flag:
             values = self.const
-        elif self.append:
+        if self.append:  # a list key: every spelling's items add up
             values = [*getattr(namespace, self.dest, []), values]
+        else:
+            _note(namespace, self.dest, option_string, option_string if self.flag else f"{option_string} {values}",
+                  values)
         setattr(namespace, self.dest, values)
         said = namespace.__dict__.setdefault("_aliases_said", set())
         if option_string not in said:
@@ -286,7 +326,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, st
             groups[section] = parser.add_argument_group(f"--{section}.*" if "." in key else "other options")
         help = m.get("help", "")
         shown = "" if "default:" in help else f" (default: {default})"
-        bare = dict(nargs="?", const="true") if hint is bool else {}  # `--eval.allow_seen_seeds` alone: true
+        bare = dict(action=_Key, nargs="?", const="true") if hint is bool else dict(action=_Key)
+        # (a bool flag alone, `--eval.allow_seen_seeds`: true)
         if typing.get_origin(hint) is list:
             bare = dict(action="append")  # repeatable; each value a YAML item or list
         groups[section].add_argument(f"--{key}", dest=PREFIX + key, default=argparse.SUPPRESS, **bare,

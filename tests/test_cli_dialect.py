@@ -203,3 +203,15 @@ def test_two_spellings_of_one_key_with_one_value_agree():
         check_spellings(cli.build_parser().parse_known_args(argv)[0])  # no error
     cfg = _config(["eval", "--eval.n_episodes=3", "--episodes", "3", "--ema", "--policy.ema=true"])
     assert (cfg.eval.n_episodes, cfg.policy.ema) == (3, True)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["quantize", "--policy.path=x", "--quant.scope=every"],
+     "error: --quant.scope: invalid choice: 'every' is not one of default, all"),
+    (["collect", "--collect.labels=foo"], "error: --collect.labels: invalid choice: 'foo' is not one of executed, expert"),
+    (["collect", "--labels", "foo"], "error: --labels: invalid choice: 'foo' is not one of executed, expert"),
+])
+def test_a_value_outside_the_choices_is_one_line_and_exit_2(capsys, argv, line):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == line

@@ -547,11 +547,26 @@ def _demo_parser(sub) -> None:
     p.set_defaults(func=cmd_demo)
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser: a value outside a flag's choices is one error line, not the usage (8-15 lines)."""
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r} is not one of {', '.join(map(str, action.choices))}")
+
+    def error(self, message):
+        if "invalid choice: " not in message:
+            super().error(message)
+        _say_error(message.removeprefix("argument "))
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kilovla", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"kilovla {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     _data_parsers(sub)
     _bench_parser(sub)

@@ -215,3 +215,13 @@ def test_a_value_outside_the_choices_is_one_line_and_exit_2(capsys, argv, line):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and capsys.readouterr().err.strip() == line
+
+
+def test_a_refused_eval_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--policy.path=scripted", "--env.task=MT10", "--eval.n_episodes=0"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert list(tmp_path.iterdir()) == []  # not even the eval-output/ it made for its folder
+    (tmp_path / "eval-output" / "earlier").mkdir(parents=True)  # one that was there stays
+    assert main(["eval", "--policy.path=scripted", "--env.task=MT10", "--eval.n_episodes=0"]) == 2
+    assert [p.name for p in (tmp_path / "eval-output").iterdir()] == ["earlier"]

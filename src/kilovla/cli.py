@@ -6,9 +6,11 @@ Bad input (a KilovlaError) prints one line and exits 2; anything else is a bug a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
+from pathlib import Path
 
 from kilovla.bench.common import SUITES
 from kilovla.errors import KilovlaError
@@ -251,8 +253,10 @@ def cmd_eval(args) -> int:
     policy = load_policy(cfg.policy.path, env=cfg.env.type, seed=cfg.eval.seed, ema=cfg.policy.ema)
     check_action_steps(policy, cfg.eval.n_action_steps)
     settings = cfg.eval.settings(cfg.env, tasks)
+    root = Path("eval-output")
+    root_made = cfg.output_dir is None and not root.exists()  # this run makes it: a refusal removes it again
     out = cfg.output_dir if cfg.output_dir is not None else new_output_dir(
-        "eval-output", cfg.env.type, getattr(policy, "source", None) or cfg.policy.path)
+        root, cfg.env.type, getattr(policy, "source", None) or cfg.policy.path)
     print(f"eval: report and videos go to {out}", flush=True)
     progress, update = task_progress("eval")
     try:
@@ -261,6 +265,9 @@ def cmd_eval(args) -> int:
     except BaseException:
         if cfg.output_dir is None and not any(out.iterdir()):  # refused before writing: no empty folder left behind
             out.rmdir()
+            if root_made:
+                with contextlib.suppress(OSError):  # not empty: another evaluation's folder is in it now
+                    root.rmdir()
         raise
     _print_eval_report(report)
     print(f"wrote {out}/report.json, {out}/report.md")

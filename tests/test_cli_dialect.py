@@ -225,3 +225,10 @@ def test_a_refused_eval_writes_nothing(tmp_path, monkeypatch, capsys):
     (tmp_path / "eval-output" / "earlier").mkdir(parents=True)  # one that was there stays
     assert main(["eval", "--policy.path=scripted", "--env.task=MT10", "--eval.n_episodes=0"]) == 2
     assert [p.name for p in (tmp_path / "eval-output").iterdir()] == ["earlier"]
+
+
+def test_train_did_you_mean_knows_policy_path(capsys):
+    assert main(["train", "--policy.pth=runs/x"]) == 2
+    assert capsys.readouterr().err.strip() == "error: unknown config key 'policy.pth' (did you mean 'policy.path'?)"
+    assert main(["train", "--optim.lrr=1"]) == 2
+    assert "(did you mean 'optim.lr'?)" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from kilovla.config import _unknown, from_dict, parse_override, set_dotted, to_dict
+from kilovla.config import _all_keys, _unknown, from_dict, parse_override, set_dotted, to_dict
 from kilovla.errors import KilovlaError
 
 PREFIX = "cfg:"  # namespace attributes holding config keys
@@ -403,8 +403,14 @@ def train_overrides(overrides: list[str]) -> list[str]:
     """`kilovla train` overrides as TrainConfig keys: `--policy.path=DIR` (LeRobot's spelling of the
     starting weights) is `--policy.init_from=DIR`; `--policy.init_from` itself stays, the config's own key
     (YAML files spell it so), without a notice."""
+    from kilovla.train.config import TrainConfig
+
+    keys = _all_keys(TrainConfig)
     out = []
     for item in overrides:
         key, sep, value = item.removeprefix("--").partition("=")
+        known = key in keys or key in TRAIN_KEYS or any(k.startswith(key + ".") for k in keys)
+        if not known and not _dict_key(TrainConfig, key):  # did-you-mean that knows policy.path too
+            raise _unknown(TrainConfig, key, also=tuple(TRAIN_KEYS))
         out.append(f"--{TRAIN_KEYS[key]}{sep}{value}" if key in TRAIN_KEYS else item)
     return out

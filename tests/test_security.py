@@ -187,8 +187,8 @@ def _sharded_policy_folder(tmp_path: Path, marker: Path) -> Path:
 def test_eval_of_an_fsdp_folder_refuses_a_crafted_metadata(tmp_path, capsys):
     marker = tmp_path / "marker"
     folder = _sharded_policy_folder(tmp_path, marker)
-    assert main(["eval", "--policy", str(folder), "--tasks", "reach-v3", "--episodes", "1", "--resolution", "32",
-                 "--max-steps", "4", "--videos", "0", "--out", str(tmp_path / "ev")]) == 2
+    assert main(["eval", f"--policy.path={folder}", "--env.task=reach-v3", "--eval.n_episodes=1", "--env.resolution=32",
+                 "--env.max_steps=4", "--eval.videos=0", f"--output_dir={tmp_path / 'ev'}"]) == 2
     _refused_in_one_line(capsys, folder / "state" / ".metadata")
     assert not marker.exists()
 
@@ -196,7 +196,7 @@ def test_eval_of_an_fsdp_folder_refuses_a_crafted_metadata(tmp_path, capsys):
 def test_quantize_of_an_fsdp_folder_refuses_a_crafted_metadata(tmp_path, capsys):
     marker = tmp_path / "marker"
     folder = _sharded_policy_folder(tmp_path, marker)
-    assert main(["quantize", str(folder), "--out", str(tmp_path / "q")]) == 2
+    assert main(["quantize", f"--policy.path={folder}", f"--output_dir={tmp_path / 'q'}"]) == 2
     _refused_in_one_line(capsys, folder / "state" / ".metadata")
     assert not marker.exists() and not (tmp_path / "q").exists()
 
@@ -208,8 +208,8 @@ def test_a_state_folder_of_another_model_is_one_line_not_a_dcp_traceback(tmp_pat
     folder = save_policy(_metaworld_policy(), tmp_path / "policy")
     (folder / "model.safetensors").unlink()
     dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(folder / "state"), no_dist=True)
-    assert main(["eval", "--policy", str(folder), "--tasks", "reach-v3", "--episodes", "1", "--resolution", "32",
-                 "--max-steps", "4", "--videos", "0", "--out", str(tmp_path / "ev")]) == 2
+    assert main(["eval", f"--policy.path={folder}", "--env.task=reach-v3", "--eval.n_episodes=1", "--env.resolution=32",
+                 "--env.max_steps=4", "--eval.videos=0", f"--output_dir={tmp_path / 'ev'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith(f"error: {folder / 'state'}: does not fit the model: "), err
 

@@ -92,10 +92,6 @@ def with_policy_defaults(cfg: TrainConfig) -> TrainConfig:
                                freeze_vlm=pick(cfg.freeze_vlm, d.freeze_vlm))
 
 
-def chunk_of(model_cfg) -> int:
-    return chunk_length(model_cfg)
-
-
 def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta], init_from: dict | None = None) -> PolicyMeta:
     """How the policy reads this dataset: camera map, state keys, dims, stats; checked for fit.
     `cfg` has its defaults filled (`with_policy_defaults`)."""
@@ -268,7 +264,7 @@ def build_data(cfg: TrainConfig, model_cfg, meta: PolicyMeta, processor: Process
                metas: list[DatasetMeta], index=None) -> tuple[DataLake, TokenLayout, GlobalBatchPlan]:
     """The lake over the run's datasets (action windows of the model's chunk) and its seeded plan; `index`: the
     datasets' lake index (`LakeIndex`), or None to read each."""
-    chunk = chunk_of(model_cfg)
+    chunk = chunk_length(model_cfg)
     weights = cfg.dataset.weights or [1.0] * len(metas)
     sources = [LakeSource(root=str(r), weight=w, delta_timestamps={"action": [i / m.fps for i in range(chunk)]})
                for r, w, m in zip(cfg.dataset.roots, weights, metas)]

@@ -54,13 +54,13 @@ from kilovla.data.writer import _atomic_write_text
 from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear
 from kilovla.models.batch import PaddedBatch
-from kilovla.models.family import family_of
+from kilovla.models.family import chunk_length, family_of
 from kilovla.models.presets import build_model, policy_defaults, preset
 from kilovla.progress import StepProgress
 from kilovla.train import checkpoint as ckpt
 from kilovla.train import distributed, pipeline
 from kilovla.train.build import (apply_freeze, attention_in_use, build_data, build_ema, build_lora, build_processor,
-                                 build_weights, check_resume_lora, chunk_of, flow_time, plan_start, policy_meta,
+                                 build_weights, check_resume_lora, flow_time, plan_start, policy_meta,
                                  start_weights, update_ema, with_policy_defaults)
 from kilovla.train.config import TrainConfig, validate_config, with_init_model
 from kilovla.train.metrics import MetricsLogger, mfu, plot_learning_curve
@@ -460,7 +460,7 @@ def check_finite_step(step: int, loss: float, grad_norm: float) -> None:
 
 def _sample_noise(model_cfg, seed: int, step: int, sample_ids: np.ndarray, family_time) -> tuple[torch.Tensor, torch.Tensor]:
     """Noise and flow time per sample from (seed, step, sample id): independent of rows and ranks."""
-    horizon, dim = chunk_of(model_cfg), model_cfg.max_action_dim
+    horizon, dim = chunk_length(model_cfg), model_cfg.max_action_dim
     noise, beta = [], []
     for sid in sample_ids.tolist():
         rng = np.random.default_rng([seed, step, sid])

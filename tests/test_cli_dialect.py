@@ -188,6 +188,7 @@ def test_a_prefix_of_a_key_is_not_taken_for_the_key(capsys):
     (["serve", "--policy.path=x", "--no-cuda-graphs", "--serve.cuda_graphs=true"],
      "--no-cuda-graphs and --serve.cuda_graphs=true"),
     (["bench", "rl", "--policy.path=a", "--policy", "b"], "--policy.path=a and --policy b"),
+    (["rl", "--policy.path=a", "--policy", "b"], "--policy.path=a and --policy b"),
 ])
 def test_two_spellings_of_one_key_with_two_values_are_refused(capsys, argv, spellings):
     assert main(argv) == 2
@@ -232,3 +233,93 @@ def test_train_did_you_mean_knows_policy_path(capsys):
     assert capsys.readouterr().err.strip() == "error: unknown config key 'policy.pth' (did you mean 'policy.path'?)"
     assert main(["train", "--optim.lrr=1"]) == 2
     assert "(did you mean 'optim.lr'?)" in capsys.readouterr().err
+
+
+def test_rl_takes_policy_path_and_its_old_policy_flag(tmp_path, capsys):
+    """Refused before Ray starts: the folder is not a policy folder."""
+    nope = tmp_path / "nope"
+    assert main(["rl", f"--run_dir={tmp_path / 'rl'}", f"--policy.path={nope}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: --policy.path {nope}: not a policy folder (no policy.json)"]
+    assert main(["rl", f"--run_dir={tmp_path / 'rl'}", "--policy", str(nope)]) == 2
+    assert capsys.readouterr().err.splitlines() == ["--policy is now --policy.path",
+                                                     f"error: --policy.path {nope}: not a policy folder (no policy.json)"]
+    assert main(["rl", "--policy.pth=x"]) == 2
+    assert capsys.readouterr().err.strip() == "error: unknown config key 'policy.pth' (did you mean 'policy.path'?)"
+    assert not (tmp_path / "rl").exists()
+
+
+def test_an_rl_yaml_config_keeps_its_policy_key(tmp_path, capsys):
+    from kilovla.rl import runner
+
+    (tmp_path / "rl.yaml").write_text(f"policy: {tmp_path / 'nope'}\nmode: sync\n")
+    assert runner.load(str(tmp_path / "rl.yaml"), []).policy == str(tmp_path / "nope")
+    assert main(["rl", f"--config={tmp_path / 'rl.yaml'}", f"--run_dir={tmp_path / 'rl'}"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --policy.path {tmp_path / 'nope'}: not a policy folder (no policy.json)"
+
+
+def test_rl_help_shows_policy_path(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["rl", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--policy.path" in out and "--policy " not in out
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["eval", "--eval.videos=-1"], "error: --eval.videos=-1: must be >= 0"),
+    (["eval", "--videos", "-1"], "error: --videos -1: must be >= 0"),
+    (["eval", "--eval.n_episodes=-2"], "error: --eval.n_episodes=-2: must be >= 0"),
+    (["eval", "--eval.batch_size=0"], "error: --eval.batch_size=0: must be >= 1"),
+    (["eval", "--workers", "-1"], "error: --workers -1: must be >= 0"),
+    (["collect", "--collect.noise=-1", "--output_dir=c"], "error: --collect.noise=-1: must be >= 0"),
+    (["collect", "--collect.n_episodes=-1", "--output_dir=c"], "error: --collect.n_episodes=-1: must be >= 1"),
+    (["collect", "--batch-size", "0", "--output_dir=c"], "error: --batch-size 0: must be >= 1"),
+    (["collect", "--collect.workers=-3", "--output_dir=c"], "error: --collect.workers=-3: must be >= 0"),
+    (["quantize", "--policy.path=p", "--output_dir=q", "--quant.samples=-1"], "error: --quant.samples=-1: must be >= 1"),
+    (["quantize", "--policy.path=p", "--output_dir=q", "--eval.n_episodes=-1"],
+     "error: --eval.n_episodes=-1: must be >= 0"),
+    (["serve", "--policy.path=p", "--serve.max_batch=0"], "error: --serve.max_batch=0: must be >= 1"),
+])
+def test_a_number_below_its_fields_least_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, argv, line):
+    monkeypatch.chdir(tmp_path)
+    small = {"eval": ["--env.task=reach-v3", "--eval.n_episodes=1", "--env.max_steps=2", "--env.resolution=16"],
+             "collect": ["--env.task=reach-v3", "--collect.n_episodes=1", "--env.max_steps=2", "--env.resolution=16"]}
+    # (small runs: without the check, the command would run and write)
+    assert main([*argv[:1], *small.get(argv[0], []), *argv[1:]]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["eval", "--policy.path=nope", "--env.task=reach-v3"],
+     "error: --policy.path 'nope': not 'scripted', 'random', a ws:// URL or an existing checkpoint path"),
+    (["quantize", "--policy.path=nope", "--output_dir=q", "--quant.block=24"],
+     "error: --quant.block 24: a block must be a positive multiple of 16 (FP8 GEMMs work on 16-wide tiles; the GPU "
+     "kernels need 128)"),
+    (["quantize", "--policy.path=nope", "--output_dir=."], "error: --output_dir .: already exists; nothing was written "
+     "(choose a new folder)"),
+    (["serve", "--policy.path=nope", "--serve.port=70000"], "error: --serve.port 70000: must be in 0..65535 "
+     "(0: any free port)"),
+])
+def test_errors_of_the_library_name_the_dotted_flags(tmp_path, monkeypatch, capsys, argv, line):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == line
+
+
+def test_library_notes_name_the_dotted_flags(tmp_path, monkeypatch):
+    from kilovla.bench.rl import default_policy
+    from kilovla.envs.collect import collect
+    from kilovla.errors import KilovlaError
+    from kilovla.quantize.report import report_rows
+
+    with pytest.raises(KilovlaError, match="^--collect.n_episodes must be at least 1, got 0$"):
+        collect(tmp_path / "c", tasks=["reach-v3"], episodes_per_task=0)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(KilovlaError, match="pass --policy.path=PATH"):
+        default_policy()
+    size = {"source_bytes": 4096, "bf16_bytes": 2048, "quantized_bytes": 1024, "reduction_percent": 50.0,
+            "fp8_params": 1, "total_params": 2}
+    report = {"size": size, "layers": {"x": {"weight_sqnr_db": 30.0}},
+              "latency": {"baseline_s": 1.0, "quantized_s": 1.0, "device": "cpu", "kernel": "emulate"}}
+    notes = {row[0]: row[3] for row in report_rows(report)}  # quantize without quant.dataset, no closed loop
+    assert (notes["action MSE"], notes["closed-loop success"]) == ("pass --quant.dataset=DIR", "pass --eval.n_episodes=N")

@@ -235,7 +235,7 @@ def _errors(err: str) -> str:
 
 def test_collect_of_no_episodes_per_task_names_the_flag(tmp_path, capsys):
     assert main(["collect", "--tasks", "reach-v3", "--episodes-per-task", "0", "--out", str(tmp_path / "out")]) == 2
-    assert _errors(capsys.readouterr().err) == "error: --episodes-per-task must be at least 1, got 0"
+    assert _errors(capsys.readouterr().err) == "error: --episodes-per-task 0: must be >= 1"
     assert not (tmp_path / "out").exists()
 
 

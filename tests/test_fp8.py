@@ -305,7 +305,7 @@ def test_scope_all_takes_every_blockable_layer_but_the_vision_tower():
         select_layers(groot, include=r"action_head\.position_embedding")
     with pytest.raises(KilovlaError, match="choose one"):
         Fp8Config(scope="all", include="x")
-    with pytest.raises(KilovlaError, match="--scope must be one of"):
+    with pytest.raises(KilovlaError, match="--quant.scope must be one of"):
         Fp8Config(scope="everything")
 
 
@@ -591,7 +591,7 @@ def test_a_dataset_that_does_not_fit_is_named(folders, tmp_path, capsys):
     other = make_synthetic_dataset(tmp_path / "other", episodes=1, frames=12, cameras=("left",), seed=1)
     assert main(["quantize", str(folders["source"]), "--out", str(tmp_path / "q"), "--dataset", str(other)]) == 2
     err = capsys.readouterr().err
-    assert f"--dataset {other} does not fit the policy" in err and "observation.images.front" in err
+    assert f"--quant.dataset {other} does not fit the policy" in err and "observation.images.front" in err
     assert _entries(tmp_path) == ["other"]
 
 
@@ -955,7 +955,7 @@ def test_device_auto_is_the_cpu_here_and_the_latency_says_where():
     from kilovla.quantize.folder import resolve_device
 
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(KilovlaError, match="--device 'nonsense'"):
+    with pytest.raises(KilovlaError, match="--quant.device 'nonsense'"):
         resolve_device("nonsense")
 
 
@@ -972,3 +972,43 @@ def test_quantize_on_the_gpu_selects_a_gpu_kernel(folders, tmp_path):
     quantize_model(big, Fp8Config(include="0"))
     big(torch.randn(4, 256, device="cuda"))
     assert big[0].kernel_used["cuda"] in ("scaled_mm", "torchao")
+
+
+@pytest.mark.parametrize("policy, flags, message", [
+    ("MISSING", [], "not a policy folder"),
+    ("SOURCE", [], "does not fit env metaworld"),  # made for the synthetic data
+    ("METAWORLD", ["--dataset", "SYNTHETIC"], "error: --dataset {SYNTHETIC} does not fit the policy"),
+    ("METAWORLD", ["--episodes", "-1"], "error: --episodes -1: must be >= 0"),
+])
+def test_a_refused_bench_fp8_writes_nothing(folders, tmp_path, capsys, policy, flags, message):
+    """Refused before the held-out episodes are collected: not even the --out folder is made."""
+    from kilovla.cli import main
+
+    _metaworld_policy_folder(tmp_path / "mw")
+    paths = {"MISSING": str(tmp_path / "missing"), "SOURCE": str(folders["source"]), "METAWORLD": str(tmp_path / "mw"),
+             "SYNTHETIC": str(folders["dataset"])}
+    argv = ["bench", "fp8", "--quick", f"--policy.path={paths[policy]}", f"--out={tmp_path / 'out'}",
+            *[paths.get(a, a) for a in flags]]
+    assert main(argv) == 2
+    assert message.format(**paths) in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bench_fp8_refused_midway_removes_the_episodes_it_collected(tmp_path, monkeypatch):
+    from kilovla.bench import fp8 as fp8_bench
+
+    def refuse(*args, **kwargs):
+        raise KilovlaError("refused")
+
+    _metaworld_policy_folder(tmp_path / "mw")
+    monkeypatch.setattr(fp8_bench, "quantize_policy_folder", refuse)
+    with pytest.raises(KilovlaError, match="refused"):
+        fp8_bench.run(quick=True, out_dir=tmp_path / "out", policy=tmp_path / "mw", tasks=["reach-v3"], resolution=16,
+                      episodes=0)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()  # a folder that was there stays, less what this run collected
+    with pytest.raises(KilovlaError, match="refused"):
+        fp8_bench.run(quick=True, out_dir=tmp_path / "out", policy=tmp_path / "mw", tasks=["reach-v3"], resolution=16,
+                      episodes=0)
+    assert _entries(tmp_path / "out") == []

@@ -101,7 +101,7 @@ def test_serve_on_a_port_in_use_is_one_line_naming_host_and_port_before_the_poli
                                "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     errors = [line for line in proc.stderr.splitlines() if " is now --" not in line]  # old flags' notices
-    assert errors == [f"error: --host/--port 127.0.0.1:{port}: cannot listen there: Address already in use"]
+    assert errors == [f"error: --serve.host/--serve.port 127.0.0.1:{port}: cannot listen there: Address already in use"]
 
 
 def test_a_port_taken_after_the_check_is_a_kilovla_error_and_leaves_nothing_running(engine):

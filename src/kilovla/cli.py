@@ -317,6 +317,12 @@ def cmd_rl(args) -> int:
     unknown = [a for a in args.overrides if not (a.startswith("--") and "=" in a)]
     if unknown:
         raise KilovlaError(f"unexpected arguments {unknown}; overrides look like --section.key=value")
+    misspelt = [a for a in args.overrides if a.startswith("--policy.")]  # RLConfig.policy is the folder itself
+    if misspelt:
+        from kilovla.config import _unknown
+        from kilovla.rl.config import RLConfig
+
+        raise _unknown(RLConfig, misspelt[0][2:].split("=")[0], also=("policy.path",))
     overrides = list(args.overrides)
     if args.mode:
         overrides.append(f"--mode={args.mode}")
@@ -342,9 +348,6 @@ def cmd_quantize(args) -> int:
     source = str(policy_folder(cfg.policy.path))  # a run folder or checkpoints/latest: its newest
     config = Fp8Config(block=q.block, include=q.include, exclude=q.exclude, scope=q.scope,
                        activations=q.activations, dtype=q.dtype)
-    if cfg.eval.n_episodes < 0:
-        raise KilovlaError(f"{_spelling(args, '--eval-episodes', '--eval.n_episodes')} {cfg.eval.n_episodes}: "
-                           "must be >= 0 (0 skips the closed-loop comparison)")
     evaluation = _quant_evaluation(cfg, source) if cfg.eval.n_episodes else None
     report = quantize_policy_folder(source, cfg.output_dir, config, dataset=q.dataset, samples=q.samples,
                                     evaluation=evaluation, seed=cfg.eval.seed, latency_repeats=q.latency_repeats,
@@ -510,16 +513,21 @@ def _quantize_parser(sub) -> None:
 
 
 def _train_rl_parsers(sub) -> None:
+    from kilovla.cli_config import _Alias, _Key
+
     p = sub.add_parser("train", help="train a VLA policy (single process, or under torchrun)")
     p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4; "
                    "--policy.path=DIR: the starting weights (the config's policy.init_from)")
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'auto' for the run's latest")
     p.set_defaults(func=cmd_train, overrides=[])
 
-    p = sub.add_parser("rl", help="RL fine-tuning of a policy folder on Ray: sync baseline or async (RL-VLA3)")
+    p = sub.add_parser("rl", allow_abbrev=False, help="RL fine-tuning of a policy folder on Ray: sync baseline or async (RL-VLA3)")
     p.add_argument("--config", default=None, help="YAML file (kilovla.rl.config.RLConfig); dotted overrides follow")
     p.add_argument("--mode", choices=["sync", "async"], default=None)
-    p.add_argument("--policy", default=None, help="the policy folder to start from (e.g. the demo's checkpoint)")
+    p.add_argument("--policy.path", dest="policy", action=_Key, default=None,
+                   help="the policy folder to start from (e.g. the demo's checkpoint); the config's `policy`")
+    p.add_argument("--policy", dest="policy", action=_Alias, key="policy.path", flag=False, default=None,
+                   help=argparse.SUPPRESS)  # the old spelling
     p.add_argument("--resume", default=None, help="an RL checkpoint folder, or 'auto' for the run's latest")
     p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' after `ray start`); default: local")
     p.set_defaults(func=cmd_rl, overrides=[])

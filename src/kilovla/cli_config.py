@@ -27,9 +27,10 @@ from kilovla.errors import KilovlaError
 PREFIX = "cfg:"  # namespace attributes holding config keys
 
 
-def _f(default, help: str, choices: tuple[str, ...] | None = None):
-    """A field with its `--help` line (and the values it takes, checked by argparse)."""
-    meta = {"help": help, "choices": choices}
+def _f(default, help: str, choices: tuple[str, ...] | None = None, least: float | None = None):
+    """A field with its `--help` line (and the values it takes: `choices`, checked by argparse; `least`, the
+    smallest number it takes, checked by `config_from` before the command runs)."""
+    meta = {"help": help, "choices": choices, "least": least}
     if dataclasses.is_dataclass(default):
         return field(default_factory=lambda: dataclasses.replace(default), metadata=meta)
     if isinstance(default, (list, dict)):
@@ -51,8 +52,8 @@ class EnvSection:
                    "or suite/index")
     cameras: str | None = _f(None, "comma-separated env cameras (default: the env's own)")
     resolution: int | None = _f(None, "camera pixels (default: the policy's training resolution, policy.json "
-                                "image_size; 96 for scripted/random policies and folders that lack it)")
-    max_steps: int | None = _f(None, "episode length limit (default: the env's)")
+                                "image_size; 96 for scripted/random policies and folders that lack it)", least=1)
+    max_steps: int | None = _f(None, "episode length limit (default: the env's)", least=1)
 
     def camera_tuple(self) -> tuple[str, ...] | None:
         return tuple(self.cameras.split(",")) if self.cameras else None
@@ -65,12 +66,12 @@ class EnvSection:
 
 @dataclass
 class EvalSection:
-    n_episodes: int = _f(10, "episodes per task")
-    batch_size: int = _f(8, "envs per task stepped together, one policy batch")
+    n_episodes: int = _f(10, "episodes per task", least=0)  # quantize: 0 skips its comparison
+    batch_size: int = _f(8, "envs per task stepped together, one policy batch", least=1)
     seed: int = _f(0, "the eval stream's seed: the same env seeds for every policy")
-    n_action_steps: int | None = _f(None, "actions executed per predicted chunk (default: the policy's)")
-    workers: int = _f(0, "env processes (0: in this process)")
-    videos: int = _f(2, "record the first K episodes per task")
+    n_action_steps: int | None = _f(None, "actions executed per predicted chunk (default: the policy's)", least=1)
+    workers: int = _f(0, "env processes (0: in this process)", least=0)
+    videos: int = _f(2, "record the first K episodes per task", least=0)
     allow_seen_seeds: bool = _f(False, "evaluate even on seeds the policy's demonstrations started from "
                                 "(policy.json's demonstration_seeds; refused otherwise)")
 
@@ -113,8 +114,8 @@ class QuantSection:
                      "(SM >= 8.9) need a cuda device; auto: the fastest that runs there; the CPU emulates",
                      ("auto", "scaled_mm", "torchao", "emulate"))
     dataset: str | None = _f(None, "held-out LeRobot dataset: action MSE and layer output SQNR")
-    samples: int = _f(64, "held-out frames used from quant.dataset")
-    latency_repeats: int = _f(5, "timed repeats of each latency measurement")
+    samples: int = _f(64, "held-out frames used from quant.dataset", least=1)
+    latency_repeats: int = _f(5, "timed repeats of each latency measurement", least=1)
 
 
 @dataclass
@@ -131,13 +132,13 @@ class QuantizeCommand:
 
 @dataclass
 class CollectSection:
-    n_episodes: int = _f(10, "successful episodes kept per task")
-    noise: float = _f(0.0, "std of Gaussian noise added to expert actions")
+    n_episodes: int = _f(10, "successful episodes kept per task", least=1)
+    noise: float = _f(0.0, "std of Gaussian noise added to expert actions", least=0)
     labels: str = _f("executed", "with collect.noise, the action recorded: the noisy one executed, or the expert's "
                      "noise-free one for the state reached (DART)", ("executed", "expert"))
     seed: int = _f(0, "the collection stream's seed (disjoint from evaluation's)")
-    batch_size: int = _f(4, "envs stepped together per task")
-    workers: int = _f(0, "env processes (0: in this process)")
+    batch_size: int = _f(4, "envs stepped together per task", least=1)
+    workers: int = _f(0, "env processes (0: in this process)", least=0)
     overwrite: bool = _f(False, "replace output_dir if it holds a dataset")
 
 
@@ -154,8 +155,9 @@ class CollectCommand:
 class ServeSection:
     host: str = _f("127.0.0.1", "address to listen on (beyond localhost, set serve.api_key)")
     port: int = _f(8000, "0: any free port (printed)")
-    max_batch: int = _f(16, "most requests in one forward (1: no batching)")
-    max_wait_ms: float = _f(5.0, "how long the oldest queued request waits for others before its batch runs")
+    max_batch: int = _f(16, "most requests in one forward (1: no batching)", least=1)
+    max_wait_ms: float = _f(5.0, "how long the oldest queued request waits for others before its batch runs",
+                            least=0)
     api_key: str | None = _f(None, "require `Authorization: Api-Key KEY` (default: $KILOVLA_API_KEY)")
     max_message_mb: float | None = _f(None, "refuse larger frames (default: no cap)")
     layout: str = _f("auto", "observation keys clients send (auto: detected per request)",
@@ -389,7 +391,18 @@ def config_from(args: argparse.Namespace, extra: list[str] = ()):
         if not _dict_key(cls, key) or "=" not in item:
             raise _unknown(cls, key)
         set_dotted(data, *parse_override(item))
-    return from_dict(cls, data)
+    cfg = from_dict(cls, data)
+    _check_least(cls, cfg, getattr(args, "_spelt", {}))
+    return cfg
+
+
+def _check_least(cls, cfg, spelt: dict) -> None:
+    """A number below its field's `least` (`--eval.videos=-1`): one line naming the flag as it was typed."""
+    for key, _, value, meta in _fields(cls, cfg):
+        least = meta.get("least")
+        if least is not None and value is not None and value < least:
+            shown = next(iter(spelt.get(PREFIX + key, {}).values()), (f"--{key}={value}",))[0]
+            raise KilovlaError(f"{shown}: must be >= {least}")
 
 
 DEMO_ALIASES = {"--out": "output_dir"}

@@ -17,13 +17,14 @@ Rows (DESIGN.md, Benchmarks):
 - chunk_latency_ms: batch-1 action chunk of the demo policy, fp32 vs FP8 (emulated on CPU);
   chunk_latency_ms_3b (CUDA only): the `pi05-3b` shape with random weights, bf16 vs FP8 kernels.
 
-The policy is the demo's: ``--policy DIR``, else the checkpoint `kilovla demo` left in demo-output/,
+The policy is the demo's: ``--policy.path=DIR``, else the checkpoint `kilovla demo` left in demo-output/,
 else one trained here with the demo's recipe. The held-out samples are fresh scripted episodes on
 another seed (``--dataset DIR`` to bring your own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
 from pathlib import Path
@@ -153,7 +154,7 @@ def _demo_setting(policy, out: Path, quick: bool, tasks: list[str] | None,
     from kilovla.envs.metaworld import DEFAULT_TASKS
 
     tasks = tasks or list(DEFAULT_TASKS)
-    resolution = resolution or DEMO_FULL.resolution  # the policy is the demo's unless --policy says otherwise
+    resolution = resolution or DEMO_FULL.resolution  # the policy is the demo's unless --policy.path says otherwise
     return policy, tasks, resolution
 
 
@@ -188,32 +189,62 @@ def _policy_rows(report: dict, tasks: list[str], n: int) -> list[Row]:
     return rows
 
 
+def _check_inputs(policy, dataset, settings, n: int) -> None:
+    """What can be refused before anything is written: the policy folder, the data it is measured on, the env
+    it runs in (the held-out episodes and the closed loop), `--episodes`."""
+    from kilovla.quantize.folder import check_dataset, read_source
+
+    if n < 0:
+        raise KilovlaError(f"--episodes {n}: must be >= 0 (0 skips the closed-loop comparison)")
+    folder = read_source(policy)
+    if dataset is not None:
+        check_dataset(dataset, folder.meta, flag="--dataset")
+    if n or dataset is None:  # the env collects the held-out episodes or runs the closed loop
+        settings.check_fits(folder.interface())
+
+
 def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str | Path | None = None,
         dataset: str | Path | None = None, tasks: list[str] | None = None, resolution: int | None = None,
         episodes: int | None = None, console=None) -> Path:
     from kilovla.demo import FULL as DEMO_FULL
     from kilovla.envs.collect import collect
-    from kilovla.eval.closed_loop import evaluate, task_progress
     from kilovla.eval.settings import EvalSettings
 
     size = QUICK if quick else FULL
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows, extra = _sizes_3b_rows()
+    out_made = not out.exists()
     policy, tasks, resolution = _demo_setting(policy, out, quick, tasks, resolution)
-    if dataset is None:
-        dataset = out / "fp8-heldout"
-        collect(dataset, tasks=tasks, episodes_per_task=size["heldout_episodes"], resolution=resolution,
-                noise_std=0.1, seed=HELDOUT_SEED, batch_size=5, overwrite=True)
-    quantized_dir = out / "fp8-policy"
-    shutil.rmtree(quantized_dir, ignore_errors=True)
     n = size["episodes"] if episodes is None else episodes
-
-    ema = (Path(policy) / "ema.safetensors").is_file()  # the demo evaluates its EMA weights: quantize those
-
     # on the demo's evaluation seeds, disjoint from the demonstrations'
     settings = EvalSettings(tasks=tasks, episodes=n, seed=DEMO_FULL.eval_seed, batch_size=10, resolution=resolution,
                             workers=2)
+    _check_inputs(policy, dataset, settings, n)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, extra = _sizes_3b_rows()
+    heldout = out / "fp8-heldout" if dataset is None else None
+    try:
+        if heldout is not None:
+            collect(heldout, tasks=tasks, episodes_per_task=size["heldout_episodes"], resolution=resolution,
+                    noise_std=0.1, seed=HELDOUT_SEED, batch_size=5, overwrite=True)
+        rows += _measure(policy, out, heldout or dataset, size, settings, tasks, n, extra)
+    except KilovlaError:  # refused midway: what this run collected goes again (quantize writes nothing then)
+        if heldout is not None:
+            shutil.rmtree(heldout, ignore_errors=True)
+        if out_made:
+            with contextlib.suppress(OSError):  # not empty: a demo policy trained for this run stays
+                out.rmdir()
+        raise
+    return write_suite("fp8", rows, quick=quick, out_dir=out, extra=extra, console=console)
+
+
+def _measure(policy, out: Path, dataset, size: dict, settings, tasks: list[str], n: int, extra: dict) -> list[Row]:
+    """The demo policy's rows: quantized by default and with `--scope all`, compared on `dataset` and in
+    the closed loop (`settings`, when `n` episodes); the reports go into `extra`."""
+    from kilovla.eval.closed_loop import evaluate, task_progress
+
+    quantized_dir = out / "fp8-policy"
+    shutil.rmtree(quantized_dir, ignore_errors=True)
+    ema = (Path(policy) / "ema.safetensors").is_file()  # the demo evaluates its EMA weights: quantize those
 
     def evaluation(p):
         progress, update = task_progress(f"eval {p.name}")
@@ -223,10 +254,10 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
     report = quantize_policy_folder(policy, quantized_dir, Fp8Config(), dataset=dataset, samples=size["samples"],
                                     evaluation=evaluation if n else None, latency_repeats=size["latency_repeats"],
                                     ema=ema)
-    rows += _policy_rows(report, tasks, n)
+    rows = _policy_rows(report, tasks, n)
     wide, wide_rows = _scope_all(policy, out, dataset, size, report, evaluation if n else None, ema)
     rows += wide_rows
     if torch.cuda.is_available():
         rows.append(_latency_3b_cuda(size["latency_repeats"]))
     extra.update(policy=str(policy), quantized=str(quantized_dir), report=report, report_all=wide)
-    return write_suite("fp8", rows, quick=quick, out_dir=out, extra=extra, console=console)
+    return rows

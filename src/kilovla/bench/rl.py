@@ -26,7 +26,7 @@ Two workloads (`Workload`), each the same for both modes:
 Batcher grid (async, sigma 1.0): B_max x T_max -> env steps/s and p99 queue wait (table, JSON, PNG);
 in --quick the throughput row's async run is the default batcher's (B_max 16, T_max 0) point.
 
-Gain rows (not in --quick): from a start checkpoint (`--policy`, or the weak one `start_policy` builds
+Gain rows (not in --quick): from a start checkpoint (`--policy.path`, or the weak one `start_policy` builds
 under OUT/rl-start with `START_RECIPE`), closed-loop success on reach-v3 + push-v3 (100 fixed-seed
 episodes per task, `EVAL_SEED`, disjoint from the demonstrations' and RL's seeds), then an RL run of
 residual SAC (the `GAIN` recipe) for `env_steps` (120 k; `minutes` caps it),
@@ -59,7 +59,7 @@ SETTINGS = {  # row suffix -> LatencyModel fields
     "straggler": {"distribution": "straggler", "mean_s": LATENCY_MEAN_S, "p": 0.05, "k": 10},
 }
 WEAK_TASKS = ("reach-v3", "push-v3")
-# The start checkpoint of the gain rows when no --policy is given: the demo's recipe cut down to the two
+# The start checkpoint of the gain rows when no --policy.path is given: the demo's recipe cut down to the two
 # tasks, few demonstrations and few steps, no EMA (the folder's weights are what is evaluated and fine-
 # tuned). Measured on 2 cores: see docs/rl_finetune.md (closed loop between 25 % and 65 %).
 START_RECIPE = {"tasks": WEAK_TASKS, "episodes_per_task": 10, "train_steps": 500, "warmup_steps": 50, "ema_decay": None}
@@ -335,7 +335,7 @@ def default_policy() -> str:
 
     found = latest(Path("demo-output") / "run" / "checkpoints")
     if found is None:
-        raise KilovlaError("this benchmark needs a policy folder: pass --policy PATH (e.g. the checkpoint "
+        raise KilovlaError("this benchmark needs a policy folder: pass --policy.path=PATH (e.g. the checkpoint "
                            "`kilovla demo` writes to demo-output/run/checkpoints/)")
     return str(found)
 

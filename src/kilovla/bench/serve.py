@@ -1,10 +1,10 @@
 """`kilovla bench serve`: what dynamic batching across connections buys `kilovla serve`.
 
-Every measurement is a real server process (`python -m kilovla serve --policy DIR --port 0 ...`) and
+Every measurement is a real server process (`python -m kilovla serve --policy.path=DIR --serve.port=0 ...`) and
 N client processes, each with its own openpi-client `WebsocketClientPolicy` connection, sending
 requests in a closed loop (send, wait for the reply, send again). Baseline: the same server with
-batching off (`--max-batch 1`, one request at a time as openpi serves); ours: `--max-batch 16
---max-wait-ms 5`. Baseline and ours runs alternate, so drift on a shared box hits both.
+batching off (`--serve.max_batch=1`, one request at a time as openpi serves); ours: `--serve.max_batch=16
+--serve.max_wait_ms=5`. Baseline and ours runs alternate, so drift on a shared box hits both.
 
 Rows:
 
@@ -22,7 +22,7 @@ the notes is measured from the replies: every request of one forward gets the sa
 
     path = run(quick=True, out_dir="bench-results", policy=None)   # -> bench-results/serve.json
 
-The policy is `--policy DIR`; else in `--quick` the one `kilovla demo --quick` trains into
+The policy is `--policy.path=DIR`; else in `--quick` the one `kilovla demo --quick` trains into
 OUT/serve-demo-quick (kept for the next run), in full the `make demo` checkpoint (demo-output/),
 trained with the demo's full recipe into OUT/serve-demo when there is none.
 """
@@ -147,15 +147,15 @@ def _check(reply: dict, shape: tuple, report: dict) -> None:
 
 # -- the server and the clients as processes ------------------------------------------------------
 class ServerProcess:
-    """`python -m kilovla serve --port 0` as a child; `port` from its first stdout line."""
+    """`python -m kilovla serve --serve.port=0` as a child; `port` from its first stdout line."""
 
     def __init__(self, policy: str, max_batch: int, max_wait_ms: float, log_dir: Path):
         env = {k: v for k, v in os.environ.items() if k != "KILOVLA_API_KEY"}  # loopback, no key
         self.log = log_dir / f"server-b{max_batch}-{time.monotonic_ns()}.log"
         self._log_file = self.log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kilovla", "serve", "--policy", str(policy), "--port", "0",
-             "--max-batch", str(max_batch), "--max-wait-ms", f"{max_wait_ms:g}"],
+            [sys.executable, "-m", "kilovla", "serve", f"--policy.path={policy}", "--serve.port=0",
+             f"--serve.max_batch={max_batch}", f"--serve.max_wait_ms={max_wait_ms:g}"],
             stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env)
         for line in self.proc.stdout:
             match = re.search(r"on ws://127\.0\.0\.1:(\d+)", line)

@@ -131,7 +131,7 @@ class EnvType:
         """The simulator and its version, as reports record them."""
         raise NotImplementedError
 
-    def render_resolution(self, policy, asked: int | None, flag: str = "--resolution") -> int:
+    def render_resolution(self, policy, asked: int | None, flag: str = "--env.resolution") -> int:
         """The camera resolution to evaluate or train `policy` (a loaded policy, or a folder's `Interface`) at:
         the size of its training frames (policy.json's image_size) unless `asked` (the `flag`) says otherwise,
         with a warning when the two differ, or when a learned policy does not record it (folders of earlier

@@ -45,7 +45,7 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
     """Write `episodes_per_task` successful episodes per task (attempts continue until reached,
     up to 3x the target). `progress(task, kept, target)` is called as episodes finish."""
     if episodes_per_task < 1:  # else the seed check below names episode -1
-        raise KilovlaError(f"--episodes-per-task must be at least 1, got {episodes_per_task}")
+        raise KilovlaError(f"--collect.n_episodes must be at least 1, got {episodes_per_task}")
     sim = env_type(env)
     sim.check_tasks(tasks)
     spec = sim.spec(tasks[0], cameras=cameras, max_steps=max_steps)

@@ -11,8 +11,8 @@ Every success rate comes with its 95 % Wilson interval (`eval/intervals.py`). Th
 function for in-training evaluation.
 
 An `out_dir` that holds an earlier evaluation is replaced whole (its report and videos), never mixed
-with the new one; `replace=False` refuses it instead (`kilovla eval --out`, where the user named it).
-`kilovla eval` without --out writes a fresh `eval-output/<UTC date>_<time>_<env>_<policy>/`
+with the new one; `replace=False` refuses it instead (`kilovla eval --output_dir`, where the user named it).
+`kilovla eval` without --output_dir writes a fresh `eval-output/<UTC date>_<time>_<env>_<policy>/`
 (`new_output_dir`). Progress goes to stdout as it runs (a line at least every 10 s off a terminal,
 the count of finished episodes per task), then one line with the success rate.
 
@@ -55,7 +55,7 @@ def episode_seeds(seed: int, task_index: int, episodes: int) -> list[int]:
 
 def check_unseen_seeds(demonstration_seeds: dict[str, list[int]] | None, tasks: list[str], seed: int, episodes: int,
                        *, env: str = "metaworld", allow_seen_seeds: bool = False, who: str = "the policy",
-                       remedy: str = "evaluate with another --seed, or pass --allow-seen-seeds to measure them anyway"
+                       remedy: str = "evaluate with another --eval.seed, or pass --eval.allow_seen_seeds to measure them anyway"
                        ) -> int | None:
     """How many of the evaluation's (task, seed) pairs are among `demonstration_seeds` (policy.json's:
     per dataset task, i.e. instruction, the seeds its demonstrations started from); refused when not 0
@@ -115,7 +115,7 @@ def check_action_steps(policy, n_action_steps: int | None) -> None:
 
 def new_output_dir(root: str | Path, env: str, policy_spec: str, now: datetime.datetime | None = None) -> Path:
     """A new, empty folder under `root`, created here: `<UTC date>_<time>_<env>_<policy>`, as LeRobot
-    names its eval outputs; `policy_spec` is --policy (a checkpoint path gives run and step). The name is
+    names its eval outputs; `policy_spec` is --policy.path (a checkpoint path gives run and step). The name is
     claimed by creating it (`_2`, `_3`, ... when taken), so two evaluations started in one second never
     share a folder; a caller that then refuses to run removes it again (it is still empty).
 
@@ -346,13 +346,13 @@ def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim:
         return RandomPolicy(action_dim or env_type(env).spec().action_dim, seed=seed)
     if spec.startswith(("ws://", "wss://")):  # a policy `kilovla serve` serves; eval reaches serve lazily
         if ema:
-            raise KilovlaError(f"--ema: {spec} is a served policy; start `kilovla serve --ema` instead")
+            raise KilovlaError(f"--policy.ema: {spec} is a served policy; start `kilovla serve --policy.ema` instead")
         from kilovla.serve.client import ServedPolicy
 
         return ServedPolicy(spec, api_key=os.environ.get("KILOVLA_API_KEY"))
     path = policy_folder(spec)
     if not path.exists():
-        raise KilovlaError(f"--policy {spec!r}: not 'scripted', 'random', a ws:// URL or an existing checkpoint path")
+        raise KilovlaError(f"--policy.path {spec!r}: not 'scripted', 'random', a ws:// URL or an existing checkpoint path")
     from kilovla.policy_folder import PolicyFolder
 
     return PolicyFolder.open(policy_folder(path)).load(ema=ema)

@@ -82,18 +82,18 @@ class Fp8Config:
 
     def __post_init__(self):
         if self.block < 16 or self.block % 16:
-            raise KilovlaError(f"--block {self.block}: a block must be a positive multiple of 16 "
+            raise KilovlaError(f"--quant.block {self.block}: a block must be a positive multiple of 16 "
                                "(FP8 GEMMs work on 16-wide tiles; the GPU kernels need 128)")
         if self.activations not in ACTIVATIONS:
-            raise KilovlaError(f"--activations must be one of {ACTIVATIONS}, not {self.activations!r}")
+            raise KilovlaError(f"--quant.activations must be one of {ACTIVATIONS}, not {self.activations!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise KilovlaError(f"--dtype must be bfloat16, float16 or float32, not {self.dtype!r}")
+            raise KilovlaError(f"--quant.dtype must be bfloat16, float16 or float32, not {self.dtype!r}")
         if self.scope not in SCOPES:
-            raise KilovlaError(f"--scope must be one of {SCOPES}, not {self.scope!r}")
+            raise KilovlaError(f"--quant.scope must be one of {SCOPES}, not {self.scope!r}")
         if self.scope != "default" and self.include is not None:
-            raise KilovlaError(f"--scope {self.scope} and --include {self.include!r}: choose one (--include names the "
+            raise KilovlaError(f"--quant.scope {self.scope} and --quant.include {self.include!r}: choose one (quant.include names the "
                                "layers itself)")
-        for flag, pattern in (("--include", self.include), ("--exclude", self.exclude)):
+        for flag, pattern in (("--quant.include", self.include), ("--quant.exclude", self.exclude)):
             if pattern is not None:
                 try:
                     re.compile(pattern)
@@ -507,12 +507,12 @@ def select_layers(model: nn.Module, include: str | None = None, exclude: str | N
     owners = [(n, m) for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
     if include is None and scope == "all":
         tower = re.compile(family_of(model).vision_tower)
-        pattern = f"--scope all{f' --exclude {exclude!r}' if exclude else ''}"
+        pattern = f"--quant.scope=all{f' --quant.exclude={exclude!r}' if exclude else ''}"
         chosen = [(n, m) for n, m in owners if fp8_class(n, m) and not tower.search(n) and not (exc and exc.search(n))]
     else:
         regex = include if include is not None else family_of(model).fp8_layers
         inc = re.compile(regex)
-        pattern = f"--include {regex!r}{f' --exclude {exclude!r}' if exclude else ''}"
+        pattern = f"--quant.include={regex!r}{f' --quant.exclude={exclude!r}' if exclude else ''}"
         chosen = [(n, m) for n, m in owners if inc.search(n) and not (exc and exc.search(n))]
     if not chosen:
         raise KilovlaError(f"{pattern} selects no layer; layers look like {', '.join(n for n, _ in owners[:3])}")
@@ -521,7 +521,7 @@ def select_layers(model: nn.Module, include: str | None = None, exclude: str | N
     if bad:
         shown = "; ".join(bad[:5]) + (f" ... ({len(bad)} in all)" if len(bad) > 5 else "")
         raise KilovlaError(f"{pattern} selects layers whose weights cannot be blocked (Linear, per-embodiment Linear "
-                           f"and token-table weights can): {shown}; narrow --include or add them to --exclude")
+                           f"and token-table weights can): {shown}; narrow --quant.include or add them to --quant.exclude")
     return [n for n, _ in chosen]
 
 
@@ -541,7 +541,7 @@ def quantize_model(model: nn.Module, config: Fp8Config) -> dict[str, float]:
     if bad:
         shown = "; ".join(bad[:5]) + (f" ... ({len(bad)} layers in all)" if len(bad) > 5 else "")
         raise KilovlaError(f"non-finite weights (NaN or inf) in {shown}: FP8 block scales cannot represent them; "
-                           "fix the checkpoint or --exclude those layers")
+                           "fix the checkpoint or --quant.exclude those layers")
     sqnr = {}
     for name in names:
         module = model.get_submodule(name)

@@ -1,9 +1,9 @@
 """`kilovla quantize`: a policy folder in, a block-wise FP8 policy folder and its report out.
 
-The output is a policy folder like any other (``kilovla eval --policy DIR`` runs it)::
+The output is a policy folder like any other (``kilovla eval --policy.path=DIR`` runs it)::
 
     model.safetensors    FP8 layers as `weight` (float8_e4m3fn) + `weight_scale_inv` (float32);
-                         every other tensor in `--dtype` (bf16 by default)
+                         every other tensor in `--quant.dtype` (bf16 by default)
     policy.json          the source's policy description + `quantization_config`
     quant_report.json    sizes, per-layer SQNR, action MSE, closed-loop success, latency (quantize/report.py)
     quant_report.md
@@ -12,7 +12,7 @@ The source is a policy folder with model.safetensors, or an FSDP run's intermedi
 (`state/` shards, read as `kilovla eval` reads them; its on-disk size is then not reported, since the
 shards hold the optimizer too).
 
-What can be checked without the weights is checked first (the output path, --samples, the layer
+What can be checked without the weights is checked first (the output path, quant.samples, the layer
 selection on a meta-device model, the dataset's features, the device), then the weights are
 quantized in memory (non-finite weights are refused here), and only then is anything written:
 everything is built in a hidden temporary folder next to DIR and renamed at the end. Bad input or a
@@ -68,19 +68,20 @@ def resolve_device(device: str) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError as e:
-        raise KilovlaError(f"--device {device!r}: {e}") from None
+        raise KilovlaError(f"--quant.device {device!r}: {e}") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise KilovlaError(f"--device {device}: this machine has no CUDA GPU torch can use (use cpu or auto)")
+        raise KilovlaError(f"--quant.device {device}: this machine has no CUDA GPU torch can use (use cpu or auto)")
     return resolved
 
 
-def check_dataset(dataset: str | Path, meta) -> None:
-    """--dataset exists, is LeRobot data and has the cameras, state inputs and actions the policy reads."""
+def check_dataset(dataset: str | Path, meta, flag: str = "--quant.dataset") -> None:
+    """`dataset` (given as `flag`) exists, is LeRobot data and has the cameras, state inputs and actions the
+    policy reads."""
     from kilovla.data.meta import DatasetMeta
 
     path = Path(dataset)
     if not path.is_dir():
-        raise KilovlaError(f"--dataset {dataset}: no such folder")
+        raise KilovlaError(f"{flag} {dataset}: no such folder")
     features = DatasetMeta(path).features
     problems = [f"it lacks {k}" for k in (*meta.camera_map, *meta.state_keys, "action") if k not in features]
     if not problems:
@@ -91,16 +92,16 @@ def check_dataset(dataset: str | Path, meta) -> None:
         if state != meta.state_dim:
             problems.append(f"state inputs {list(meta.state_keys)} have {state} dims, the policy {meta.state_dim}")
     if problems:
-        raise KilovlaError(f"--dataset {dataset} does not fit the policy: " + "; ".join(problems))
+        raise KilovlaError(f"{flag} {dataset} does not fit the policy: " + "; ".join(problems))
 
 
 def _check_out(out: Path) -> None:
     if out.exists():
-        raise KilovlaError(f"--out {out}: already exists; nothing was written (choose a new folder)")
+        raise KilovlaError(f"--output_dir {out}: already exists; nothing was written (choose a new folder)")
     for parent in out.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise KilovlaError(f"--out {out}: {parent} is a file, not a folder")
+                raise KilovlaError(f"--output_dir {out}: {parent} is a file, not a folder")
             break
 
 
@@ -123,11 +124,11 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
 
     source, out = Path(source), Path(out)
     if samples < 1:
-        raise KilovlaError(f"--samples {samples}: must be >= 1")
+        raise KilovlaError(f"--quant.samples {samples}: must be >= 1")
     if latency_repeats < 1:
-        raise KilovlaError(f"--latency-repeats {latency_repeats}: must be >= 1")
+        raise KilovlaError(f"--quant.latency_repeats {latency_repeats}: must be >= 1")
     if kernel not in KERNELS:
-        raise KilovlaError(f"--kernel must be one of {KERNELS}, not {kernel!r}")
+        raise KilovlaError(f"--quant.kernel must be one of {KERNELS}, not {kernel!r}")
     _check_out(out)
     folder = read_source(source)
     meta = folder.meta
@@ -135,7 +136,7 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
     if dataset is not None:
         check_dataset(dataset, meta)
     if ema and not folder.has_ema:
-        raise KilovlaError(f"--ema: {source / 'ema.safetensors'} is missing; only runs with ema_decay write EMA weights")
+        raise KilovlaError(f"--policy.ema: {source / 'ema.safetensors'} is missing; only runs with ema_decay write EMA weights")
     device = resolve_device(device)
 
     baseline = folder.load(device, ema=ema)
@@ -214,7 +215,7 @@ def _report(source, out, folder, qconfig, baseline, quantized, config, weight_sq
             rows = qreport.heldout_rows(dataset, baseline, samples)
             actions = qreport.compare_actions(baseline, quantized, rows, seed=seed)
         except KilovlaError as e:  # what check_dataset cannot see from info.json (the action window, ...)
-            raise KilovlaError(f"--dataset {dataset} does not fit the policy: {e}") from None
+            raise KilovlaError(f"--quant.dataset {dataset} does not fit the policy: {e}") from None
         for name, value in actions.pop("output_sqnr_db").items():
             report["layers"][name]["output_sqnr_db"] = value
         report["actions"] = {"dataset": str(dataset), **actions}

@@ -206,7 +206,7 @@ def report_rows(report: dict) -> list[tuple[str, str, str, str]]:
         bad = f"; {a['non_finite_actions']} non-finite action values" if a.get("non_finite_actions") else ""
         rows.append(("action MSE / action variance", "", rel, f"{a['samples']} held-out action steps{bad}"))
     else:
-        rows.append(("action MSE", "", "not measured", "pass --dataset"))
+        rows.append(("action MSE", "", "not measured", "pass --quant.dataset=DIR"))
     c = report.get("closed_loop")
     if c:
         pct = lambda x: "-" if x is None else f"{100 * x:.1f} %"  # noqa: E731
@@ -215,7 +215,7 @@ def report_rows(report: dict) -> list[tuple[str, str, str, str]]:
         for task in c["baseline"]["per_task"]:
             rows.append((f"  {task}", pct(c["baseline"]["per_task"][task]), pct(c["quantized"]["per_task"].get(task)), ""))
     else:
-        rows.append(("closed-loop success", "", "not run", "pass --eval-episodes N"))
+        rows.append(("closed-loop success", "", "not run", "pass --eval.n_episodes=N"))
     lat = report["latency"]
     rows.append(("batch-1 action chunk", f"{1e3 * lat['baseline_s']:.1f} ms", f"{1e3 * lat['quantized_s']:.1f} ms",
                  f"{lat['device']}, FP8 kernel: {lat['kernel']}"))

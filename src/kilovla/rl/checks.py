@@ -97,7 +97,7 @@ def check_resume_fits(cfg: RLConfig, folder: Path, state: dict) -> None:
     written = state.get("algorithm") or ("residual_sac" if "log_alpha" in state else "ppo")
     if written != cfg.learner.algo.name:
         raise KilovlaError(f"{folder}/learner.pt: written by learner.algo.name={written}; resume it with that, or "
-                           f"start a new run_dir from the folder with --policy")
+                           f"start a new run_dir from the folder with --policy.path")
     algorithm(written).check_resume(cfg, folder, state)
 
 

@@ -267,12 +267,12 @@ class PPO(Algorithm):
 
 def check_value_head(source: PolicyFolder, resuming: bool) -> None:
     """A value head written before the critic read the state, found here in the driver, before Ray: from
-    --policy its critic is relearned (said here: the learners log inside Ray, out of the user's sight);
+    --policy.path its critic is relearned (said here: the learners log inside Ray, out of the user's sight);
     a run cannot be resumed with it (its learner.pt holds the same head and its optimizer state)."""
     if not (source.path / "value_head.safetensors").is_file():
         return
     note = stale_value_head(str(source.path), critic_width(source.model_config()))
     if note and resuming:
-        raise KilovlaError(f"{note}: the run cannot be resumed; start a new run_dir with --policy {source.path}")
+        raise KilovlaError(f"{note}: the run cannot be resumed; start a new run_dir with --policy.path={source.path}")
     if note:
         log.warning("%s: starting a fresh critic", note)

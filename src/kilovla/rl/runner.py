@@ -1,6 +1,6 @@
 """`kilovla rl`: RL fine-tuning of a VLA policy folder, synchronous or fully asynchronous (RL-VLA3).
 
-    kilovla rl --config rl.yaml --mode async --policy demo-output/run/checkpoints/step_001000
+    kilovla rl --config rl.yaml --mode async --policy.path=demo-output/run/checkpoints/step_001000
     kilovla rl --config rl.yaml --mode sync --resume auto
     ray start --head; kilovla rl --config rl.yaml --ray-address auto   # on a cluster
 
@@ -75,7 +75,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     use = claim_run_dir(run_dir, resume, folder)  # a run_dir holding a run continues only with --resume
     policy_dir = str(folder) if folder is not None else cfg.policy and str(policy_folder(cfg.policy))
     if not policy_dir or not (Path(policy_dir) / POLICY_JSON).is_file():
-        raise KilovlaError(f"--policy {policy_dir or '(none)'}: not a policy folder (no policy.json)")
+        raise KilovlaError(f"--policy.path {policy_dir or '(none)'}: not a policy folder (no policy.json)")
     source = PolicyFolder.open(policy_dir)
     source.refuse_quantized("RL trains float weights: start from the folder it was quantized from")
     declared = source.interface(name=policy_dir)
@@ -85,7 +85,7 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
 
         final_eval = cfg.eval.settings(cfg.env, cfg.seed)
         check_unseen_seeds(source.meta.demonstration_seeds, list(final_eval.tasks), final_eval.seed,
-                           final_eval.episodes, env=final_eval.env, who=f"--policy {policy_dir}",
+                           final_eval.episodes, env=final_eval.env, who=f"--policy.path {policy_dir}",
                            remedy="set another --seed (it also picks the final evaluation's), or --eval.episodes=0")
     cfg = _with_policy_resolution(cfg, declared)
     sde, n_action_steps = _sde(cfg, source), cfg.rollout.n_action_steps or declared.n_action_steps or 1

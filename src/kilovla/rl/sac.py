@@ -456,7 +456,7 @@ class ResidualSAC(Algorithm):
         for name in self.checkpoint_files:
             if not (folder / name).is_file():
                 raise KilovlaError(f"{folder / name}: missing; a residual_sac run resumes with its actor, critics and "
-                                   f"targets (start a new run_dir with --policy {folder} for fresh critics)")
+                                   f"targets (start a new run_dir with --policy.path={folder} for fresh critics)")
             read_safetensors(folder / name)  # a damaged file is named here, before Ray starts
         check_replay_capacity(folder, learner_state, "learner.algo.sac.replay_size", cfg.learner.algo.sac.replay_size)
 

@@ -1,4 +1,4 @@
-"""A served policy as a `Policy`: `kilovla eval --policy ws://HOST:PORT` runs the simulator here and
+"""A served policy as a `Policy`: `kilovla eval --policy.path=ws://HOST:PORT` runs the simulator here and
 the policy there.
 
     policy = ServedPolicy("ws://127.0.0.1:8000", api_key=None)

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class Request:
     obs: dict  # the policy's keys (protocol.to_policy_observation)
     seed: int | None = None  # the initial flow noise from this seed
-    noise: np.ndarray | None = None  # or given: (horizon, max_action_dim), as `kilovla eval --policy ws://` sends it
+    noise: np.ndarray | None = None  # or given: (horizon, max_action_dim), as `kilovla eval --policy.path=ws://` sends it
     rtc: Rtc | None = None  # real-time chunking: continue the previous chunk
 
 
@@ -58,7 +58,7 @@ class PolicyEngine:
 
     def __init__(self, policy, folder: str, device: str = "cpu", precision: str = "auto", cuda_graphs: bool = True):
         if precision not in ("auto", "fp32", "bf16"):
-            raise KilovlaError(f"--precision must be auto, fp32 or bf16, not {precision!r}")
+            raise KilovlaError(f"--serve.precision must be auto, fp32 or bf16, not {precision!r}")
         self.policy, self.folder, self.device = policy, folder, torch.device(device)
         cuda = self.device.type == "cuda"
         self.bf16 = precision == "bf16" or (precision == "auto" and cuda)
@@ -86,7 +86,7 @@ class PolicyEngine:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         folder = policy_folder(folder)  # a run folder or its checkpoints/latest: the newest checkpoint
         if not (Path(folder) / "policy.json").is_file():
-            raise KilovlaError(f"--policy {folder}: not a policy folder (no policy.json)")
+            raise KilovlaError(f"--policy.path {folder}: not a policy folder (no policy.json)")
         policy = PolicyFolder.open(folder).load(device, ema=ema)
         return cls(policy, str(folder), device, precision=precision, cuda_graphs=cuda_graphs)
 

@@ -1,15 +1,16 @@
 """`kilovla serve`: a policy folder behind openpi's websocket protocol, batched across robots.
 
-    kilovla serve --policy DIR [--host 127.0.0.1] [--port 8000] [--max-batch 16] [--max-wait-ms 5]
-                  [--api-key KEY] [--layout auto|lerobot|libero|droid] [--map REQUEST_KEY=POLICY_KEY ...]
+    kilovla serve --policy.path=DIR [--serve.host=127.0.0.1] [--serve.port=8000] [--serve.max_batch=16]
+                  [--serve.max_wait_ms=5] [--serve.api_key=KEY] [--serve.layout=auto|lerobot|libero|droid]
+                  [--serve.map=REQUEST_KEY=POLICY_KEY ...]
 
 One asyncio event loop speaks the protocol (`protocol.py`): the metadata frame on connect, msgpack
 requests and `{"actions", "server_timing", "policy_timing"}` replies, `GET /healthz`, the
 `Authorization: Api-Key` check before the upgrade. The model runs on one inference thread, never on
 the loop, so handshakes, pings and health checks stay responsive while it computes. Requests of
 every connection go into one `DynamicBatcher`, run by the shared `BatchingLoop`: when the model is free and a batch is ready (full at
-`--max-batch`, its oldest request has waited `--max-wait-ms`, or every open connection is already
-queued), the queued requests run as one forward, and each reply goes back to the connection that asked. `--max-batch 1` serves one request
+`serve.max_batch`, its oldest request has waited `serve.max_wait_ms`, or every open connection is already
+queued), the queued requests run as one forward, and each reply goes back to the connection that asked. `--serve.max_batch=1` serves one request
 at a time, as openpi does.
 
 Errors: a malformed frame or observation gets a text frame naming the problem and the connection
@@ -62,7 +63,7 @@ class ServeConfig:
 class PolicyServer:
     def __init__(self, engine: PolicyEngine, cfg: ServeConfig):
         if cfg.max_batch < 1 or cfg.max_wait_ms < 0:
-            raise KilovlaError(f"--max-batch must be >= 1 and --max-wait-ms >= 0, got {cfg.max_batch}, {cfg.max_wait_ms}")
+            raise KilovlaError(f"--serve.max_batch must be >= 1 and --serve.max_wait_ms >= 0, got {cfg.max_batch}, {cfg.max_wait_ms}")
         self.engine, self.cfg = engine, cfg
         self.inputs = engine.inputs()
         self.inputs.mapping = dict(cfg.mapping)
@@ -77,7 +78,7 @@ class PolicyServer:
         known = {*self.inputs.cameras, *self.inputs.state_keys, "task"}
         wrong = {k: v for k, v in self.inputs.mapping.items() if v not in known}
         if wrong:
-            raise KilovlaError(f"--map {', '.join(f'{k}={v}' for k, v in wrong.items())}: not a key of the policy "
+            raise KilovlaError(f"--serve.map {', '.join(f'{k}={v}' for k, v in wrong.items())}: not a key of the policy "
                                f"(its keys: {', '.join(sorted(known))})")
 
     # -- HTTP before the upgrade ---------------------------------------------------------------------
@@ -246,14 +247,14 @@ class _Failure:
 def _cannot_listen(host: str, port: int, e: OSError) -> str:
     # asyncio's strerror repeats the address; getaddrinfo's errors have negative numbers of their own
     reason = os.strerror(e.errno) if e.errno and e.errno > 0 else (e.strerror or str(e))
-    return f"--host/--port {host}:{port}: cannot listen there: {reason}"
+    return f"--serve.host/--serve.port {host}:{port}: cannot listen there: {reason}"
 
 
 def check_listenable(host: str, port: int) -> None:
     """KilovlaError naming host:port unless a server could listen there now (bound as asyncio binds,
     with SO_REUSEADDR, then released): `run` asks before it spends minutes loading the policy."""
     if not 0 <= port <= 65535:
-        raise KilovlaError(f"--port {port}: must be in 0..65535 (0: any free port)")
+        raise KilovlaError(f"--serve.port {port}: must be in 0..65535 (0: any free port)")
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -272,7 +273,7 @@ def run(policy: str, cfg: ServeConfig, device: str = "auto", ema: bool = False, 
     """`kilovla serve`: load the policy, warm it up, serve until SIGTERM."""
     check_listenable(cfg.host, cfg.port)
     if cfg.api_key is None and cfg.host not in LOCAL_HOSTS:
-        log.warning("listening on %s without --api-key: anyone who can reach this port can run the policy", cfg.host)
+        log.warning("listening on %s without --serve.api_key: anyone who can reach this port can run the policy", cfg.host)
     engine = PolicyEngine.load(policy, device=device, ema=ema, precision=precision, cuda_graphs=cuda_graphs)
     engine.warm_up()
     server = PolicyServer(engine, cfg)

@@ -2,7 +2,7 @@
 
     run_dir/checkpoints/step_000120/
         model.safetensors    weights (kilovla keys)       \\ together a policy folder:
-        policy.json          preset, cameras, stats, dims  / `kilovla eval --policy` takes it
+        policy.json          preset, cameras, stats, dims  / `kilovla eval --policy.path` takes it
         ema.safetensors      EMA weights (when enabled)
         optimizer.pt         optimizer state
         state/               FSDP runs instead: model + optimizer as torch.distributed.checkpoint shards

@@ -166,6 +166,19 @@ def test_sync_segments_carry_their_round_and_worker_incarnation():
     np.testing.assert_array_equal(first.obs["observation.state"][0], [11.0, 11.0])  # worker 1, env 1's observation
 
 
+def test_sync_ranks_train_disjoint_equal_shares_of_the_batch():
+    cfg = _cfg("--mode=sync", "--steps=1", "--learner.batch_segments=4", "--learner.ranks=2", "--env.workers=2",
+               "--env.envs_per_worker=2", "--rollout.segment_steps=1")
+    roles = FakeRoles(cfg, ranks=2)
+    shares = []
+    consume = roles.consume
+    roles.consume = lambda s: (shares.extend([x.segment_id for x in share] for share in s), consume(s))[1]
+    _run(loops.SyncLoop, cfg, roles)
+    assert [c for c in roles.calls if c[0] == "consume"] == [("consume", [2, 2])]
+    # the round's 4 segments (worker, incarnation, env, round), each trained by exactly one rank
+    assert sorted(shares[0] + shares[1]) == [(w, 0, e, 0) for w in range(2) for e in range(2)]
+
+
 @pytest.mark.parametrize("steps, every, expected", [(3, 1, [1, 2]), (4, 2, [2])])
 def test_periodic_checkpoints_skip_the_last_version_which_the_run_writes_itself(steps, every, expected):
     cfg = _cfg(f"--steps={steps}", "--learner.batch_segments=1", f"--checkpoint.every={every}")

@@ -30,13 +30,12 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
-from kilovla.rl.algorithm import Algorithm, LearnerRun
+from kilovla.rl.algorithm import Algorithm, LearnerRun, RunConfig
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.flow import flow_draws, flow_matching_error
 from kilovla.rl.policy import ActorCritic, load_actor_critic
@@ -44,9 +43,6 @@ from kilovla.rl.offpolicy import (OffPolicySchedule, check_one_learner, check_re
                                  forget_replaced, state_key)
 from kilovla.train.build import apply_freeze
 from kilovla.train.optim import OptimConfig, build_optimizer
-
-if TYPE_CHECKING:
-    from kilovla.rl.config import AlgoConfig, RLConfig
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +230,7 @@ class FilteredBC(Algorithm):
     name = "filtered_bc"
     checkpoint_files = ("model.safetensors", "value_head.safetensors")
 
-    def check_config(self, cfg: RLConfig) -> None:
+    def check_config(self, cfg: RunConfig) -> None:
         check_one_learner(cfg)
         algo, bc = cfg.learner.algo, cfg.learner.algo.filtered_bc
         o = algo.optim
@@ -254,16 +250,16 @@ class FilteredBC(Algorithm):
                 hint = " (at least batch_size and warmup)" if name == "replay_size" else ""
                 raise KilovlaError(f"learner.algo.filtered_bc.{name} = {value} is out of range{hint}")
 
-    def check_resume(self, cfg: RLConfig, folder: Path, learner_state: dict) -> None:
+    def check_resume(self, cfg: RunConfig, folder: Path, learner_state: dict) -> None:
         check_saved_replay(folder, learner_state, self.name)
         check_replay_capacity(folder, learner_state, "learner.algo.filtered_bc.replay_size",
                               cfg.learner.algo.filtered_bc.replay_size)
 
-    def warmup(self, algo: AlgoConfig) -> tuple[str, int]:
+    def warmup(self, algo) -> tuple[str, int]:
         """Its replay keeps only the steps of successful episodes."""
         return "learner.algo.filtered_bc.warmup", algo.filtered_bc.warmup
 
-    def load_agent(self, policy_dir: str, algo: AlgoConfig, sde, n_action_steps: int, privileged: tuple) -> ActorCritic:
+    def load_agent(self, policy_dir: str, algo, sde, n_action_steps: int, privileged: tuple) -> ActorCritic:
         return load_actor_critic(policy_dir, sde, n_action_steps)
 
     def learner(self, model: ActorCritic, run: LearnerRun, world) -> FilteredBCLearner:

@@ -19,7 +19,7 @@ import numpy as np
 from kilovla.errors import KilovlaError
 
 if TYPE_CHECKING:
-    from kilovla.rl.config import RLConfig
+    from kilovla.rl.algorithm import RunConfig
 
 
 class OffPolicySchedule:
@@ -58,7 +58,7 @@ def state_key(obs: dict, single: bool = False) -> np.ndarray:
     return np.concatenate([np.asarray(obs[k] if single else obs[k][0], np.float32).ravel() for k in keys])
 
 
-def check_one_learner(cfg: RLConfig) -> None:
+def check_one_learner(cfg: RunConfig) -> None:
     """The off-policy learners sample one replay buffer on one rank, with the real model."""
     name = cfg.learner.algo.name
     if cfg.learner.ranks != 1:

@@ -47,7 +47,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.policy_folder import POLICY_JSON
-from kilovla.rl.algorithm import Algorithm, LearnerRun
+from kilovla.rl.algorithm import Algorithm, LearnerRun, Run, RunConfig
 from kilovla.rl.compute import ComputeSection, sleep_until
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.losses import awr_loss, decoupled_ppo_loss, gae, value_loss
@@ -59,7 +59,6 @@ from kilovla.train.build import apply_freeze
 
 if TYPE_CHECKING:
     from kilovla.policy_folder import PolicyFolder
-    from kilovla.rl.config import AlgoConfig, RLConfig
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +108,9 @@ class AdvantageScale:
 
 
 class Learner:
-    def __init__(self, model: ActorCritic, cfg: AlgoConfig, segments_per_step: int, segment_steps: int,
+    """PPO's learner; `cfg` is the run's learner.algo, whose own fields are PPO's settings."""
+
+    def __init__(self, model: ActorCritic, cfg, segments_per_step: int, segment_steps: int,
                  total_steps: int, world: distributed.World | None = None, compute: ComputeSection | None = None,
                  reference: torch.nn.Module | None = None):
         self.cfg, self.world, self.reference = cfg, world or distributed.World(), reference
@@ -240,11 +241,11 @@ class PPO(Algorithm):
     name = "ppo"
     checkpoint_files = ("model.safetensors", "value_head.safetensors")
 
-    def check_config(self, cfg: RLConfig) -> None:
+    def check_config(self, cfg: RunConfig) -> None:
         """PPO's settings are `learner.algo`'s own fields, which rl/checks.py checks whichever algorithm runs."""
 
-    def fit_start(self, cfg: RLConfig, source: PolicyFolder, n_action_steps: int, folder: Path | None,
-                  state: dict) -> RLConfig:
+    def fit_start(self, cfg: Run, source: PolicyFolder, n_action_steps: int, folder: Path | None,
+                  state: dict) -> Run:
         """A KL penalty needs the policy the run began with; a value head must fit this critic."""
         if cfg.learner.algo.kl_coef > 0 and not cfg.compute.calibrated \
                 and not (Path(state["started_from"]) / POLICY_JSON).is_file():
@@ -254,7 +255,7 @@ class PPO(Algorithm):
         check_value_head(source, resuming=folder is not None)
         return cfg
 
-    def load_agent(self, policy_dir: str, algo: AlgoConfig, sde, n_action_steps: int, privileged: tuple) -> ActorCritic:
+    def load_agent(self, policy_dir: str, algo, sde, n_action_steps: int, privileged: tuple) -> ActorCritic:
         return load_actor_critic(policy_dir, sde, n_action_steps)
 
     def learner(self, model: ActorCritic, run: LearnerRun, world: distributed.World) -> Learner:

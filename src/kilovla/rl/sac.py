@@ -48,7 +48,7 @@ from kilovla.errors import KilovlaError
 from kilovla.models.family import chunk_length
 from kilovla.models.processor import PolicyMeta, Processor
 from kilovla.models.residual import ResidualActor, ResidualSpec, mlp, pooled_width
-from kilovla.rl.algorithm import Algorithm, LearnerRun
+from kilovla.rl.algorithm import Algorithm, LearnerRun, Run, RunConfig
 from kilovla.rl.core import trajectory
 from kilovla.rl.core.losses import sac_actor_loss, sac_critic_loss, sac_td_target, sac_temperature_loss
 from kilovla.rl.offpolicy import (OffPolicySchedule, check_one_learner, check_replay_capacity, check_saved_replay,
@@ -56,7 +56,6 @@ from kilovla.rl.offpolicy import (OffPolicySchedule, check_one_learner, check_re
 
 if TYPE_CHECKING:
     from kilovla.policy_folder import PolicyFolder
-    from kilovla.rl.config import AlgoConfig, RLConfig
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +411,7 @@ class ResidualSAC(Algorithm):
     trains_residual = True
     checkpoint_files = ("residual.safetensors", "critic.safetensors")
 
-    def check_config(self, cfg: RLConfig) -> None:
+    def check_config(self, cfg: RunConfig) -> None:
         sac = cfg.learner.algo.sac
         check_one_learner(cfg)
         # a buffer that could overwrite a step before its successor arrives (one round of every env) or never
@@ -436,8 +435,8 @@ class ResidualSAC(Algorithm):
                 hint = f" (at least {least}: batch, warm-up and 4 rounds of every env)" if name == "replay_size" else ""
                 raise KilovlaError(f"{where} = {value} is out of range{hint}")
 
-    def fit_start(self, cfg: RLConfig, source: PolicyFolder, n_action_steps: int, folder: Path | None,
-                  state: dict) -> RLConfig:
+    def fit_start(self, cfg: Run, source: PolicyFolder, n_action_steps: int, folder: Path | None,
+                  state: dict) -> Run:
         """A residual folder's actor (not the VLA) is loaded here, before Ray, so a missing or mismatched file is
         one line; the run then trains that residual as it was made (`with_saved_residual`)."""
         if not source.meta.residual:
@@ -448,7 +447,7 @@ class ResidualSAC(Algorithm):
             log.warning("%s/critic.safetensors: missing; the residual trains on with fresh critics", source.path)
         return with_saved_residual(cfg, spec, str(source.path))
 
-    def check_resume(self, cfg: RLConfig, folder: Path, learner_state: dict) -> None:
+    def check_resume(self, cfg: RunConfig, folder: Path, learner_state: dict) -> None:
         """Nothing is rebuilt on resume: the actor, its critics and their targets come from the checkpoint files."""
         from kilovla.models.checkpoints import read_safetensors
 
@@ -460,17 +459,17 @@ class ResidualSAC(Algorithm):
             read_safetensors(folder / name)  # a damaged file is named here, before Ray starts
         check_replay_capacity(folder, learner_state, "learner.algo.sac.replay_size", cfg.learner.algo.sac.replay_size)
 
-    def warmup(self, algo: AlgoConfig) -> tuple[str, int]:
+    def warmup(self, algo) -> tuple[str, int]:
         return "learner.algo.sac.warmup_transitions", algo.sac.warmup_transitions
 
-    def load_agent(self, policy_dir: str, algo: AlgoConfig, sde, n_action_steps: int, privileged: tuple) -> ResidualAgent:
+    def load_agent(self, policy_dir: str, algo, sde, n_action_steps: int, privileged: tuple) -> ResidualAgent:
         return load_residual_agent(policy_dir, n_action_steps or 1, algo.sac, privileged)
 
     def learner(self, model: ResidualAgent, run: LearnerRun, world) -> SACLearner:
         return SACLearner(model, run.algo.gamma, run.algo.sac, run.segments_per_step, run.seed)
 
 
-def with_saved_residual(cfg: RLConfig, saved: ResidualSpec, policy_dir: str) -> RLConfig:
+def with_saved_residual(cfg: Run, saved: ResidualSpec, policy_dir: str) -> Run:
     """A run from an RL folder (or resuming one) trains the folder's residual (`saved`, as loaded) as it was
     made: its bound, widths and std replace the config's (one warning where they differ), so config.yaml
     records what the run uses."""

@@ -21,6 +21,12 @@ from kilovla.data.video import VideoEncoder
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def pytest_collection_modifyitems(config, items):
+    """The long tests that may share the CPU (marker shares_cpu) first: under `make test`'s two workers one
+    of them starts on it while the other takes the fast tests, rather than it running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("shares_cpu") is None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache_dir(tmp_path_factory):
     """Column and frame caches of the tests' datasets go to a folder of this session, not ~/.cache

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning"),
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.shares_cpu, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 HORIZON, EPISODES = 60, 50

@@ -21,6 +21,17 @@ from kilovla.data.video import VideoEncoder
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers on two cores) each worker and what it starts compute
+    on one thread: two processes of two OpenMP threads each on two cores spin against each other (the demo
+    test ran 8x slower)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """The long tests that may share the CPU (marker shares_cpu) first: under `make test`'s two workers one
     of them starts on it while the other takes the fast tests, rather than it running alone at the end."""

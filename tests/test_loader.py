@@ -167,7 +167,7 @@ def test_unknown_engines_are_refused(lake):
 def test_ray_actor_pool_delivers_the_in_process_rows(lake):
     ray = pytest.importorskip("ray")
     want = _summary(InProcessLoader(lake, _plan(lake), steps=2))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         got = _summary(build_loader("ray", lake, _plan(lake), steps=2, num_actors=2))
     finally:

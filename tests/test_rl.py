@@ -31,7 +31,7 @@ def policy_dir(reach_policy):
 def local_ray():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")  # never another test's
     yield
     ray.shutdown()
 
@@ -78,6 +78,7 @@ def test_async_run_replaces_a_crashed_and_a_hung_env_worker(policy_dir, local_ra
     assert 0.0 <= summary["eval"]["success_rate"] <= 1.0
 
 
+@pytest.mark.shares_cpu  # sync rounds and kill -9 at a checkpoint: nothing here is timed
 def test_sync_mode_with_two_ddp_learners_and_collective_weight_sync(policy_dir, local_ray, tmp_path):
     from kilovla.rl import runner
 
@@ -163,6 +164,7 @@ def _kill_driver_at(run, steps: int, algo: list, checkpoint: str) -> tuple[list,
     return args, env
 
 
+@pytest.mark.shares_cpu  # sync rounds and kill -9 at a checkpoint: nothing here is timed
 def test_a_killed_driver_resumes_from_its_last_checkpoint(policy_dir, tmp_path):
     run = tmp_path / "run"
     args, env = _kill_driver_at(run, 5, [policy_dir, "--learner.algo.name=ppo", "--learner.algo.kl_coef=0.5",
@@ -186,6 +188,7 @@ SAC = ("--learner.algo.name=residual_sac", "--learner.algo.sac.warmup_transition
        "--learner.algo.sac.utd=2")
 
 
+@pytest.mark.shares_cpu  # sync rounds and kill -9 at a checkpoint: nothing here is timed
 def test_residual_sac_in_sync_mode_loses_only_a_crashed_workers_round_and_writes_a_policy_folder(policy_dir, local_ray,
                                                                                                 tmp_path):
     from kilovla.policy_folder import load_policy_folder
@@ -213,6 +216,7 @@ def test_residual_sac_in_sync_mode_loses_only_a_crashed_workers_round_and_writes
         runner.run(_config(final, tmp_path / "ppo", "--steps=1"))
 
 
+@pytest.mark.shares_cpu  # sync rounds and kill -9 at a checkpoint: nothing here is timed
 def test_residual_sac_resumes_after_kill_9_with_its_buffer(policy_dir, tmp_path):
     from kilovla.models.checkpoints import read_safetensors
 
@@ -235,6 +239,7 @@ BC = ("--learner.algo.name=filtered_bc", "--learner.algo.filtered_bc.warmup=1", 
       "--learner.algo.freeze_vlm=false")
 
 
+@pytest.mark.shares_cpu  # sync rounds and kill -9 at a checkpoint: nothing here is timed
 def test_filtered_bc_in_sync_mode_survives_a_crashed_worker_writes_a_policy_folder_and_resumes_after_kill_9(
         policy_dir, local_ray, tmp_path):
     """The tiny policy seldom succeeds in 30 steps: this checks the plumbing (the outcome of every episode

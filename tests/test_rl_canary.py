@@ -62,7 +62,7 @@ def weak_start(tmp_path_factory):
 def local_ray():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")  # never another test's
     yield
     ray.shutdown()
 

@@ -157,6 +157,45 @@ def test_demo_takes_dotted_overrides_of_its_recipe(capsys):
     assert main(["demo", "--policy.overrides.expert.width"]) == 2  # a key below a mapping needs its value
 
 
+@pytest.mark.parametrize("override, message", [
+    ("--policy.overrides.expert.widht=128",
+     "error: unknown config key 'policy.overrides.expert.widht' (did you mean 'policy.overrides.expert.width'?)"),
+    ("--policy.overrides.expert.width=wide", "error: config key 'policy.overrides.expert.width': 'wide' is not a int"),
+    ("--policy.preset=pi0-huge", "error: unknown model preset 'pi0-huge'; available: pi05-tiny, pi0-tiny, "),
+])
+def test_demo_refuses_a_bad_override_in_a_second_before_collecting_or_writing(override, message, tmp_path, capsys,
+                                                                               monkeypatch):
+    """The quick recipe's collection alone takes ~20 s on 2 cores; the refusal comes before it, and before
+    the demo's folder (or a dataset staging folder beside it) is made."""
+    import time
+
+    import kilovla.demo
+
+    monkeypatch.chdir(tmp_path)  # the default output_dir, demo-output, would be made here
+    monkeypatch.setattr(kilovla.demo, "collect_demonstrations", lambda *a: pytest.fail("collection started"))
+    t = time.perf_counter()
+    assert main(["demo", "--quick", override]) == 2
+    assert time.perf_counter() - t < 5
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_demo_whose_collection_is_refused_leaves_no_folder_and_no_staging_behind(tmp_path, monkeypatch):
+    import kilovla.envs.collect
+    from kilovla.demo import QUICK, run_demo
+    from kilovla.errors import KilovlaError
+
+    def refuse(*args, **kwargs):  # after the dataset writer made its staging folder beside out/dataset
+        assert sorted(p.name[:13] for p in (tmp_path / "out").iterdir()) == [".dataset.tmp-", ".kilovla-demo"]
+        raise KilovlaError("reach-v3: refused")
+
+    monkeypatch.setattr(kilovla.envs.collect, "run_episodes", refuse)
+    with pytest.raises(KilovlaError, match="reach-v3: refused"):
+        run_demo(tmp_path / "out", recipe=QUICK)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_train_takes_policy_path_as_its_starting_weights_and_keeps_init_from(capsys):
     from kilovla.cli_config import train_overrides
     from kilovla.config import load_config

@@ -7,6 +7,7 @@ from kilovla.envs import make_env
 from kilovla.envs.latency import LatencyModel, LatencyWrapper
 from kilovla.envs.metaworld import DEFAULT_TASKS, MetaWorldExpertPolicy, instruction, task_set
 from kilovla.envs.rollout import run_episodes
+from kilovla.envs.seeds import eval_seed
 from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
 from kilovla.errors import KilovlaError
 
@@ -150,6 +151,9 @@ def test_libero_suite_task_resets_and_steps():
         assert obs["observation.state"].shape == (8,)
         obs, _, terminated, truncated, info = env.step(np.zeros(7))
         assert not terminated and not truncated and "is_success" in info
+        # an evaluation's seeds (envs/seeds.py, ~1e18) are past the 32 bits LIBERO's NumPy seeding takes
+        _, info = env.reset(seed=eval_seed(0, 0, 3))
+        assert info["init_state"] == 3
     finally:
         env.close()
 

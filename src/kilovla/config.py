@@ -32,9 +32,10 @@ def _all_keys(cls, prefix: str = "") -> list[str]:
     return out
 
 
-def _unknown(cls, key: str, also: tuple[str, ...] = ()) -> KilovlaError:
-    """`also`: further keys the caller accepts (a command's own spellings), suggested like the config's."""
-    keys = _all_keys(cls) + list(also)
+def _unknown(cls, key: str, also: tuple[str, ...] = (), prefix: str = "") -> KilovlaError:
+    """`also`: further keys the caller accepts (a command's own spellings), suggested like the config's;
+    `prefix`: where `cls` sits in the caller's config (`key` includes it)."""
+    keys = [prefix + k for k in _all_keys(cls)] + list(also)
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
     hint = f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(keys)}"
     return KilovlaError(f"unknown config key {key!r}{hint}")

@@ -15,6 +15,7 @@ Wilson intervals: 20 episodes per task still leave a rate of 90 % uncertain by a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -123,6 +124,21 @@ def train_overrides(recipe: DemoRecipe, data: Path, run: Path, progress: bool) -
     return flags
 
 
+def check_recipe(recipe: DemoRecipe, out: Path) -> None:
+    """Refuse a recipe the run would refuse later, before anything is collected or written: its tasks,
+    the seeds collection and evaluation would use, and the training config as `kilovla train` checks it
+    (preset, every model override's key and type; no weights are built)."""
+    from kilovla.envs.base import env_type
+    from kilovla.envs.seeds import collect_seed, eval_seeds
+    from kilovla.train.config import TrainConfig, validate_config
+
+    env_type("metaworld").check_tasks(list(recipe.tasks))  # what collect() runs
+    last = len(recipe.tasks) - 1
+    collect_seed(recipe.collect_seed, last, 3 * recipe.episodes_per_task - 1)  # collect's last possible try
+    eval_seeds(recipe.eval_seed, last, recipe.eval_episodes)
+    validate_config(load_config(TrainConfig, None, train_overrides(recipe, out / "dataset", out / "run", False)))
+
+
 def collect_demonstrations(recipe: DemoRecipe, data: Path):
     from kilovla.eval.closed_loop import task_progress
 
@@ -191,10 +207,12 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
     t0 = time.perf_counter()
     recipe = recipe or (QUICK if quick else FULL)
     out = Path(out_dir)
+    check_recipe(recipe, out)
     # The demo owns its output folder: it replaces an earlier demo's, never a folder of other files.
     check_replaceable(out, DEMO)
     check_replaceable(out / "dataset", DATASET)
     check_replaceable(out / "run", RUN)
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / DEMO_MARKER).write_text("written by `kilovla demo`: it replaces this folder's contents on every run\n")
     console = Console(width=max(Console().width, 100))
@@ -202,7 +220,14 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
 
     console.rule("1/4 collect scripted demonstrations")
     data = out / "dataset"
-    collected = collect_demonstrations(recipe, data)
+    try:
+        collected = collect_demonstrations(recipe, data)  # a refusal removes its staging folder (DatasetWriter.abort)
+    except BaseException:
+        if made:  # and then the folder this run made, holding nothing but the marker
+            (out / DEMO_MARKER).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
     info = DatasetMeta(data).summary()
     phase_s["collect"] = time.perf_counter() - t0
     cache = None

@@ -144,7 +144,8 @@ class LiberoEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options=None):
         super().reset(seed=seed)
         index = (seed if seed is not None else int(self.np_random.integers(len(self.init_states)))) % len(self.init_states)
-        self._env.seed(0 if seed is None else seed)
+        # envs/seeds.py's seeds reach 4e18; LIBERO seeds NumPy's legacy generator, which takes 32 bits
+        self._env.seed(0 if seed is None else seed % 2**32)
         self._env.reset()
         raw = self._env.set_init_state(self.init_states[index])
         for _ in range(SETTLE_STEPS):

@@ -31,9 +31,11 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import torch
 
+from kilovla.config import _coerce, _unknown
 from kilovla.errors import KilovlaError
 from kilovla.models.family import PolicyDefaults, families, family_of
 
@@ -52,23 +54,33 @@ def policy_defaults(name: str) -> PolicyDefaults:
 
 def preset(name: str, **overrides):
     """A preset's config with fields replaced; a dict replaces fields of a nested config:
-    ``preset("pi05-tiny", vision={"image_size": 64})``."""
+    ``preset("pi05-tiny", vision={"image_size": 64})``. Every key and value is checked as a config
+    file's are: ``expert={"widht": 64}`` -> KilovlaError "unknown config key
+    'policy.overrides.expert.widht' (did you mean 'policy.overrides.expert.width'?)"."""
     if name not in PRESETS:
         raise KilovlaError(f"unknown model preset {name!r}; available: {', '.join(PRESETS)}")
-    base = PRESETS[name]
-    names = {f.name for f in dataclasses.fields(base)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise KilovlaError(f"{name} has no config fields {unknown}; fields: {', '.join(sorted(names))}")
-    resolved = {}
-    for key, value in overrides.items():
-        current = getattr(base, key)
-        if isinstance(value, dict) and dataclasses.is_dataclass(current):
-            value = dataclasses.replace(current, **value)
-        elif isinstance(value, list):
-            value = tuple(value)
-        resolved[key] = value
-    return dataclasses.replace(base, **resolved)
+    return _replaced(PRESETS[name], overrides, type(PRESETS[name]), OVERRIDES_KEY)
+
+
+OVERRIDES_KEY = "policy.overrides."  # where model overrides sit in a run's config (and its policy.json)
+
+
+def _replaced(config, overrides, root, key: str):
+    """`config` with the fields `overrides` names replaced, each value checked against its field's type."""
+    if not isinstance(overrides, dict):
+        raise KilovlaError(f"config key {key.rstrip('.')!r}: expected a mapping of {type(config).__name__} "
+                           f"fields, got {overrides!r}")
+    hints = typing.get_type_hints(type(config))
+    changes = {}
+    for field, value in overrides.items():
+        if field not in hints:
+            raise _unknown(root, f"{key}{field}", prefix=OVERRIDES_KEY)
+        current = getattr(config, field)
+        if dataclasses.is_dataclass(current):
+            changes[field] = _replaced(current, value, root, f"{key}{field}.")
+        else:
+            changes[field] = _coerce(value, hints[field], f"{key}{field}")
+    return dataclasses.replace(config, **changes)
 
 
 def build_model(name: str, device: str | torch.device = "cpu", seed: int = 0, **overrides) -> torch.nn.Module:

@@ -211,7 +211,10 @@ STRATEGIES = ("ddp", "fsdp")
 
 def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
     """Refuse values the run cannot use, before anything is built, read or written."""
+    from kilovla.models.presets import preset
+
     cfg = with_init_model(cfg)
+    preset(cfg.policy.preset, **dict(cfg.policy.overrides))  # the model config: every override's key and type
     problems = _count_problems(cfg)
     if cfg.batch.global_batch_tokens is None and cfg.batch.global_batch_size < 1:
         problems.append(f"batch.global_batch_size must be >= 1, not {cfg.batch.global_batch_size}")

@@ -16,7 +16,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from kilovla.errors import KilovlaError
 
@@ -99,6 +98,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in body:
         raise KilovlaError(f"override {text!r} must look like --section.key=value")
     key, raw = body.split("=", 1)
+    import yaml  # here, not at the top: models/presets.py imports this module's checks on machines without PyYAML
+
     try:
         value = yaml.safe_load(raw) if raw else ""
     except yaml.YAMLError:
@@ -123,6 +124,8 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] = ()):
         path = Path(path)
         if not path.is_file():
             raise KilovlaError(f"{path}: config file not found")
+        import yaml
+
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
@@ -145,4 +148,6 @@ def to_dict(config) -> dict:
 
 
 def dump_yaml(config) -> str:
+    import yaml
+
     return yaml.safe_dump(to_dict(config), sort_keys=False)

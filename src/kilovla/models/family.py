@@ -12,6 +12,8 @@ What a family answers, by who asks:
   `PolicyDefaults`), read by models/presets.py;
 - the data and the processor: `chunk_length`, `action_tokens` (the suffix the token plan counts),
   `vocab_size`, `image_token_id`, `pooled_width` (the residual's features);
+- writing a config: `overrides` (`ModelSettings`, a caller's family-neutral wishes such as the demo's
+  chunk length and camera count -> that family's config overrides);
 - training: `flow_time` (Beta(1.5, 1) draw -> t, the family's convention), `freeze_groups`,
   `gradient_checkpointing`;
 - parallelism (train/distributed.py, tensor_parallel.py, pipeline.py): `fsdp_units`, `tp_layers`,
@@ -56,6 +58,25 @@ class PolicyDefaults:
     needs_weights: bool = False
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSettings:
+    """Model settings stated without a family's field names (the demo's); `Family.overrides` writes them
+    as the family's config overrides (keys of `--policy.overrides`).
+
+        ModelSettings(chunk_length=10, max_state_dim=48, image_size=32, cameras=2, packing=True,
+                      language_padding="longest")
+        -> pi0-tiny: {"chunk_size": 10, ..., "disabled_cameras": ["right_wrist_0_rgb"], "vision": {"image_size": 32}}
+    """
+
+    chunk_length: int  # actions per chunk
+    max_state_dim: int  # the state padded to this many dimensions
+    image_size: int  # camera pixels (square)
+    cameras: int  # cameras the data has: the model's enabled camera slots past this many are disabled (pruned)
+    packing: bool
+    language_padding: str  # "longest" (dynamic padding) or "max_length"
+    language_tokens: int | None = None  # the prompt's token limit; None: the preset's
+
+
 @dataclass(frozen=True)
 class TPSplit:
     """A layer's linears by how tensor parallelism splits them (train/tensor_parallel.py). `column`:
@@ -92,6 +113,7 @@ class Family:
     presets: Mapping[str, object]
     recipes: Mapping[str, PolicyDefaults]
     chunk_length: Callable[[object], int]
+    overrides: Callable[[object, ModelSettings], dict]  # (the preset's config, settings) -> config overrides
     action_tokens: Callable[[object], int]
     vocab_size: Callable[[object], int]
     image_token_id: Callable[[object], int | None]

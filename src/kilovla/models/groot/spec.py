@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from kilovla.models.family import Family, KeyMap
+from kilovla.models.family import Family, KeyMap, ModelSettings
 from kilovla.models.groot import parallelize
 from kilovla.models.groot.model import GrootConfig, GrootModel, flow_time
 from kilovla.models.groot.presets import PRESETS, RECIPES
@@ -26,13 +26,24 @@ def lora_targets(vision: bool, llm: bool) -> str:
     return "|".join(f"({p})" for p in parts)
 
 
+def overrides(cfg: GrootConfig, s: ModelSettings) -> dict:
+    """`s` as GrootConfig overrides; the camera slots disabled are the preset's enabled ones past the data's."""
+    out = {"action_horizon": s.chunk_length, "max_state_dim": s.max_state_dim, "packing": s.packing,
+           "language_padding": s.language_padding,
+           "disabled_cameras": [*cfg.disabled_cameras, *cfg.enabled_cameras[s.cameras:]],
+           "vision": {"image_size": s.image_size}}
+    if s.language_tokens is not None:
+        out["max_language_tokens"] = s.language_tokens
+    return out
+
+
 def freeze_groups(model) -> dict:
     return {"vision": [model.eagle.vision_model, model.eagle.mlp1], "vlm": [model.backbone]}
 
 
 FAMILY = Family(
     name="groot", title="GR00T", config_class=GrootConfig, model_class=GrootModel, presets=PRESETS, recipes=RECIPES,
-    chunk_length=lambda cfg: cfg.action_horizon,
+    chunk_length=lambda cfg: cfg.action_horizon, overrides=overrides,
     action_tokens=lambda cfg: cfg.action_head_tokens,
     vocab_size=lambda cfg: cfg.llm.vocab_size,
     image_token_id=lambda cfg: cfg.image_token_id,

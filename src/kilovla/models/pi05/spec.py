@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from kilovla.errors import KilovlaError
-from kilovla.models.family import Family, KeyMap
+from kilovla.models.family import Family, KeyMap, ModelSettings
 from kilovla.models.pi05 import parallelize
 from kilovla.models.pi05.model import Pi05Config, Pi05Model, flow_time
 from kilovla.models.pi05.presets import PRESETS, RECIPES
@@ -38,6 +38,17 @@ def rename(key: str, name: str) -> str | None:
     return key
 
 
+def overrides(cfg: Pi05Config, s: ModelSettings) -> dict:
+    """`s` as Pi05Config overrides; the camera slots disabled are the preset's enabled ones past the data's."""
+    out = {"chunk_size": s.chunk_length, "max_state_dim": s.max_state_dim, "packing": s.packing,
+           "language_padding": s.language_padding,
+           "disabled_cameras": [*cfg.disabled_cameras, *cfg.enabled_cameras[s.cameras:]],
+           "vision": {"image_size": s.image_size}}
+    if s.language_tokens is not None:
+        out["max_language_tokens"] = s.language_tokens
+    return out
+
+
 def freeze_groups(model) -> dict:
     vlm = model.vlm
     return {"vision": [vlm.vision_tower, vlm.multi_modal_projector], "vlm": [model.paligemma_with_expert.paligemma]}
@@ -45,7 +56,7 @@ def freeze_groups(model) -> dict:
 
 FAMILY = Family(
     name="pi05", title="pi0/pi0.5", config_class=Pi05Config, model_class=Pi05Model, presets=PRESETS, recipes=RECIPES,
-    chunk_length=lambda cfg: cfg.chunk_size,
+    chunk_length=lambda cfg: cfg.chunk_size, overrides=overrides,
     action_tokens=lambda cfg: cfg.chunk_size + cfg.suffix_extra,
     vocab_size=lambda cfg: cfg.lm.vocab_size,
     image_token_id=lambda cfg: None,

@@ -11,6 +11,7 @@ import pytest
 from kilovla import cli
 from kilovla.cli import main
 from kilovla.cli_config import EvalCommand
+from kilovla.models.family import families, family_of
 
 
 def _config(argv: list[str]):
@@ -145,12 +146,16 @@ def test_bench_takes_policy_path_and_the_old_policy_flag():
 def test_demo_takes_dotted_overrides_of_its_recipe(capsys):
     from kilovla.demo import FULL, QUICK
 
-    cfg = _config(["demo", "--quick", "--policy.preset=pi05-tiny", "--policy.overrides.expert.width=128",
+    cfg = _config(["demo", "--quick", "--policy.preset=pi0-tiny", "--policy.overrides.expert.width=128",
                    "--seed=3", "--output_dir=d"])
     recipe = cfg.recipe()
-    assert (recipe.preset, recipe.train_steps, cfg.output_dir) == ("pi05-tiny", QUICK.train_steps, "d")
+    assert (recipe.preset, recipe.train_steps, cfg.output_dir) == ("pi0-tiny", QUICK.train_steps, "d")
     assert recipe.model == {"expert": {"width": 128, "mlp_dim": 256}}  # merged into the recipe's, not replacing it
     assert (recipe.collect_seed, recipe.train_seed, recipe.eval_seed) == (3, 3, 4)
+    # the wide expert is pi0-tiny's: another preset's overrides merge into its own model's (none)
+    other = _config(["demo", "--quick", "--policy.preset=pi05-tiny", "--policy.overrides.expert.width=128"]).recipe()
+    assert (other.preset, other.model) == ("pi05-tiny", {"expert": {"width": 128}})
+    assert _config(["demo", "--policy.preset=groot-tiny"]).recipe().preset_model() == {}
     assert _config(["demo"]).recipe() == FULL and _config(["demo", "--quick", "--out", "x"]).recipe() == QUICK
     assert main(["demo", "--policy.overides.x=1"]) == 2
     assert "unknown config key 'policy.overides.x' (did you mean 'policy.overrides'?)" in capsys.readouterr().err
@@ -179,6 +184,32 @@ def test_demo_refuses_a_bad_override_in_a_second_before_collecting_or_writing(ov
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", [name for fam in families() for name in fam.presets if name.endswith("-tiny")])
+def test_the_demo_recipe_trains_every_familys_tiny_preset(name, tmp_path):
+    """Each family writes the demo's fixed settings (chunk, state width, image size, the env's two cameras,
+    packing) as its own config's keys: the training config passes `kilovla train`'s checks and builds."""
+    from kilovla.demo import QUICK, check_recipe, model_overrides
+    from kilovla.models.presets import preset
+
+    recipe = QUICK.replace(preset=name)
+    check_recipe(recipe, tmp_path)
+    config = preset(name, **model_overrides(recipe))
+    fam = family_of(config)
+    assert fam.chunk_length(config) == recipe.chunk_size and config.vision.image_size == recipe.resolution
+    assert len(config.enabled_cameras) == 2 and config.packing
+
+
+def test_the_demo_writes_pi0_tinys_model_settings_as_before():
+    from kilovla.demo import FULL, model_overrides
+
+    assert model_overrides(FULL) == {
+        "chunk_size": 10, "max_state_dim": 48, "packing": True, "language_padding": "longest",
+        "disabled_cameras": ["right_wrist_0_rgb"], "expert": {"width": 64, "mlp_dim": 256},
+        "vision": {"image_size": 32}}
+    assert list(model_overrides(FULL)) == ["chunk_size", "max_state_dim", "packing", "language_padding",
+                                           "disabled_cameras", "expert", "vision"]
 
 
 def test_a_demo_whose_collection_is_refused_leaves_no_folder_and_no_staging_behind(tmp_path, monkeypatch):

@@ -186,7 +186,8 @@ SERVE_ALIASES = {
 @dataclass
 class DemoPolicySection:
     preset: str | None = _f(None, "the model preset (default: the recipe's, pi0-tiny)")
-    overrides: dict = _f({}, "model config overrides merged into the recipe's, as --policy.overrides.KEY=VALUE "
+    overrides: dict = _f({}, "model config overrides merged into the recipe's for the preset (pi0-tiny's: a wide "
+                         "action expert; other presets': none), as --policy.overrides.KEY=VALUE "
                          "(e.g. --policy.overrides.expert.width=128) or one JSON/YAML mapping")
 
 
@@ -204,14 +205,13 @@ class DemoCommand:
         from kilovla.train.config import _merged
 
         recipe = QUICK if self.quick else FULL
-        changes = {}
         if self.policy.preset is not None:
-            changes["preset"] = self.policy.preset
-        if self.policy.overrides:
-            changes["model"] = _merged(recipe.model, self.policy.overrides)
+            recipe = recipe.replace(preset=self.policy.preset)
+        if self.policy.overrides:  # over the recipe's model for its preset (the wide expert for pi0-tiny only)
+            recipe = recipe.replace(model=_merged(recipe.preset_model(), self.policy.overrides))
         if self.seed is not None:
-            changes.update(collect_seed=self.seed, train_seed=self.seed, eval_seed=self.seed + 1)
-        return recipe.replace(**changes)
+            recipe = recipe.replace(collect_seed=self.seed, train_seed=self.seed, eval_seed=self.seed + 1)
+        return recipe
 
 
 _ENV_ALIASES = {"--env": "env.type", "--tasks": "env.task", "--cameras": "env.cameras",

@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -32,13 +32,19 @@ from rich.table import Table
 from kilovla.config import load_config
 from kilovla.data.meta import DatasetMeta
 from kilovla.envs.collect import collect
-from kilovla.envs.metaworld import DEFAULT_TASKS
+from kilovla.envs.metaworld import DEFAULT_CAMERAS, DEFAULT_TASKS
 from kilovla.errors import KilovlaError
 from kilovla.eval.intervals import wilson_interval
 from kilovla.eval.settings import EvalSettings
 from kilovla.folders import DATASET, DEMO, DEMO_MARKER, RUN, check_replaceable, clear
 
 log = logging.getLogger(__name__)
+
+DEMO_PRESET = "pi0-tiny"
+# The demo's model overrides by preset; a preset not named trains its own model. pi0-tiny: the action
+# expert twice the preset's width (its MLP 4x), as its 32-wide expert under-fit (docs/demo_ablation.md,
+# `wide_expert`: 62 % -> 95 % of the expert at the same step count).
+PRESET_MODELS = {DEMO_PRESET: {"expert": {"width": 64, "mlp_dim": 256}}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,13 +62,14 @@ class DemoRecipe:
     # bit-identical frames, and the ~12 epochs of training stop decoding on the training cores. False
     # builds none; training still reads a valid one that is already there
     frame_cache: bool = True
-    # model: a preset plus config overrides; packing, dynamic padding and the blank third camera's
-    # pruning are always on (they change speed, not the result: the equivalence tests say so)
-    preset: str = "pi0-tiny"  # pi0 reads the state as one continuous token; pi0.5 only as prompt text
-    # the action expert twice the preset's width (its MLP 4x): the preset's 32-wide expert under-fit
-    # (docs/demo_ablation.md, `wide_expert`: 62 % -> 95 % of the expert at the same step count).
-    # A recipe's `model` replaces this dict whole: keep the "expert" entry when changing e.g. "vision"
-    model: dict = field(default_factory=lambda: {"expert": {"width": 64, "mlp_dim": 256}})
+    # model: a preset plus config overrides; packing, dynamic padding and the pruning of the model's camera
+    # slots past the env's two are always on (they change speed, not the result: the equivalence tests say so)
+    preset: str = DEMO_PRESET  # pi0 reads the state as one continuous token; pi0.5 only as prompt text
+    # model config overrides. None (the default): PRESET_MODELS[preset], i.e. the wide expert with pi0-tiny,
+    # and with any other preset none (its own model). A dict replaces that choice whole: keep the "expert"
+    # entry when changing e.g. "vision" on pi0-tiny (`kilovla demo --policy.overrides.*` merges into
+    # `preset_model()` instead)
+    model: dict | None = None
     state_in_prompt: bool = False  # pi0.5 reads the state only as discretised prompt text
     chunk_size: int = 10  # actions predicted per inference
     n_action_steps: int = 5  # of them executed before re-planning
@@ -84,6 +91,10 @@ class DemoRecipe:
     def replace(self, **changes) -> DemoRecipe:
         return dataclasses.replace(self, **changes)
 
+    def preset_model(self) -> dict:
+        """`model`, or where it is None the demo's choice for the preset (PRESET_MODELS, else none)."""
+        return PRESET_MODELS.get(self.preset, {}) if self.model is None else self.model
+
     def evaluation(self) -> EvalSettings:
         """The closed loop both the learned policy and the scripted expert are evaluated on (videos: the
         learned policy's)."""
@@ -99,18 +110,12 @@ QUICK = DemoRecipe(tasks=("reach-v3", "drawer-close-v3"), episodes_per_task=3, r
 
 def train_overrides(recipe: DemoRecipe, data: Path, run: Path, progress: bool) -> list[str]:
     """The recipe as `kilovla train` flags (dotted overrides of TrainConfig)."""
-    model = {"chunk_size": recipe.chunk_size, "max_state_dim": 48, "packing": True, "language_padding": "longest",
-             "disabled_cameras": ["right_wrist_0_rgb"], **recipe.model}
-    vision = {"image_size": recipe.resolution, **model.get("vision", {})}
-    model["vision"] = vision
-    if recipe.state_in_prompt:  # ~4 bytes per state dimension: 43 dimensions need ~200 prompt tokens
-        model.setdefault("max_language_tokens", 256)
     flags = [
         f"--run_dir={run}", f"--seed={recipe.train_seed}", f"--steps={recipe.train_steps}", f"--dataset.roots=[{data}]",
         # Steps fixed in tokens, so that packed rows come out full.
         f"--batch.global_batch_tokens={recipe.batch_tokens}", "--batch.token_budget=4096",
         f"--checkpoint.every={recipe.train_steps}", f"--policy.preset={recipe.preset}",
-        f"--policy.overrides={json.dumps(model)}",
+        f"--policy.overrides={json.dumps(model_overrides(recipe))}",
         "--policy.state_keys=[observation.state, observation.environment_state]",
         f"--policy.state_in_prompt={str(recipe.state_in_prompt).lower()}",
         f"--policy.n_action_steps={recipe.n_action_steps}", f"--optim.lr={recipe.lr}",
@@ -122,6 +127,28 @@ def train_overrides(recipe: DemoRecipe, data: Path, run: Path, progress: bool) -
     if recipe.augmentation is not None:
         flags.append(f"--policy.augmentation={json.dumps(recipe.augmentation)}")
     return flags
+
+
+def model_overrides(recipe: DemoRecipe) -> dict:
+    """The demo's fixed model settings (the env's two cameras, packing, dynamic padding), written by the
+    preset's family as its config's keys, under the recipe's `preset_model()`; a nested config's
+    settings (vision's image size) merge with the recipe's entry for it, and come last (as the flags
+    always had them: pi0-tiny's are unchanged byte for byte)."""
+    from kilovla.models.family import ModelSettings, family_of
+    from kilovla.models.presets import preset
+
+    config = preset(recipe.preset)
+    settings = ModelSettings(
+        chunk_length=recipe.chunk_size, max_state_dim=48, image_size=recipe.resolution, cameras=len(DEFAULT_CAMERAS),
+        packing=True, language_padding="longest",
+        # ~4 bytes per state dimension: 43 dimensions need ~200 prompt tokens
+        language_tokens=256 if recipe.state_in_prompt else None)
+    fixed, mine = family_of(config).overrides(config, settings), recipe.preset_model()
+    model = {k: v for k, v in fixed.items() if not isinstance(v, dict)} | mine
+    for key, value in fixed.items():
+        if isinstance(value, dict):
+            model[key] = {**value, **model.get(key, {})}
+    return model
 
 
 def check_recipe(recipe: DemoRecipe, out: Path) -> None:
@@ -302,7 +329,8 @@ def build_report(recipe: DemoRecipe, out: Path, collected, info: dict, summary: 
                   "success_chart": plot_success(out / "success_per_task.png", per_task, policy_rate, expert_rate,
                                                 learned["overall_success_ci95"], expert["overall_success_ci95"]),
                   "videos": videos},
-        "recipe": {k: getattr(recipe, k) for k in (f.name for f in dataclasses.fields(recipe))},
+        "recipe": {**{k: getattr(recipe, k) for k in (f.name for f in dataclasses.fields(recipe))},
+                   "model": recipe.preset_model()},
         "env_backend": learned["env_backend"],
         "quick": quick,
     }

@@ -393,3 +393,9 @@ def test_library_notes_name_the_dotted_flags(tmp_path, monkeypatch):
               "latency": {"baseline_s": 1.0, "quantized_s": 1.0, "device": "cpu", "kernel": "emulate"}}
     notes = {row[0]: row[3] for row in report_rows(report)}  # quantize without quant.dataset, no closed loop
     assert (notes["action MSE"], notes["closed-loop success"]) == ("pass --quant.dataset=DIR", "pass --eval.n_episodes=N")
+
+
+def test_train_takes_no_abbreviation_of_its_flags(capsys):
+    """argparse's abbreviation ran `--conf` as --config; like the other commands, train takes whole flags."""
+    assert main(["train", "--conf=run.yaml"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown config key 'conf'")

@@ -515,7 +515,7 @@ def _quantize_parser(sub) -> None:
 def _train_rl_parsers(sub) -> None:
     from kilovla.cli_config import _Alias, _Key
 
-    p = sub.add_parser("train", help="train a VLA policy (single process, or under torchrun)")
+    p = sub.add_parser("train", allow_abbrev=False, help="train a VLA policy (single process, or under torchrun)")
     p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4; "
                    "--policy.path=DIR: the starting weights (the config's policy.init_from)")
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'auto' for the run's latest")

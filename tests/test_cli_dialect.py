@@ -259,6 +259,7 @@ def test_a_prefix_of_a_key_is_not_taken_for_the_key(capsys):
      "--no-cuda-graphs and --serve.cuda_graphs=true"),
     (["bench", "rl", "--policy.path=a", "--policy", "b"], "--policy.path=a and --policy b"),
     (["rl", "--policy.path=a", "--policy", "b"], "--policy.path=a and --policy b"),
+    (["train", "--policy.path=a", "--policy.init_from=b"], "--policy.path=a and --policy.init_from=b"),
 ])
 def test_two_spellings_of_one_key_with_two_values_are_refused(capsys, argv, spellings):
     assert main(argv) == 2

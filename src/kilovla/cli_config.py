@@ -277,10 +277,15 @@ def check_spellings(args: argparse.Namespace) -> None:
         spelt.setdefault(PREFIX + positional[1], {})[positional[0]] = (f"{value} (the positional {positional[0]})",
                                                                         value)
     for given in spelt.values():
-        (shown, value), *rest = given.values()
-        for other, other_value in rest:
-            if _plain(value) != _plain(other_value):
-                raise KilovlaError(f"{shown} and {other} are one setting with two values; give one")
+        one_value(list(given.values()))
+
+
+def one_value(given: list[tuple[str, object]]) -> None:
+    """`given`: (as typed, value) of each spelling of one key; two values are refused in one line."""
+    (shown, value), *rest = given
+    for other, other_value in rest:
+        if _plain(value) != _plain(other_value):
+            raise KilovlaError(f"{shown} and {other} are one setting with two values; give one")
 
 
 class _Key(argparse._StoreAction):
@@ -419,11 +424,15 @@ def train_overrides(overrides: list[str]) -> list[str]:
     from kilovla.train.config import TrainConfig
 
     keys = _all_keys(TrainConfig)
-    out = []
+    out, spelt = [], {}
     for item in overrides:
         key, sep, value = item.removeprefix("--").partition("=")
         known = key in keys or key in TRAIN_KEYS or any(k.startswith(key + ".") for k in keys)
         if not known and not _dict_key(TrainConfig, key):  # did-you-mean that knows policy.path too
             raise _unknown(TrainConfig, key, also=tuple(TRAIN_KEYS))
+        if key in TRAIN_KEYS or key in TRAIN_KEYS.values():
+            spelt.setdefault(TRAIN_KEYS.get(key, key), []).append((item, value))
         out.append(f"--{TRAIN_KEYS[key]}{sep}{value}" if key in TRAIN_KEYS else item)
+    for given in spelt.values():
+        one_value(given)
     return out

@@ -363,3 +363,15 @@ def test_padding_counts_padded_tokens_and_the_unused_budget_apart(dataset, tmp_p
     assert padded["padding_fraction"] > 0.1  # language padded to max_language_tokens
     # 4 samples fill a small part of a 100k-token budget: unused budget, not padding
     assert packed["budget_unused_fraction"] > 0.9 and padded["budget_unused_fraction"] > 0.9
+
+
+@pytest.mark.parametrize("flag", ["--run_dir=", "--policy.path=", "--dataset.index=", "--policy.tokenizer="])
+def test_an_empty_path_is_refused_and_nothing_is_written(dataset, tmp_path, monkeypatch, capsys, flag):
+    """`--run_dir=` trained into the current folder; an empty init_from trained from random weights."""
+    monkeypatch.chdir(tmp_path)
+    argv = [*_args(dataset, tmp_path / "run", steps=1), flag]
+    assert main(["train", *argv]) == 2
+    name = {"--policy.path=": "policy.init_from"}.get(flag, flag[2:-1])
+    assert capsys.readouterr().err.strip().endswith(f"{name} is empty: give a path"
+                                                    + ("" if name == "run_dir" else " or leave it unset"))
+    assert list(tmp_path.iterdir()) == []

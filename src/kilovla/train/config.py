@@ -256,6 +256,11 @@ def _count_problems(cfg: TrainConfig) -> list[str]:
     if cfg.eval.every:
         at_least.append(("eval.batch_size", cfg.eval.batch_size, 1))
     problems += [f"{name} must be >= {low}, not {value}" for name, value, low in at_least if value < low]
+    paths = [("run_dir", cfg.run_dir), ("policy.init_from", cfg.policy.init_from),
+             ("policy.tokenizer", cfg.policy.tokenizer), ("dataset.index", cfg.dataset.index),
+             *(("dataset.roots", root) for root in cfg.dataset.roots)]
+    problems += [f"{name} is empty: give a path" + (" or leave it unset" if name != "run_dir" else "")
+                 for name, value in paths if isinstance(value, str) and not value.strip()]
     if cfg.loader.engine not in LOADER_ENGINES:
         problems.append(f"loader.engine must be one of {', '.join(LOADER_ENGINES)}, not {cfg.loader.engine!r}")
     if not cfg.optim.lr >= 0:

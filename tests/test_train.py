@@ -375,3 +375,14 @@ def test_an_empty_path_is_refused_and_nothing_is_written(dataset, tmp_path, monk
     assert capsys.readouterr().err.strip().endswith(f"{name} is empty: give a path"
                                                     + ("" if name == "run_dir" else " or leave it unset"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_rl_folder_with_a_residual_actor_is_refused_as_starting_weights(reach_demos, tmp_path, capsys):
+    """The new checkpoint had residual: null: the RL run's actor was silently dropped."""
+    rl = Path(__file__).parent / "fixtures" / "legacy_a039621" / "rl_residual_sac"
+    assert main(["train", f"--run_dir={tmp_path / 'run'}", f"--dataset.roots=[{reach_demos}]",
+                 "--steps=1", "--progress=false", f"--policy.path={rl}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {rl}: an RL policy folder (policy.json has a residual actor), which supervised training would drop: "
+        "train from the policy folder its RL run started from")
+    assert not (tmp_path / "run").exists()

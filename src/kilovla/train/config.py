@@ -166,6 +166,9 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
     folder = PolicyFolder.find(p.init_from) if p.init_from else None
     if folder is None:
         return cfg if p.preset else dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=DEFAULT_PRESET))
+    if folder.meta.residual is not None:  # training loads model.safetensors, the base: the actor would be lost
+        raise KilovlaError(f"{folder.path}: an RL policy folder (policy.json has a residual actor), which supervised "
+                           "training would drop: train from the policy folder its RL run started from")
     preset, overrides = folder.meta.preset, folder.meta.overrides
     where = f"policy.init_from={p.init_from} was trained with"
     if p.preset and p.preset != preset:

@@ -400,3 +400,17 @@ def test_train_takes_no_abbreviation_of_its_flags(capsys):
     """argparse's abbreviation ran `--conf` as --config; like the other commands, train takes whole flags."""
     assert main(["train", "--conf=run.yaml"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown config key 'conf'")
+
+
+@pytest.mark.parametrize("command, lines", [
+    ("train", ["--optim.lr=FLOAT (default: 0.0003)", "--batch.token_budget=INT (default: 4096)  most tokens in one "
+               "packed row", "--policy.path, --policy.init_from=STR (default: None)", "--dataset.roots=LIST"]),
+    ("rl", ["--learner.algo.name=STR (default: 'residual_sac')", "--env.workers=INT (default: 2)",
+            "--run_dir=STR (default: 'runs/rl')"]),
+])
+def test_train_and_rl_help_list_every_section_field_from_their_config(capsys, command, lines):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(line in out for line in lines), out
+    assert "--policy=" not in out and "--mode=" not in out  # rl takes those as its own flags

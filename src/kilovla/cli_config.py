@@ -436,3 +436,41 @@ def train_overrides(overrides: list[str]) -> list[str]:
     for given in spelt.values():
         one_value(given)
     return out
+
+
+def _comments(cls) -> dict[str, str]:
+    """`name: type = default  # comment`: the comment of each field declared in `cls` or a base, from source."""
+    import inspect
+    import re
+
+    found: dict[str, str] = {}
+    for owner in reversed(cls.__mro__[:-1]):
+        try:
+            lines = inspect.getsource(owner).splitlines()
+        except (OSError, TypeError):
+            continue
+        for line in lines:
+            m = re.match(r"\s+(\w+):[^#]*?#\s*(.+)$", line)
+            if m:
+                found[m.group(1)] = m.group(2)
+    return found
+
+
+def fields_help(cls, shown: dict[str, str] | None = None, skip: tuple[str, ...] = ()) -> str:
+    """`--help`'s listing of a config dataclass's dotted keys per section, with type, default and the field's
+    comment; `shown`: key -> how the command spells it, `skip`: keys the command takes as its own flags."""
+    spelling = {key: flag for flag, key in (shown or {}).items()}
+    groups: dict[str, list[str]] = {}
+    for key, hint, default, meta in _fields(cls, cls()):
+        if key in skip:
+            continue
+        *path, name = key.split(".")
+        owner = cls
+        for part in path:
+            owner = typing.get_type_hints(owner)[part]
+        note = meta.get("help") or _comments(owner).get(name, "")
+        flag = f"--{spelling[key]}, --{key}" if key in spelling else f"--{key}"
+        kind = "LIST" if typing.get_origin(hint) is list else _hint_name(hint)
+        line = f"  {flag}={kind} (default: {default!r})" + (f"  {note}" if note else "")
+        groups.setdefault(f"--{path[0]}.*" if path else "other options", []).append(line)
+    return "\n\n".join(f"{title}:\n" + "\n".join(lines) for title, lines in groups.items())

@@ -322,7 +322,8 @@ def test_resuming_with_another_starting_checkpoint_is_refused_and_the_same_one_i
     capsys.readouterr()
     assert main(["train", *_args(dataset, run, "--steps=3", f"--policy.path={b}"), "--resume=auto"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and f"(the checkpoint's: {a})" in err
+    assert err.startswith("error: ") and "\n" not in err and f"--policy.path={b} (the checkpoint's: {a})" in err
+    assert f"(--policy.path={run / 'checkpoints' / 'step_000002'}, a fresh" in err  # the remedy, as typed
     assert (run / "config.yaml").read_text() == before and _steps(run / "checkpoints")[-1] == "step_000002"
     assert main(["train", *_args(dataset, run, "--steps=3"), "--resume=auto"]) == 0  # none given: fine
     assert main(["train", *_args(dataset, first, "--steps=3", f"--policy.path={a}"), "--resume=auto"]) == 2

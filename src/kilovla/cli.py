@@ -302,10 +302,13 @@ def cmd_train(args) -> int:
     unknown = [a for a in args.overrides if not (a.startswith("--") and "=" in a)]
     if unknown:
         raise KilovlaError(f"unexpected arguments {unknown}; overrides look like --section.key=value")
-    from kilovla.cli_config import train_overrides
+    from kilovla.cli_config import TRAIN_KEYS, train_overrides
+    from kilovla.train.config import typed_flags
 
     cfg = load_config(TrainConfig, args.config, train_overrides(args.overrides))
-    summary = train(cfg, resume=args.resume)
+    typed = (a[2:].split("=", 1)[0] for a in args.overrides)
+    with typed_flags({TRAIN_KEYS.get(key, key): f"--{key}" for key in typed}):  # messages name the flags typed
+        summary = train(cfg, resume=args.resume)
     if summary:
         print(json.dumps(summary, indent=2))
     return 0

@@ -305,6 +305,7 @@ def check_resumed_settings(folder: Path, cfg) -> None:
     import yaml
 
     from kilovla.config import to_dict
+    from kilovla.train.config import named
     from kilovla.train.optim import OptimConfig, _lr_lambda
 
     check_same_model(folder, cfg.policy.preset)  # another model's optimizer settings are beside the point
@@ -321,11 +322,12 @@ def check_resumed_settings(folder: Path, cfg) -> None:
     started = (saved.get("policy") or {}).get("init_from")
     if cfg.policy.init_from and not _same_path(cfg.policy.init_from, started):
         # the weights continue from the checkpoint: config.yaml and policy.json would name another start
-        differ.append(f"policy.init_from={cfg.policy.init_from} (the checkpoint's: {started})")
+        differ.append(f"{named('policy.init_from')}={cfg.policy.init_from} (the checkpoint's: {started})")
     if differ:
         raise KilovlaError(f"{folder}: cannot resume with {', '.join(differ)}: the checkpoint's weights, optimizer "
                            "and schedule state would run instead; resume with the checkpoint's values, or fine-tune "
-                           f"from it in a new run_dir (--policy.init_from={folder}, a fresh optimizer and schedule)")
+                           f"from it in a new run_dir ({named('policy.init_from', '--policy.init_from')}={folder}, a fresh "
+                           "optimizer and schedule)")
     old_steps, at = saved.get("steps"), json.loads((Path(folder) / "trainer_state.json").read_text())["step"]
     if isinstance(old_steps, int) and old_steps != cfg.steps and at < cfg.steps:
         optim = OptimConfig(**{k: v for k, v in theirs.items() if k in OptimConfig.__dataclass_fields__})

@@ -182,8 +182,6 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
     from kilovla.policy_folder import PolicyFolder
 
     p = cfg.policy
-    if p.init_from and not Path(p.init_from).expanduser().exists():
-        raise KilovlaError(f"{named('policy.init_from')} {p.init_from}: no such checkpoint file or folder")
     if p.init_from:  # a run folder or its checkpoints/latest: the run's newest complete checkpoint, read once here
         p = dataclasses.replace(p, init_from=str(policy_folder(Path(p.init_from).expanduser())))
         cfg = dataclasses.replace(cfg, policy=p)
@@ -213,6 +211,16 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
                                "is used) or start from other weights")
     return dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=preset, **brought,
                                                                overrides=_merged(overrides, dict(p.overrides))))
+
+
+def check_start_exists(cfg: TrainConfig) -> None:
+    """A starting checkpoint that is not there stops the run before its datasets are read (validate_config
+    does not look: a config file may name weights that are fetched later)."""
+    from pathlib import Path
+
+    start = cfg.policy.init_from
+    if start and not Path(start).expanduser().exists():
+        raise KilovlaError(f"{named('policy.init_from')} {start}: no such checkpoint file or folder")
 
 
 # The policy-interface settings a kilovla policy folder's policy.json records that a run starting from

@@ -328,3 +328,10 @@ def test_resuming_with_another_starting_checkpoint_is_refused_and_the_same_one_i
     assert main(["train", *_args(dataset, run, "--steps=3"), "--resume=auto"]) == 0  # none given: fine
     assert main(["train", *_args(dataset, first, "--steps=3", f"--policy.path={a}"), "--resume=auto"]) == 2
     assert "(the checkpoint's: None)" in capsys.readouterr().err  # started from random weights
+
+
+def test_a_contradiction_names_policy_path_when_it_was_typed(dataset, narrow_policy, tmp_path, capsys):
+    run = tmp_path / "ft"
+    assert main(["train", *_args(dataset, run, "--steps=1", f"--policy.path={narrow_policy}",
+                                 "--policy.preset=pi0-tiny")]) == 2
+    assert f"policy.preset=pi0-tiny but policy.path={narrow_policy} was trained with" in capsys.readouterr().err

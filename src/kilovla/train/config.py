@@ -192,7 +192,7 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
         raise KilovlaError(f"{folder.path}: an RL policy folder (policy.json has a residual actor), which supervised "
                            "training would drop: train from the policy folder its RL run started from")
     preset, overrides = folder.meta.preset, folder.meta.overrides
-    where = f"{named('policy.init_from')}={p.init_from} was trained with"
+    where = f"{named('policy.init_from').removeprefix('--')}={p.init_from} was trained with"  # beside bare keys
     if p.preset and p.preset != preset:
         raise KilovlaError(f"policy.preset={p.preset} but {where} preset {preset}: drop policy.preset (the folder's "
                            "is used) or start from weights of that preset")

@@ -259,6 +259,7 @@ def test_a_prefix_of_a_key_is_not_taken_for_the_key(capsys):
      "--no-cuda-graphs and --serve.cuda_graphs=true"),
     (["bench", "rl", "--policy.path=a", "--policy", "b"], "--policy.path=a and --policy b"),
     (["rl", "--policy.path=a", "--policy", "b"], "--policy.path=a and --policy b"),
+    (["train", "--policy.path=a", "--policy.init_from=b"], "--policy.path=a and --policy.init_from=b"),
 ])
 def test_two_spellings_of_one_key_with_two_values_are_refused(capsys, argv, spellings):
     assert main(argv) == 2
@@ -393,3 +394,23 @@ def test_library_notes_name_the_dotted_flags(tmp_path, monkeypatch):
               "latency": {"baseline_s": 1.0, "quantized_s": 1.0, "device": "cpu", "kernel": "emulate"}}
     notes = {row[0]: row[3] for row in report_rows(report)}  # quantize without quant.dataset, no closed loop
     assert (notes["action MSE"], notes["closed-loop success"]) == ("pass --quant.dataset=DIR", "pass --eval.n_episodes=N")
+
+
+def test_train_takes_no_abbreviation_of_its_flags(capsys):
+    """argparse's abbreviation ran `--conf` as --config; like the other commands, train takes whole flags."""
+    assert main(["train", "--conf=run.yaml"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown config key 'conf'")
+
+
+@pytest.mark.parametrize("command, lines", [
+    ("train", ["--optim.lr=FLOAT (default: 0.0003)", "--batch.token_budget=INT (default: 4096)  most tokens in one "
+               "packed row", "--policy.path, --policy.init_from=STR (default: None)", "--dataset.roots=LIST"]),
+    ("rl", ["--learner.algo.name=STR (default: 'residual_sac')", "--env.workers=INT (default: 2)",
+            "--run_dir=STR (default: 'runs/rl')"]),
+])
+def test_train_and_rl_help_list_every_section_field_from_their_config(capsys, command, lines):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and all(line in out for line in lines), out
+    assert "--policy=" not in out and "--mode=" not in out  # rl takes those as its own flags

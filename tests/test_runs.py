@@ -308,3 +308,30 @@ def test_resuming_with_more_steps_says_how_the_stretched_schedule_moves_the_lear
     [said] = [r.getMessage() for r in caplog.records if "cosine" in r.getMessage()]
     # step 4 of 4 is the cosine's end (lr x min_lr_ratio); of 6 it is 3/5 of the way
     assert "steps=6, the checkpoint's run had steps=4" in said and "from 3e-05 to 0.000123" in said
+
+
+def test_resuming_with_another_starting_checkpoint_is_refused_and_the_same_one_is_not(dataset, tmp_path, capsys):
+    """config.yaml and policy.json named the new start while the weights continued from the checkpoint."""
+    first = tmp_path / "first"
+    assert main(["train", *_args(dataset, first, "--steps=2")]) == 0
+    a, b = first / "checkpoints" / "step_000001", first / "checkpoints" / "step_000002"
+    run = tmp_path / "run"
+    assert main(["train", *_args(dataset, run, "--steps=1", f"--policy.path={a}")]) == 0
+    assert main(["train", *_args(dataset, run, "--steps=2", f"--policy.path={a}"), "--resume=auto"]) == 0
+    before = (run / "config.yaml").read_text()
+    capsys.readouterr()
+    assert main(["train", *_args(dataset, run, "--steps=3", f"--policy.path={b}"), "--resume=auto"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and f"--policy.path={b} (the checkpoint's: {a})" in err
+    assert f"(--policy.path={run / 'checkpoints' / 'step_000002'}, a fresh" in err  # the remedy, as typed
+    assert (run / "config.yaml").read_text() == before and _steps(run / "checkpoints")[-1] == "step_000002"
+    assert main(["train", *_args(dataset, run, "--steps=3"), "--resume=auto"]) == 0  # none given: fine
+    assert main(["train", *_args(dataset, first, "--steps=3", f"--policy.path={a}"), "--resume=auto"]) == 2
+    assert "(the checkpoint's: None)" in capsys.readouterr().err  # started from random weights
+
+
+def test_a_contradiction_names_policy_path_when_it_was_typed(dataset, narrow_policy, tmp_path, capsys):
+    run = tmp_path / "ft"
+    assert main(["train", *_args(dataset, run, "--steps=1", f"--policy.path={narrow_policy}",
+                                 "--policy.preset=pi0-tiny")]) == 2
+    assert f"policy.preset=pi0-tiny but policy.path={narrow_policy} was trained with" in capsys.readouterr().err

@@ -363,3 +363,59 @@ def test_padding_counts_padded_tokens_and_the_unused_budget_apart(dataset, tmp_p
     assert padded["padding_fraction"] > 0.1  # language padded to max_language_tokens
     # 4 samples fill a small part of a 100k-token budget: unused budget, not padding
     assert packed["budget_unused_fraction"] > 0.9 and padded["budget_unused_fraction"] > 0.9
+
+
+@pytest.mark.parametrize("flag", ["--run_dir=", "--policy.path=", "--dataset.index=", "--policy.tokenizer="])
+def test_an_empty_path_is_refused_and_nothing_is_written(dataset, tmp_path, monkeypatch, capsys, flag):
+    """`--run_dir=` trained into the current folder; an empty init_from trained from random weights."""
+    monkeypatch.chdir(tmp_path)
+    argv = [*_args(dataset, tmp_path / "run", steps=1), flag]
+    assert main(["train", *argv]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"{flag[:-1]} is empty: give a path"
+                                                    + ("" if flag == "--run_dir=" else " or leave it unset"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_rl_folder_with_a_residual_actor_is_refused_as_starting_weights(reach_demos, tmp_path, capsys):
+    """The new checkpoint had residual: null: the RL run's actor was silently dropped."""
+    rl = Path(__file__).parent / "fixtures" / "legacy_a039621" / "rl_residual_sac"
+    assert main(["train", f"--run_dir={tmp_path / 'run'}", f"--dataset.roots=[{reach_demos}]",
+                 "--steps=1", "--progress=false", f"--policy.path={rl}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {rl}: an RL policy folder (policy.json has a residual actor), which supervised training would drop: "
+        "train from the policy folder its RL run started from")
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_names_the_flags_typed_and_the_library_its_keys(dataset, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"--dataset.roots=[{dataset}]", "--steps=-2"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --steps must be >= 1, not -2"
+    assert main(["train", f"--dataset.roots=[{dataset}]", "--policy.path=nonexist"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --policy.path nonexist: no such checkpoint file or folder"
+    assert main(["train", f"--dataset.roots=[{dataset}]", "--policy.init_from=nonexist"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --policy.init_from nonexist: no such checkpoint file or folder"
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KilovlaError, match="^steps must be >= 1, not -2$"):  # a YAML user reads the key
+        train(load_config(TrainConfig, None, [f"--dataset.roots=[{dataset}]", "--steps=-2"]))
+    with pytest.raises(KilovlaError, match="^policy.init_from nonexist: no such checkpoint file or folder$"):
+        train(load_config(TrainConfig, None, [f"--dataset.roots=[{dataset}]", "--policy.init_from=nonexist"]))
+
+
+def test_the_unknown_seeds_warning_names_the_flag_typed(caplog):
+    from kilovla.train.build import demonstration_seeds
+    from kilovla.train.config import typed_flags
+
+    class Seeded:  # a dataset whose episodes record their seeds
+        root = "ds"
+
+        def episode_seeds(self):
+            return {"reach": [1]}
+
+    start = {"layout": "kilovla", "path": str(Path(__file__).parent / "fixtures" / "legacy_a039621" / "demo_checkpoint")}
+    with typed_flags({"policy.init_from": "--policy.path"}):
+        assert demonstration_seeds([Seeded()], start) is None
+    assert f"--policy.path={start['path']} record(s) no episode seeds" in caplog.text
+    caplog.clear()
+    assert demonstration_seeds([Seeded()], start) is None
+    assert f"policy.init_from={start['path']} record(s)" in caplog.text and "--policy.path" not in caplog.text

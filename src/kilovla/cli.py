@@ -302,10 +302,13 @@ def cmd_train(args) -> int:
     unknown = [a for a in args.overrides if not (a.startswith("--") and "=" in a)]
     if unknown:
         raise KilovlaError(f"unexpected arguments {unknown}; overrides look like --section.key=value")
-    from kilovla.cli_config import train_overrides
+    from kilovla.cli_config import TRAIN_KEYS, train_overrides
+    from kilovla.train.config import typed_flags
 
     cfg = load_config(TrainConfig, args.config, train_overrides(args.overrides))
-    summary = train(cfg, resume=args.resume)
+    typed = (a[2:].split("=", 1)[0] for a in args.overrides)
+    with typed_flags({TRAIN_KEYS.get(key, key): f"--{key}" for key in typed}):  # messages name the flags typed
+        summary = train(cfg, resume=args.resume)
     if summary:
         print(json.dumps(summary, indent=2))
     return 0
@@ -515,13 +518,17 @@ def _quantize_parser(sub) -> None:
 def _train_rl_parsers(sub) -> None:
     from kilovla.cli_config import _Alias, _Key
 
-    p = sub.add_parser("train", help="train a VLA policy (single process, or under torchrun)")
+    p = sub.add_parser("train", allow_abbrev=False, help="train a VLA policy (single process, or under torchrun)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.settings = _train_settings
     p.add_argument("--config", default=None, help="YAML file; dotted overrides follow, e.g. --optim.lr=1e-4; "
                    "--policy.path=DIR: the starting weights (the config's policy.init_from)")
     p.add_argument("--resume", default=None, help="a checkpoint folder, or 'auto' for the run's latest")
     p.set_defaults(func=cmd_train, overrides=[])
 
-    p = sub.add_parser("rl", allow_abbrev=False, help="RL fine-tuning of a policy folder on Ray: sync baseline or async (RL-VLA3)")
+    p = sub.add_parser("rl", allow_abbrev=False, help="RL fine-tuning of a policy folder on Ray: sync baseline or async (RL-VLA3)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.settings = _rl_settings
     p.add_argument("--config", default=None, help="YAML file (kilovla.rl.config.RLConfig); dotted overrides follow")
     p.add_argument("--mode", choices=["sync", "async"], default=None)
     p.add_argument("--policy.path", dest="policy", action=_Key, default=None,
@@ -531,6 +538,20 @@ def _train_rl_parsers(sub) -> None:
     p.add_argument("--resume", default=None, help="an RL checkpoint folder, or 'auto' for the run's latest")
     p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' after `ray start`); default: local")
     p.set_defaults(func=cmd_rl, overrides=[])
+
+
+def _train_settings() -> str:
+    from kilovla.cli_config import TRAIN_KEYS, fields_help
+    from kilovla.train.config import TrainConfig
+
+    return fields_help(TrainConfig, shown=TRAIN_KEYS)
+
+
+def _rl_settings() -> str:
+    from kilovla.cli_config import fields_help
+    from kilovla.rl.config import RLConfig
+
+    return fields_help(RLConfig, skip=("policy", "mode"))  # its own flags: --policy.path, --mode
 
 
 def _collect_parser(sub) -> None:
@@ -569,6 +590,11 @@ class _CommandParser(argparse.ArgumentParser):
         if action.choices is not None and value not in action.choices:
             raise argparse.ArgumentError(
                 action, f"invalid choice: {value!r} is not one of {', '.join(map(str, action.choices))}")
+
+    def format_help(self):
+        if getattr(self, "settings", None) is not None:  # train, rl: their config's fields, imported for --help only
+            self.epilog = "settings (YAML keys, or dotted flags that override them):\n\n" + self.settings()
+        return super().format_help()
 
     def error(self, message):
         if "invalid choice: " not in message:

@@ -277,10 +277,15 @@ def check_spellings(args: argparse.Namespace) -> None:
         spelt.setdefault(PREFIX + positional[1], {})[positional[0]] = (f"{value} (the positional {positional[0]})",
                                                                         value)
     for given in spelt.values():
-        (shown, value), *rest = given.values()
-        for other, other_value in rest:
-            if _plain(value) != _plain(other_value):
-                raise KilovlaError(f"{shown} and {other} are one setting with two values; give one")
+        one_value(list(given.values()))
+
+
+def one_value(given: list[tuple[str, object]]) -> None:
+    """`given`: (as typed, value) of each spelling of one key; two values are refused in one line."""
+    (shown, value), *rest = given
+    for other, other_value in rest:
+        if _plain(value) != _plain(other_value):
+            raise KilovlaError(f"{shown} and {other} are one setting with two values; give one")
 
 
 class _Key(argparse._StoreAction):
@@ -419,11 +424,53 @@ def train_overrides(overrides: list[str]) -> list[str]:
     from kilovla.train.config import TrainConfig
 
     keys = _all_keys(TrainConfig)
-    out = []
+    out, spelt = [], {}
     for item in overrides:
         key, sep, value = item.removeprefix("--").partition("=")
         known = key in keys or key in TRAIN_KEYS or any(k.startswith(key + ".") for k in keys)
         if not known and not _dict_key(TrainConfig, key):  # did-you-mean that knows policy.path too
             raise _unknown(TrainConfig, key, also=tuple(TRAIN_KEYS))
+        if key in TRAIN_KEYS or key in TRAIN_KEYS.values():
+            spelt.setdefault(TRAIN_KEYS.get(key, key), []).append((item, value))
         out.append(f"--{TRAIN_KEYS[key]}{sep}{value}" if key in TRAIN_KEYS else item)
+    for given in spelt.values():
+        one_value(given)
     return out
+
+
+def _comments(cls) -> dict[str, str]:
+    """`name: type = default  # comment`: the comment of each field declared in `cls` or a base, from source."""
+    import inspect
+    import re
+
+    found: dict[str, str] = {}
+    for owner in reversed(cls.__mro__[:-1]):
+        try:
+            lines = inspect.getsource(owner).splitlines()
+        except (OSError, TypeError):
+            continue
+        for line in lines:
+            m = re.match(r"\s+(\w+):[^#]*?#\s*(.+)$", line)
+            if m:
+                found[m.group(1)] = m.group(2)
+    return found
+
+
+def fields_help(cls, shown: dict[str, str] | None = None, skip: tuple[str, ...] = ()) -> str:
+    """`--help`'s listing of a config dataclass's dotted keys per section, with type, default and the field's
+    comment; `shown`: key -> how the command spells it, `skip`: keys the command takes as its own flags."""
+    spelling = {key: flag for flag, key in (shown or {}).items()}
+    groups: dict[str, list[str]] = {}
+    for key, hint, default, meta in _fields(cls, cls()):
+        if key in skip:
+            continue
+        *path, name = key.split(".")
+        owner = cls
+        for part in path:
+            owner = typing.get_type_hints(owner)[part]
+        note = meta.get("help") or _comments(owner).get(name, "")
+        flag = f"--{spelling[key]}, --{key}" if key in spelling else f"--{key}"
+        kind = "LIST" if typing.get_origin(hint) is list else _hint_name(hint)
+        line = f"  {flag}={kind} (default: {default!r})" + (f"  {note}" if note else "")
+        groups.setdefault(f"--{path[0]}.*" if path else "other options", []).append(line)
+    return "\n\n".join(f"{title}:\n" + "\n".join(lines) for title, lines in groups.items())

@@ -31,7 +31,7 @@ from kilovla.models.presets import build_model, policy_defaults
 from kilovla.models.processor import STATS_FOR, PolicyMeta, Processor
 from kilovla.models.tokenize import find_tokenizer
 from kilovla.policy_folder import Interface, PolicyFolder
-from kilovla.train.config import TrainConfig, with_init_model
+from kilovla.train.config import TrainConfig, named, with_init_model
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def demonstration_seeds(metas: list[DatasetMeta], init_from: dict | None = None)
         path = Path(init_from["path"])
         source = PolicyFolder.find(path if path.is_dir() else path.parent)
         inherited = source.meta.demonstration_seeds if source is not None else None
-        (unknown.append(f"policy.init_from={path}") if inherited is None else per_dataset.append(inherited))
+        (unknown.append(f"{named('policy.init_from')}={path}") if inherited is None else per_dataset.append(inherited))
     if unknown:
         if per_dataset:  # all unknown is the plain case of data without seeds: nothing was dropped
             log.warning("%s record(s) no episode seeds: policy.json's demonstration_seeds is null (unknown), so eval "

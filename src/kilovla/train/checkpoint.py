@@ -294,7 +294,8 @@ def check_same_model(folder: Path, preset: str) -> PolicyFolder:
 def check_resumed_settings(folder: Path, cfg) -> None:
     """Refuse, in one line naming each key with both values, optim settings that differ from those the
     checkpoint in `folder` was trained with (its config.yaml): the saved optimizer and schedule would
-    win while the run's config.yaml claimed the new ones. A larger `steps` is allowed (extending a run)
+    win while the run's config.yaml claimed the new ones. So is another policy.init_from (the weights
+    continue from the checkpoint); none, or the run's own, is fine. A larger `steps` is allowed (extending a run)
     but stretches the cosine to the new last step, so the learning rate jumps: one warning says by how much.
     Seed and batch sizes are checked by the plan's state (data/plan.py).
 
@@ -304,6 +305,7 @@ def check_resumed_settings(folder: Path, cfg) -> None:
     import yaml
 
     from kilovla.config import to_dict
+    from kilovla.train.config import named
     from kilovla.train.optim import OptimConfig, _lr_lambda
 
     check_same_model(folder, cfg.policy.preset)  # another model's optimizer settings are beside the point
@@ -317,10 +319,15 @@ def check_resumed_settings(folder: Path, cfg) -> None:
     theirs, mine = saved.get("optim") or {}, to_dict(cfg.optim)
     differ = [f"optim.{k}={mine[k]!r} (the checkpoint's: {theirs[k]!r})"
               for k in FIXED_BY_OPTIMIZER if k in theirs and theirs[k] != mine[k]]
+    started = (saved.get("policy") or {}).get("init_from")
+    if cfg.policy.init_from and not _same_path(cfg.policy.init_from, started):
+        # the weights continue from the checkpoint: config.yaml and policy.json would name another start
+        differ.append(f"{named('policy.init_from')}={cfg.policy.init_from} (the checkpoint's: {started})")
     if differ:
-        raise KilovlaError(f"{folder}: cannot resume with {', '.join(differ)}: the checkpoint's optimizer and "
-                           "schedule state would run instead; resume with the checkpoint's values, or fine-tune "
-                           f"from it in a new run_dir (--policy.init_from={folder}, a fresh optimizer and schedule)")
+        raise KilovlaError(f"{folder}: cannot resume with {', '.join(differ)}: the checkpoint's weights, optimizer "
+                           "and schedule state would run instead; resume with the checkpoint's values, or fine-tune "
+                           f"from it in a new run_dir ({named('policy.init_from', '--policy.init_from')}={folder}, a fresh "
+                           "optimizer and schedule)")
     old_steps, at = saved.get("steps"), json.loads((Path(folder) / "trainer_state.json").read_text())["step"]
     if isinstance(old_steps, int) and old_steps != cfg.steps and at < cfg.steps:
         optim = OptimConfig(**{k: v for k, v in theirs.items() if k in OptimConfig.__dataclass_fields__})
@@ -329,6 +336,10 @@ def check_resumed_settings(folder: Path, cfg) -> None:
             log.warning("steps=%d, the checkpoint's run had steps=%d: the cosine schedule now ends at step %d, so the "
                         "learning rate at step %d goes from %.3g to %.3g", cfg.steps, old_steps, cfg.steps, at,
                         before, after)
+
+
+def _same_path(a: str, b: str | None) -> bool:
+    return b is not None and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 latest = latest_checkpoint  # an empty pointer names no checkpoint (it used to name checkpoints/ itself)

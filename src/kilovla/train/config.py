@@ -9,7 +9,9 @@ were trained with (`with_init_model`), as LeRobot's `--policy.path` brings a che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from kilovla.errors import KilovlaError
@@ -123,6 +125,26 @@ class TrainConfig:
     progress: bool = True
 
 
+# The flags `kilovla train` was given for config keys ({"steps": "--steps", "policy.init_from":
+# "--policy.path"}): messages about a key name it as the user typed it; a YAML user reads the key.
+_TYPED: ContextVar[dict[str, str]] = ContextVar("typed_flags", default={})
+
+
+@contextlib.contextmanager
+def typed_flags(flags: dict[str, str]):
+    """While inside, `named(key)` is the flag in `flags` that set `key`."""
+    token = _TYPED.set(flags)
+    try:
+        yield
+    finally:
+        _TYPED.reset(token)
+
+
+def named(key: str, otherwise: str | None = None) -> str:
+    """`key` as the user gave it: its typed flag, else `otherwise` (a remedy's flag), else the key."""
+    return _TYPED.get().get(key, otherwise or key)
+
+
 DEFAULT_PRESET = "pi05-tiny"
 PRECISIONS = ("auto", "fp32", "bf16")
 LOADER_ENGINES = ("inprocess", "torch", "ray")
@@ -166,8 +188,11 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
     folder = PolicyFolder.find(p.init_from) if p.init_from else None
     if folder is None:
         return cfg if p.preset else dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=DEFAULT_PRESET))
+    if folder.meta.residual is not None:  # training loads model.safetensors, the base: the actor would be lost
+        raise KilovlaError(f"{folder.path}: an RL policy folder (policy.json has a residual actor), which supervised "
+                           "training would drop: train from the policy folder its RL run started from")
     preset, overrides = folder.meta.preset, folder.meta.overrides
-    where = f"policy.init_from={p.init_from} was trained with"
+    where = f"{named('policy.init_from').removeprefix('--')}={p.init_from} was trained with"  # beside bare keys
     if p.preset and p.preset != preset:
         raise KilovlaError(f"policy.preset={p.preset} but {where} preset {preset}: drop policy.preset (the folder's "
                            "is used) or start from weights of that preset")
@@ -186,6 +211,16 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
                                "is used) or start from other weights")
     return dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=preset, **brought,
                                                                overrides=_merged(overrides, dict(p.overrides))))
+
+
+def check_start_exists(cfg: TrainConfig) -> None:
+    """A starting checkpoint that is not there stops the run before its datasets are read (validate_config
+    does not look: a config file may name weights that are fetched later)."""
+    from pathlib import Path
+
+    start = cfg.policy.init_from
+    if start and not Path(start).expanduser().exists():
+        raise KilovlaError(f"{named('policy.init_from')} {start}: no such checkpoint file or folder")
 
 
 # The policy-interface settings a kilovla policy folder's policy.json records that a run starting from
@@ -255,7 +290,12 @@ def _count_problems(cfg: TrainConfig) -> list[str]:
                 ("optim.warmup_steps", cfg.optim.warmup_steps, 0)]
     if cfg.eval.every:
         at_least.append(("eval.batch_size", cfg.eval.batch_size, 1))
-    problems += [f"{name} must be >= {low}, not {value}" for name, value, low in at_least if value < low]
+    problems += [f"{named(name)} must be >= {low}, not {value}" for name, value, low in at_least if value < low]
+    paths = [("run_dir", cfg.run_dir), ("policy.init_from", cfg.policy.init_from),
+             ("policy.tokenizer", cfg.policy.tokenizer), ("dataset.index", cfg.dataset.index),
+             *(("dataset.roots", root) for root in cfg.dataset.roots)]
+    problems += [f"{named(name)} is empty: give a path" + (" or leave it unset" if name != "run_dir" else "")
+                 for name, value in paths if isinstance(value, str) and not value.strip()]
     if cfg.loader.engine not in LOADER_ENGINES:
         problems.append(f"loader.engine must be one of {', '.join(LOADER_ENGINES)}, not {cfg.loader.engine!r}")
     if not cfg.optim.lr >= 0:

@@ -62,7 +62,7 @@ from kilovla.train import distributed, pipeline
 from kilovla.train.build import (apply_freeze, attention_in_use, build_data, build_ema, build_lora, build_processor,
                                  build_weights, check_resume_lora, flow_time, plan_start, policy_meta,
                                  start_weights, update_ema, with_policy_defaults)
-from kilovla.train.config import TrainConfig, validate_config, with_init_model
+from kilovla.train.config import TrainConfig, check_start_exists, validate_config, with_init_model
 from kilovla.train.metrics import MetricsLogger, mfu, plot_learning_curve
 from kilovla.train.optim import build_optimizer, clip_gradients
 
@@ -73,6 +73,7 @@ __all__ = ["Trainer", "TrainConfig", "train"]
 def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     """Check, build, run; returns the summary (also run_dir/summary.json on rank 0)."""
     t_start = time.perf_counter()
+    check_start_exists(cfg)
     cfg = with_init_model(cfg)  # a policy folder to start from brings its preset and overrides
     validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if not cfg.dataset.roots:

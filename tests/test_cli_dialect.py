@@ -309,10 +309,12 @@ def test_rl_takes_policy_path_and_its_old_policy_flag(tmp_path, capsys):
     """Refused before Ray starts: the folder is not a policy folder."""
     nope = tmp_path / "nope"
     assert main(["rl", f"--run_dir={tmp_path / 'rl'}", f"--policy.path={nope}"]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"error: --policy.path {nope}: not a policy folder (no policy.json)"]
+    assert capsys.readouterr().err.splitlines() == [f"error: --policy.path {nope}: not a policy folder (no policy.json; "
+                                                     "a policy folder holds policy.json and model.safetensors)"]
     assert main(["rl", f"--run_dir={tmp_path / 'rl'}", "--policy", str(nope)]) == 2
     assert capsys.readouterr().err.splitlines() == ["--policy is now --policy.path",
-                                                     f"error: --policy.path {nope}: not a policy folder (no policy.json)"]
+                                                     f"error: --policy.path {nope}: not a policy folder (no policy.json; "
+                                                     "a policy folder holds policy.json and model.safetensors)"]
     assert main(["rl", "--policy.pth=x"]) == 2
     assert capsys.readouterr().err.strip() == "error: unknown config key 'policy.pth' (did you mean 'policy.path'?)"
     assert not (tmp_path / "rl").exists()
@@ -324,7 +326,8 @@ def test_an_rl_yaml_config_keeps_its_policy_key(tmp_path, capsys):
     (tmp_path / "rl.yaml").write_text(f"policy: {tmp_path / 'nope'}\nmode: sync\n")
     assert runner.load(str(tmp_path / "rl.yaml"), []).policy == str(tmp_path / "nope")
     assert main(["rl", f"--config={tmp_path / 'rl.yaml'}", f"--run_dir={tmp_path / 'rl'}"]) == 2
-    assert capsys.readouterr().err.strip() == f"error: --policy.path {tmp_path / 'nope'}: not a policy folder (no policy.json)"
+    assert capsys.readouterr().err.strip() == (f"error: --policy.path {tmp_path / 'nope'}: not a policy folder "
+                                               "(no policy.json; a policy folder holds policy.json and model.safetensors)")
 
 
 def test_rl_help_shows_policy_path(capsys):

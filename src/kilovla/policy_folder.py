@@ -53,6 +53,15 @@ CHECKPOINT_FILES = (("model.safetensors", ("vla.",), "vla."), ("value_head.safet
                     ("residual.safetensors", ("actor.",), "actor."), ("critic.safetensors", ("critics.", "targets."), ""))
 
 
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", STATE_DIR, "adapter.safetensors")
+
+
+def not_a_policy_folder(path: str | Path, lacks: str, flag: str | None = None) -> str:
+    """The one message for a folder that lacks `lacks` (policy.json or its weights), whichever command reads it."""
+    said = f"{flag} {path}" if flag else str(path)
+    return f"{said}: not a policy folder (no {lacks}; a policy folder holds policy.json and model.safetensors)"
+
+
 @dataclass(frozen=True)
 class Interface:
     """What a policy declares to an env or a client: the dims, inputs and chunking its weights fix.
@@ -169,12 +178,13 @@ class PolicyFolder:
     recorded: frozenset[str] = frozenset()
 
     @classmethod
-    def open(cls, path: str | Path) -> PolicyFolder:
-        """Read and check `path`/policy.json (KilovlaError naming the file when it is missing or not a policy)."""
+    def open(cls, path: str | Path, flag: str | None = None) -> PolicyFolder:
+        """Read and check `path`/policy.json (KilovlaError naming the file when it is missing or not a policy;
+        `flag`, the option that named `path`, heads the message for a folder without one)."""
         path = Path(path).expanduser()
         where = path / POLICY_JSON
         if not where.is_file():
-            raise KilovlaError(f"{where}: missing; a policy folder holds policy.json and model.safetensors")
+            raise KilovlaError(not_a_policy_folder(path, POLICY_JSON, flag))
         try:
             fields = json.loads(where.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -199,6 +209,12 @@ class PolicyFolder:
     @property
     def where(self) -> str:
         return str(self.path / POLICY_JSON)
+
+    def check_weights(self, flag: str | None = None) -> None:
+        """Refuse a folder without weights: model.safetensors (or its shards), an FSDP run's `state/` or a LoRA
+        run's adapters."""
+        if not any((self.path / name).exists() for name in WEIGHTS):
+            raise KilovlaError(not_a_policy_folder(self.path, "model.safetensors", flag))
 
     @property
     def adapters(self) -> bool:
@@ -284,6 +300,7 @@ class PolicyFolder:
 
         if ema and not self.has_ema:
             raise KilovlaError(f"{self.path / EMA_FILE}: missing; only runs with ema_decay write EMA weights")
+        self.check_weights()
         model, meta = self._base_model(ema)
         if self.adapters:  # merged on load, so every consumer (eval, serve, rl, quantize) writes plain folders
             meta = dataclasses.replace(meta, lora={**meta.lora, "merged": True})

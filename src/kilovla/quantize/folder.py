@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from kilovla.errors import KilovlaError
-from kilovla.policy_folder import POLICY_JSON, Interface, PolicyFolder, save_policy, state_width
+from kilovla.policy_folder import Interface, PolicyFolder, save_policy, state_width
 from kilovla.quantize import report as qreport
 from kilovla.staging import remove_stale_staging, staging_path
 from kilovla.quant.fp8 import (KERNELS, Fp8BlockLinear, Fp8Config, Fp8Weights, checkpoint_bytes, quantization_config,
@@ -44,14 +44,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 def read_source(source: str | Path) -> PolicyFolder:
     """The source folder, checked: a policy folder with float weights (model.safetensors, an FSDP run's
     `state/` shards, or a LoRA run's adapters)."""
-    source = Path(source)
-    if not (source / POLICY_JSON).is_file():
-        raise KilovlaError(f"{source}: not a policy folder (needs policy.json and model.safetensors)")
     folder = PolicyFolder.open(source)
     folder.refuse_quantized("quantize the unquantized policy it came from", said="already quantized")
-    if not any((source / name).exists() for name in ("model.safetensors", "state", "adapter.safetensors")):
-        raise KilovlaError(f"{source}: no weights (needs model.safetensors, an FSDP checkpoint's state/ shards, or a "
-                           "LoRA run's adapter.safetensors)")
+    folder.check_weights()
     return folder
 
 

@@ -85,9 +85,7 @@ class PolicyEngine:
              cuda_graphs: bool = True) -> PolicyEngine:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         folder = policy_folder(folder)  # a run folder or its checkpoints/latest: the newest checkpoint
-        if not (Path(folder) / "policy.json").is_file():
-            raise KilovlaError(f"--policy.path {folder}: not a policy folder (no policy.json)")
-        policy = PolicyFolder.open(folder).load(device, ema=ema)
+        policy = PolicyFolder.open(folder, flag="--policy.path").load(device, ema=ema)
         return cls(policy, str(folder), device, precision=precision, cuda_graphs=cuda_graphs)
 
     def inputs(self) -> PolicyInputs:

@@ -396,3 +396,13 @@ def test_library_notes_name_the_dotted_flags(tmp_path, monkeypatch):
               "latency": {"baseline_s": 1.0, "quantized_s": 1.0, "device": "cpu", "kernel": "emulate"}}
     notes = {row[0]: row[3] for row in report_rows(report)}  # quantize without quant.dataset, no closed loop
     assert (notes["action MSE"], notes["closed-loop success"]) == ("pass --quant.dataset=DIR", "pass --eval.n_episodes=N")
+
+
+@pytest.mark.parametrize("argv", [["eval", "--policy.path="], ["eval", "--output_dir="], ["serve", "--policy.path="],
+                                  ["quantize", "--policy.path=x", "--output_dir="], ["collect", "--output_dir="],
+                                  ["demo", "--output_dir="]])
+def test_an_empty_path_is_refused_in_one_line(tmp_path, monkeypatch, capsys, argv):
+    monkeypatch.chdir(tmp_path)  # were it taken, "" would be the current folder
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {argv[-1]}: an empty path; give a file or folder"]
+    assert not any(tmp_path.iterdir())

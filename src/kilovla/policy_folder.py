@@ -133,7 +133,8 @@ def _fits(value, hint, least: int | None) -> bool:
     """Whether a JSON value is what the annotation `hint` asks for (`least`: the least int)."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (types.UnionType, typing.Union):
-        return (value is None and type(None) in args) or any(_fits(value, a, least) for a in args if a is not type(None))
+        kinds = [a for a in args if a is not type(None)]
+        return (value is None and type(None) in args) or any(_fits(value, a, least) for a in kinds)
     base = typing.get_origin(hint) or hint
     if base is int:
         return isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kilovla.errors import KilovlaError
+from kilovla.machine import resolve_device
 from kilovla.policy_folder import Interface, PolicyFolder, save_policy, state_width
 from kilovla.quantize import report as qreport
 from kilovla.staging import remove_stale_staging, staging_path
@@ -54,19 +55,6 @@ def describe_source(source: str | Path) -> Interface:
     """The source policy's declared interface (dims, cameras), read from policy.json alone (no weights), so
     a policy that cannot run in the env is refused before any quantization work."""
     return read_source(source).interface()
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto``: the GPU when there is one, else the CPU; an explicit CUDA device must exist."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as e:
-        raise KilovlaError(f"--quant.device {device!r}: {e}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise KilovlaError(f"--quant.device {device}: this machine has no CUDA GPU torch can use (use cpu or auto)")
-    return resolved
 
 
 def check_dataset(dataset: str | Path, meta, flag: str = "--quant.dataset") -> None:
@@ -132,7 +120,7 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
         check_dataset(dataset, meta)
     if ema and not folder.has_ema:
         raise KilovlaError(f"--policy.ema: {source / 'ema.safetensors'} is missing; only runs with ema_decay write EMA weights")
-    device = resolve_device(device)
+    device = resolve_device(device, "--quant.device")
 
     baseline = folder.load(device, ema=ema)
     # an RL folder's base is quantized; its residual actor (a few small layers) is carried over as it is

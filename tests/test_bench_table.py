@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kilovla.bench import common
 from kilovla.bench.common import README_END, README_START, Row, render_suite, suite_started, write_suite
 from kilovla.cli import main
@@ -69,6 +71,16 @@ def test_bench_table_refuses_a_readme_without_markers_in_one_line(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {readme}: no '") and "\n" not in err
     assert readme.read_text() == "# no markers\n"
+
+
+@pytest.mark.parametrize("readme", ["nonexist.md", "binary.md", "."])
+def test_bench_table_refuses_a_readme_it_cannot_read_in_one_line(tmp_path, capsys, readme):
+    _suite(tmp_path)
+    (tmp_path / "binary.md").write_bytes(b"\xff\xfe\xfa")
+    path = tmp_path / readme
+    assert main(["bench", "table", str(tmp_path), "--readme", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path}: cannot be read (") and "\n" not in err, err
 
 
 def test_bench_table_refuses_a_json_that_is_not_a_suite(tmp_path, capsys):

@@ -310,10 +310,12 @@ def test_rl_takes_policy_path_and_its_old_policy_flag(tmp_path, capsys):
     """Refused before Ray starts: the folder is not a policy folder."""
     nope = tmp_path / "nope"
     assert main(["rl", f"--run_dir={tmp_path / 'rl'}", f"--policy.path={nope}"]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"error: --policy.path {nope}: not a policy folder (no policy.json)"]
+    assert capsys.readouterr().err.splitlines() == [f"error: --policy.path {nope}: not a policy folder (no policy.json; "
+                                                     "a policy folder holds policy.json and model.safetensors)"]
     assert main(["rl", f"--run_dir={tmp_path / 'rl'}", "--policy", str(nope)]) == 2
     assert capsys.readouterr().err.splitlines() == ["--policy is now --policy.path",
-                                                     f"error: --policy.path {nope}: not a policy folder (no policy.json)"]
+                                                     f"error: --policy.path {nope}: not a policy folder (no policy.json; "
+                                                     "a policy folder holds policy.json and model.safetensors)"]
     assert main(["rl", "--policy.pth=x"]) == 2
     assert capsys.readouterr().err.strip() == "error: unknown config key 'policy.pth' (did you mean 'policy.path'?)"
     assert not (tmp_path / "rl").exists()
@@ -325,7 +327,8 @@ def test_an_rl_yaml_config_keeps_its_policy_key(tmp_path, capsys):
     (tmp_path / "rl.yaml").write_text(f"policy: {tmp_path / 'nope'}\nmode: sync\n")
     assert runner.load(str(tmp_path / "rl.yaml"), []).policy == str(tmp_path / "nope")
     assert main(["rl", f"--config={tmp_path / 'rl.yaml'}", f"--run_dir={tmp_path / 'rl'}"]) == 2
-    assert capsys.readouterr().err.strip() == f"error: --policy.path {tmp_path / 'nope'}: not a policy folder (no policy.json)"
+    assert capsys.readouterr().err.strip() == (f"error: --policy.path {tmp_path / 'nope'}: not a policy folder "
+                                               "(no policy.json; a policy folder holds policy.json and model.safetensors)")
 
 
 def test_rl_help_shows_policy_path(capsys):
@@ -414,3 +417,13 @@ def test_train_and_rl_help_list_every_section_field_from_their_config(capsys, co
     out = capsys.readouterr().out
     assert e.value.code == 0 and all(line in out for line in lines), out
     assert "--policy=" not in out and "--mode=" not in out  # rl takes those as its own flags
+
+
+@pytest.mark.parametrize("argv", [["eval", "--policy.path="], ["eval", "--output_dir="], ["serve", "--policy.path="],
+                                  ["quantize", "--policy.path=x", "--output_dir="], ["collect", "--output_dir="],
+                                  ["demo", "--output_dir="]])
+def test_an_empty_path_is_refused_in_one_line(tmp_path, monkeypatch, capsys, argv):
+    monkeypatch.chdir(tmp_path)  # were it taken, "" would be the current folder
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {argv[-1]}: an empty path; give a file or folder"]
+    assert not any(tmp_path.iterdir())

@@ -952,11 +952,11 @@ def test_the_closed_loop_comparison_uses_the_envs_cameras_and_checks_them_first(
 
 
 def test_device_auto_is_the_cpu_here_and_the_latency_says_where():
-    from kilovla.quantize.folder import resolve_device
+    from kilovla.machine import resolve_device
 
-    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("auto", "--quant.device").type == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(KilovlaError, match="--quant.device 'nonsense'"):
-        resolve_device("nonsense")
+        resolve_device("nonsense", "--quant.device")
 
 
 @pytest.mark.gpu

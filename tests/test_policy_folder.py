@@ -2,10 +2,13 @@
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from kilovla.cli import main
 from kilovla.errors import KilovlaError
 from kilovla.models.policy import VLAPolicy
 from kilovla.models.presets import build_model
@@ -23,7 +26,7 @@ def _meta(**fields) -> PolicyMeta:
 
 
 @pytest.mark.parametrize("text, message", [
-    (None, "policy.json: missing; a policy folder holds policy.json"),
+    (None, "not a policy folder \\(no policy.json; a policy folder holds policy.json and model.safetensors\\)"),
     ("{", "policy.json: not a policy description: not JSON"),
     ("[1, 2]", "policy.json: not a policy description: expected a JSON object, found a list"),
     ('{"preset": "pi05-tiny", "colour": "red"}', "policy.json: not a policy description: "),
@@ -34,7 +37,53 @@ def test_a_folder_that_is_not_a_policy_is_named_with_its_file(tmp_path, text, me
         (tmp_path / POLICY_JSON).write_text(text)
     with pytest.raises(KilovlaError, match=message) as err:
         PolicyFolder.open(tmp_path)
-    assert str(err.value).startswith(str(tmp_path / POLICY_JSON))
+    assert str(err.value).startswith(str(tmp_path if text is None else tmp_path / POLICY_JSON))
+
+
+LEGACY_DEMO = Path(__file__).parent / "fixtures" / "legacy_a039621" / "demo_checkpoint"
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("action_dim", "four", "key 'action_dim': 'four' is not a positive int"),
+    ("stats", None, "key 'stats': None is not a mapping"),
+    ("n_action_steps", "x", "key 'n_action_steps': 'x' is not null or a positive int"),
+    ("n_action_steps", -3, "key 'n_action_steps': -3 is not null or a positive int"),
+    ("image_size", -32, "key 'image_size': -32 is not null or a list of positive ints"),
+    ("image_size", [-32, 32], "key 'image_size': \\[-32, 32\\] is not null or a list of positive ints"),
+    ("state_keys", "observation.state", "key 'state_keys': 'observation.state' is not a list of strings"),
+    ("state_in_prompt", 1, "key 'state_in_prompt': 1 is not true or false"),
+    ("preset", None, "missing key 'preset'"),
+    ("future_field", 1, "unknown key 'future_field'"),  # a typo or a later version's key: refused, not ignored
+])
+def test_a_hand_edited_policy_json_is_refused_in_one_line_naming_the_key(tmp_path, capsys, key, value, message):
+    folder = tmp_path / "policy"
+    shutil.copytree(LEGACY_DEMO, folder)
+    fields = json.loads((folder / POLICY_JSON).read_text())
+    if key == "preset":
+        del fields[key]
+    else:
+        fields[key] = value
+    (folder / POLICY_JSON).write_text(json.dumps(fields))
+    with pytest.raises(KilovlaError, match=f"^{folder / POLICY_JSON}: not a policy description: {message}$"):
+        PolicyFolder.open(folder)
+    assert main(["eval", f"--policy.path={folder}", "--env.type=metaworld", "--env.task=reach-v3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{folder / POLICY_JSON}: not a policy description: " in err, err
+
+
+@pytest.mark.parametrize("lacks", ["policy.json", "model.safetensors"])
+@pytest.mark.parametrize("command", ["eval", "serve", "rl", "quantize"])
+def test_every_command_names_a_folder_that_is_not_a_policy_the_same_way(tmp_path, capsys, command, lacks):
+    folder = tmp_path / "policy"
+    shutil.copytree(LEGACY_DEMO, folder)
+    (folder / lacks).unlink()
+    flags = {"eval": ["--env.type=metaworld", "--env.task=reach-v3", f"--output_dir={tmp_path / 'out'}"],
+             "serve": ["--serve.device=cpu"], "rl": [f"--run_dir={tmp_path / 'rl'}"],
+             "quantize": [f"--output_dir={tmp_path / 'q'}"]}[command]
+    assert main([command, f"--policy.path={folder}", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f"{folder}: not a policy folder (no {lacks}; a policy folder holds "
+                                             "policy.json and model.safetensors)"), err
 
 
 def test_the_interface_is_what_the_folder_declares(tmp_path):

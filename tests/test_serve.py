@@ -581,3 +581,19 @@ def test_serve_says_which_checkpoint_a_latest_pointer_resolved_to(monkeypatch, c
     monkeypatch.setattr(server_mod, "PolicyServer", Server)
     assert server_mod.run("runs/mw/checkpoints/last", server_mod.ServeConfig()) == 0
     assert "kilovla serve: pi0-tiny from runs/mw/checkpoints/step_000004 on ws://" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "error: --serve.device 'tpu': "),
+    pytest.param("cuda", "error: --serve.device cuda: this machine has no CUDA GPU torch can use (use cpu or auto)",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA GPU is here")),
+])
+def test_serve_refuses_a_device_it_cannot_use_in_one_line(capsys, device, message):
+    from pathlib import Path
+
+    from kilovla.cli import main
+
+    demo = Path(__file__).parent / "fixtures" / "legacy_a039621" / "demo_checkpoint"
+    assert main(["serve", f"--policy.path={demo}", f"--serve.device={device}", "--serve.port=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err

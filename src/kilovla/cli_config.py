@@ -27,10 +27,11 @@ from kilovla.errors import KilovlaError
 PREFIX = "cfg:"  # namespace attributes holding config keys
 
 
-def _f(default, help: str, choices: tuple[str, ...] | None = None, least: float | None = None):
+def _f(default, help: str, choices: tuple[str, ...] | None = None, least: float | None = None, path: bool = False):
     """A field with its `--help` line (and the values it takes: `choices`, checked by argparse; `least`, the
-    smallest number it takes, checked by `config_from` before the command runs)."""
-    meta = {"help": help, "choices": choices, "least": least}
+    smallest number it takes, and `path`, a file or folder (never ""), checked by `config_from` before the
+    command runs)."""
+    meta = {"help": help, "choices": choices, "least": least, "path": path}
     if dataclasses.is_dataclass(default):
         return field(default_factory=lambda: dataclasses.replace(default), metadata=meta)
     if isinstance(default, (list, dict)):
@@ -41,7 +42,8 @@ def _f(default, help: str, choices: tuple[str, ...] | None = None, least: float 
 @dataclass
 class PolicySection:
     path: str | None = _f("scripted", "a policy folder, a run folder or its checkpoints/latest (the newest complete "
-                          "checkpoint), scripted, random, or ws://HOST:PORT of `kilovla serve` ($KILOVLA_API_KEY)")
+                          "checkpoint), scripted, random, or ws://HOST:PORT of `kilovla serve` ($KILOVLA_API_KEY)",
+                          path=True)
     ema: bool = _f(False, "the folder's EMA weights (ema.safetensors, what `kilovla demo` evaluates)")
 
 
@@ -94,7 +96,8 @@ class EvalCommand:
     env: EnvSection = _f(EnvSection(), "")
     eval: EvalSection = _f(EvalSection(), "")
     output_dir: str | None = _f(None, "a new folder for report.json, report.md and videos/ (one that holds an "
-                                "evaluation is refused); default: a fresh eval-output/<UTC date>_<time>_<env>_<policy>/")
+                                "evaluation is refused); default: a fresh eval-output/<UTC date>_<time>_<env>_<policy>/",
+                                path=True)
 
 
 @dataclass
@@ -127,7 +130,7 @@ class QuantizeCommand:
     env: EnvSection = _f(EnvSection(), "")
     eval: EvalSection = _f(EvalSection(n_episodes=0, videos=0), "the closed-loop comparison of both policies "
                            "(eval.n_episodes=0 skips it)")
-    output_dir: str | None = _f(None, "the new folder for the quantized policy (must not exist)")
+    output_dir: str | None = _f(None, "the new folder for the quantized policy (must not exist)", path=True)
 
 
 @dataclass
@@ -148,7 +151,7 @@ class CollectCommand:
 
     env: EnvSection = _f(EnvSection(cameras="scene,wrist", resolution=96), "")
     collect: CollectSection = _f(CollectSection(), "")
-    output_dir: str | None = _f(None, "the dataset folder to write")
+    output_dir: str | None = _f(None, "the dataset folder to write", path=True)
 
 
 @dataclass
@@ -196,7 +199,7 @@ class DemoCommand:
     """`kilovla demo`: its recipe (demo.py `DemoRecipe`), with these changes."""
 
     quick: bool = _f(False, "the minute-scale recipe (QUICK) instead of the full one")
-    output_dir: str = _f("demo-output", "the demo's folder (an earlier demo's is replaced, nothing else)")
+    output_dir: str = _f("demo-output", "the demo's folder (an earlier demo's is replaced, nothing else)", path=True)
     seed: int | None = _f(None, "collection and training seed S, evaluation seed S+1 (default: the recipe's, 0)")
     policy: DemoPolicySection = _f(DemoPolicySection(), "")
 
@@ -397,17 +400,20 @@ def config_from(args: argparse.Namespace, extra: list[str] = ()):
             raise _unknown(cls, key)
         set_dotted(data, *parse_override(item))
     cfg = from_dict(cls, data)
-    _check_least(cls, cfg, getattr(args, "_spelt", {}))
+    _check_values(cls, cfg, getattr(args, "_spelt", {}))
     return cfg
 
 
-def _check_least(cls, cfg, spelt: dict) -> None:
-    """A number below its field's `least` (`--eval.videos=-1`): one line naming the flag as it was typed."""
+def _check_values(cls, cfg, spelt: dict) -> None:
+    """A number below its field's `least` (`--eval.videos=-1`) or an empty path (`--output_dir=`): one line
+    naming the flag as it was typed."""
     for key, _, value, meta in _fields(cls, cfg):
         least = meta.get("least")
+        shown = next(iter(spelt.get(PREFIX + key, {}).values()), (f"--{key}={value}",))[0]
         if least is not None and value is not None and value < least:
-            shown = next(iter(spelt.get(PREFIX + key, {}).values()), (f"--{key}={value}",))[0]
             raise KilovlaError(f"{shown}: must be >= {least}")
+        if meta.get("path") and value == "":
+            raise KilovlaError(f"{shown}: an empty path; give a file or folder")
 
 
 DEMO_ALIASES = {"--out": "output_dir"}

@@ -30,6 +30,8 @@ import dataclasses
 import json
 import os
 import shutil
+import types
+import typing
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,15 @@ RL_STATE = "rl_state.json"
 # An RL checkpoint's weight files: (file, key prefixes of the learner's model, the prefix its keys lose)
 CHECKPOINT_FILES = (("model.safetensors", ("vla.",), "vla."), ("value_head.safetensors", ("value_head.",), "value_head."),
                     ("residual.safetensors", ("actor.",), "actor."), ("critic.safetensors", ("critics.", "targets."), ""))
+
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", STATE_DIR, "adapter.safetensors")
+
+
+def not_a_policy_folder(path: str | Path, lacks: str, flag: str | None = None) -> str:
+    """The one message for a folder that lacks `lacks` (policy.json or its weights), whichever command reads it."""
+    said = f"{flag} {path}" if flag else str(path)
+    return f"{said}: not a policy folder (no {lacks}; a policy folder holds policy.json and model.safetensors)"
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,65 @@ def state_width(meta: PolicyMeta, key: str) -> int | None:
     return None if found is None else int(np.asarray(found).size)
 
 
+_NAMES = {int: ("an int", "ints"), float: ("a number", "numbers"), bool: ("true or false", "booleans"),
+          str: ("a string", "strings"), list: ("a list", "lists"), dict: ("a mapping", "mappings")}
+
+
+def _describe(hint, least: int | None, plural: bool = False) -> str:
+    """The JSON value a PolicyMeta annotation asks for, in words ("null or a list of positive ints")."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return "null or " + _describe(next(a for a in args if a is not type(None)), least, plural)
+    base = typing.get_origin(hint) or hint
+    one, many = _NAMES[base]
+    if base is int and least is not None:
+        one, many = ("a positive int", "positive ints") if least == 1 else (f"an int >= {least}", f"ints >= {least}")
+    said = many if plural else one
+    if base is list and args:
+        said += " of " + _describe(args[0], least, plural=True)
+    elif base is dict and args:
+        said += " of strings to " + _describe(args[1], least, plural=True)
+    return said
+
+
+def _fits(value, hint, least: int | None) -> bool:
+    """Whether a JSON value is what the annotation `hint` asks for (`least`: the least int)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        kinds = [a for a in args if a is not type(None)]
+        return (value is None and type(None) in args) or any(_fits(value, a, least) for a in kinds)
+    base = typing.get_origin(hint) or hint
+    if base is int:
+        return isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)
+    if base is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not isinstance(value, base):
+        return False
+    if base is list and args:
+        return all(_fits(v, args[0], least) for v in value)
+    if base is dict and args:
+        return all(isinstance(k, str) and _fits(v, args[1], least) for k, v in value.items())
+    return True
+
+
+def meta_problem(fields: dict) -> str | None:
+    """What keeps policy.json's `fields` from being a PolicyMeta, checked against its annotations and each
+    field's "min" (a missing or unknown key, a value of the wrong type or range); None when they fit."""
+    hints = typing.get_type_hints(PolicyMeta)
+    declared = {f.name: f for f in dataclasses.fields(PolicyMeta)}
+    for name, f in declared.items():
+        if name not in fields and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            return f"missing key {name!r}"
+    for name, value in fields.items():
+        if name not in declared:  # no kilovla version wrote a key PolicyMeta lacks (but quantization_config)
+            return f"unknown key {name!r}"
+        least = declared[name].metadata.get("min")
+        if not _fits(value, hints[name], least):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            return f"key {name!r}: {shown} is not {_describe(hints[name], least)}"
+    return None
+
+
 @dataclass(frozen=True)
 class PolicyFolder:
     """A checked policy folder. `quantization`: policy.json's `quantization_config` (None: float weights);
@@ -109,12 +179,13 @@ class PolicyFolder:
     recorded: frozenset[str] = frozenset()
 
     @classmethod
-    def open(cls, path: str | Path) -> PolicyFolder:
-        """Read and check `path`/policy.json (KilovlaError naming the file when it is missing or not a policy)."""
+    def open(cls, path: str | Path, flag: str | None = None) -> PolicyFolder:
+        """Read and check `path`/policy.json (KilovlaError naming the file when it is missing or not a policy;
+        `flag`, the option that named `path`, heads the message for a folder without one)."""
         path = Path(path).expanduser()
         where = path / POLICY_JSON
         if not where.is_file():
-            raise KilovlaError(f"{where}: missing; a policy folder holds policy.json and model.safetensors")
+            raise KilovlaError(not_a_policy_folder(path, POLICY_JSON, flag))
         try:
             fields = json.loads(where.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -123,16 +194,12 @@ class PolicyFolder:
             raise KilovlaError(f"{where}: not a policy description: expected a JSON object, found a "
                                f"{type(fields).__name__}")
         quantization = fields.pop("quantization_config", None)
-        try:
-            meta = PolicyMeta(**fields)
-        except TypeError as e:
-            raise KilovlaError(f"{where}: not a policy description: {e}") from None
-        if meta.overrides is None:
-            meta = dataclasses.replace(meta, overrides={})
-        if not isinstance(meta.preset, str) or not isinstance(meta.overrides, dict):
-            raise KilovlaError(f"{where}: not a policy description: preset must be a name and overrides a mapping "
-                               "of model config fields")
-        return cls(path, meta, quantization, frozenset(fields))
+        if fields.get("overrides", {}) is None:  # earlier versions wrote null for no overrides
+            fields["overrides"] = {}
+        problem = meta_problem(fields)
+        if problem:
+            raise KilovlaError(f"{where}: not a policy description: {problem}")
+        return cls(path, PolicyMeta(**fields), quantization, frozenset(fields))
 
     @classmethod
     def find(cls, path: str | Path) -> PolicyFolder | None:
@@ -143,6 +210,12 @@ class PolicyFolder:
     @property
     def where(self) -> str:
         return str(self.path / POLICY_JSON)
+
+    def check_weights(self, flag: str | None = None) -> None:
+        """Refuse a folder without weights: model.safetensors (or its shards), an FSDP run's `state/` or a LoRA
+        run's adapters."""
+        if not any((self.path / name).exists() for name in WEIGHTS):
+            raise KilovlaError(not_a_policy_folder(self.path, "model.safetensors", flag))
 
     @property
     def adapters(self) -> bool:
@@ -228,6 +301,7 @@ class PolicyFolder:
 
         if ema and not self.has_ema:
             raise KilovlaError(f"{self.path / EMA_FILE}: missing; only runs with ema_decay write EMA weights")
+        self.check_weights()
         model, meta = self._base_model(ema)
         if self.adapters:  # merged on load, so every consumer (eval, serve, rl, quantize) writes plain folders
             meta = dataclasses.replace(meta, lora={**meta.lora, "merged": True})

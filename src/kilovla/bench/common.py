@@ -220,7 +220,10 @@ def render_tables(path: str | Path) -> str:
 def update_readme(readme: str | Path, tables: str) -> bool:
     """Put `tables` between README's two markers (README_START / README_END); True if it changed."""
     readme = Path(readme)
-    text = readme.read_text()
+    try:
+        text = readme.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise KilovlaError(f"{readme}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
     start, end = text.find(README_START), text.find(README_END)
     if start < 0 or end < start:
         raise KilovlaError(f"{readme}: no '{README_START}' ... '{README_END}' block to fill")

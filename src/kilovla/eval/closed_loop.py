@@ -355,4 +355,4 @@ def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim:
         raise KilovlaError(f"--policy.path {spec!r}: not 'scripted', 'random', a ws:// URL or an existing checkpoint path")
     from kilovla.policy_folder import PolicyFolder
 
-    return PolicyFolder.open(policy_folder(path)).load(ema=ema)
+    return PolicyFolder.open(policy_folder(path), flag="--policy.path").load(ema=ema)

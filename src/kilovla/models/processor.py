@@ -36,18 +36,20 @@ class PolicyMeta:
     overrides: dict = field(default_factory=dict)
     camera_map: dict[str, str] = field(default_factory=dict)  # "observation.images.<cam>" -> model slot
     state_keys: list[str] = field(default_factory=lambda: ["observation.state"])
-    state_dim: int = 0
-    action_dim: int = 0
+    # "min": the least value of an int (or of a list's ints) policy.json may hold (policy_folder.py checks it)
+    state_dim: int = field(default=0, metadata={"min": 0})
+    action_dim: int = field(default=0, metadata={"min": 1})
     stats: dict = field(default_factory=dict)  # per feature: {"q01": [...], "q99": [...], "mean": ..., "std": ...}
     normalization: str = "quantile"  # or "mean_std", "min_max"
     state_in_prompt: bool = False
-    n_action_steps: int | None = None
-    embodiment_id: int = 0  # GR00T: which per-embodiment encoders to use
+    n_action_steps: int | None = field(default=None, metadata={"min": 1})
+    embodiment_id: int = field(default=0, metadata={"min": 0})  # GR00T: which per-embodiment encoders to use
     tokenizer: str = "byte"  # or a path: absolute, or relative to the policy folder
     image_resize: str = "stretch"  # or "pad" (openpi's resize_with_pad)
     augmentation: dict = field(default_factory=dict)  # ImageAugmentation fields; empty: none
     init_from: dict | None = None  # {"path", "layout"} of the checkpoint training started from
-    image_size: list[int] | None = None  # [H, W] of the training data's camera frames (eval renders at it)
+    # [H, W] of the training data's camera frames (eval renders at it)
+    image_size: list[int] | None = field(default=None, metadata={"min": 1})
     residual: dict | None = None  # an RL residual on top of these weights (models/residual.py ResidualSpec)
     lora: dict | None = None  # LoRA adapters and their base (models/lora.py describe); merged: weights hold them
     # per dataset task (instruction), the env seeds of the demonstrations trained on (meta/episodes' `seed`, of

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from kilovla.errors import KilovlaError
-from kilovla.policy_folder import POLICY_JSON, Interface, PolicyFolder, save_policy, state_width
+from kilovla.machine import resolve_device
+from kilovla.policy_folder import Interface, PolicyFolder, save_policy, state_width
 from kilovla.quantize import report as qreport
 from kilovla.staging import remove_stale_staging, staging_path
 from kilovla.quant.fp8 import (KERNELS, Fp8BlockLinear, Fp8Config, Fp8Weights, checkpoint_bytes, quantization_config,
@@ -44,14 +45,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 def read_source(source: str | Path) -> PolicyFolder:
     """The source folder, checked: a policy folder with float weights (model.safetensors, an FSDP run's
     `state/` shards, or a LoRA run's adapters)."""
-    source = Path(source)
-    if not (source / POLICY_JSON).is_file():
-        raise KilovlaError(f"{source}: not a policy folder (needs policy.json and model.safetensors)")
     folder = PolicyFolder.open(source)
     folder.refuse_quantized("quantize the unquantized policy it came from", said="already quantized")
-    if not any((source / name).exists() for name in ("model.safetensors", "state", "adapter.safetensors")):
-        raise KilovlaError(f"{source}: no weights (needs model.safetensors, an FSDP checkpoint's state/ shards, or a "
-                           "LoRA run's adapter.safetensors)")
+    folder.check_weights()
     return folder
 
 
@@ -59,19 +55,6 @@ def describe_source(source: str | Path) -> Interface:
     """The source policy's declared interface (dims, cameras), read from policy.json alone (no weights), so
     a policy that cannot run in the env is refused before any quantization work."""
     return read_source(source).interface()
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto``: the GPU when there is one, else the CPU; an explicit CUDA device must exist."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as e:
-        raise KilovlaError(f"--quant.device {device!r}: {e}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise KilovlaError(f"--quant.device {device}: this machine has no CUDA GPU torch can use (use cpu or auto)")
-    return resolved
 
 
 def check_dataset(dataset: str | Path, meta, flag: str = "--quant.dataset") -> None:
@@ -137,7 +120,7 @@ def quantize_policy_folder(source: str | Path, out: str | Path, config: Fp8Confi
         check_dataset(dataset, meta)
     if ema and not folder.has_ema:
         raise KilovlaError(f"--policy.ema: {source / 'ema.safetensors'} is missing; only runs with ema_decay write EMA weights")
-    device = resolve_device(device)
+    device = resolve_device(device, "--quant.device")
 
     baseline = folder.load(device, ema=ema)
     # an RL folder's base is quantized; its residual actor (a few small layers) is carried over as it is

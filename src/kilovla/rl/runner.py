@@ -46,7 +46,7 @@ from kilovla.data.ray_cluster import connect_ray
 from kilovla.envs.base import env_type
 from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear, policy_folder
-from kilovla.policy_folder import POLICY_JSON, RL_STATE, Interface, PolicyFolder
+from kilovla.policy_folder import RL_STATE, Interface, PolicyFolder
 from kilovla.rl.algorithms import algorithm
 from kilovla.rl.checkpoints import read_learner_state, replay_rows
 from kilovla.rl.checks import check_config, check_policy_fits_env, check_resume_fits, fit_algorithm, \
@@ -74,9 +74,10 @@ def run(cfg: RLConfig, resume: str | None = None, ray_address: str | None = None
     folder = ckpt.resolve(resume, run_dir, RL_STATE) if resume else None
     use = claim_run_dir(run_dir, resume, folder)  # a run_dir holding a run continues only with --resume
     policy_dir = str(folder) if folder is not None else cfg.policy and str(policy_folder(cfg.policy))
-    if not policy_dir or not (Path(policy_dir) / POLICY_JSON).is_file():
-        raise KilovlaError(f"--policy.path {policy_dir or '(none)'}: not a policy folder (no policy.json)")
-    source = PolicyFolder.open(policy_dir)
+    if not policy_dir:
+        raise KilovlaError("rl: give --policy.path=DIR, the policy folder to fine-tune")
+    source = PolicyFolder.open(policy_dir, flag="--policy.path")
+    source.check_weights("--policy.path")
     source.refuse_quantized("RL trains float weights: start from the folder it was quantized from")
     declared = source.interface(name=policy_dir)
     check_policy_fits_env(cfg, declared)

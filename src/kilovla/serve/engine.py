@@ -23,6 +23,7 @@ import torch
 
 from kilovla.errors import KilovlaError
 from kilovla.folders import policy_folder
+from kilovla.machine import resolve_device
 from kilovla.models.family import chunk_length, family_of
 from kilovla.models.images import resize_images
 from kilovla.models.rtc import prefix_weights, sample_actions_rtc
@@ -83,11 +84,9 @@ class PolicyEngine:
     @classmethod
     def load(cls, folder: str | Path, device: str = "auto", ema: bool = False, precision: str = "auto",
              cuda_graphs: bool = True) -> PolicyEngine:
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        device = str(resolve_device(device, "--serve.device"))
         folder = policy_folder(folder)  # a run folder or its checkpoints/latest: the newest checkpoint
-        if not (Path(folder) / "policy.json").is_file():
-            raise KilovlaError(f"--policy.path {folder}: not a policy folder (no policy.json)")
-        policy = PolicyFolder.open(folder).load(device, ema=ema)
+        policy = PolicyFolder.open(folder, flag="--policy.path").load(device, ema=ema)
         return cls(policy, str(folder), device, precision=precision, cuda_graphs=cuda_graphs)
 
     def inputs(self) -> PolicyInputs:

@@ -288,6 +288,20 @@ def test_a_value_outside_the_choices_is_one_line_and_exit_2(capsys, argv, line):
     assert e.value.code == 2 and capsys.readouterr().err.strip() == line
 
 
+@pytest.mark.parametrize("flag, said", [
+    ("--eval.n_episodes=0", "--eval.n_episodes=0: must be >= 1"),
+    ("--env.task=reach-v9", "unknown metaworld task(s) ['reach-v9']"),
+    ("--env.task=", "no metaworld tasks given"),
+    ("--env.cameras=foo", "unknown Meta-World cameras ['foo']"),
+])
+def test_eval_refuses_before_it_announces_a_folder(tmp_path, monkeypatch, capsys, flag, said):
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--policy.path=scripted", "--env.task=reach-v3", "--eval.n_episodes=1", flag]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"error: {said}") and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_refused_eval_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["eval", "--policy.path=scripted", "--env.task=MT10", "--eval.n_episodes=0"]) == 2
@@ -337,7 +351,8 @@ def test_rl_help_shows_policy_path(capsys):
 @pytest.mark.parametrize("argv, line", [
     (["eval", "--eval.videos=-1"], "error: --eval.videos=-1: must be >= 0"),
     (["eval", "--videos", "-1"], "error: --videos -1: must be >= 0"),
-    (["eval", "--eval.n_episodes=-2"], "error: --eval.n_episodes=-2: must be >= 0"),
+    (["eval", "--eval.n_episodes=-2"], "error: --eval.n_episodes=-2: must be >= 1"),
+    (["eval", "--eval.n_episodes=0"], "error: --eval.n_episodes=0: must be >= 1"),  # quantize's least is 0
     (["eval", "--eval.batch_size=0"], "error: --eval.batch_size=0: must be >= 1"),
     (["eval", "--workers", "-1"], "error: --workers -1: must be >= 0"),
     (["collect", "--collect.noise=-1", "--output_dir=c"], "error: --collect.noise=-1: must be >= 0"),

@@ -243,7 +243,7 @@ def cmd_collect(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from kilovla.eval.closed_loop import check_action_steps, evaluate, load_policy, new_output_dir, task_progress
+    from kilovla.eval.closed_loop import check_evaluation, evaluate, load_policy, new_output_dir, task_progress
     from kilovla.folders import check_new_evaluation
 
     cfg = args.cfg  # cli_config.EvalCommand
@@ -251,8 +251,8 @@ def cmd_eval(args) -> int:
     if cfg.output_dir is not None:  # a folder the user named: never overwrite an evaluation in it
         check_new_evaluation(cfg.output_dir, flag=_spelling(args, "--out", "--output_dir"))
     policy = load_policy(cfg.policy.path, env=cfg.env.type, seed=cfg.eval.seed, ema=cfg.policy.ema)
-    check_action_steps(policy, cfg.eval.n_action_steps)
     settings = cfg.eval.settings(cfg.env, tasks)
+    check_evaluation(policy, settings)  # tasks, cameras, fit: refused before a folder is announced
     root = Path("eval-output")
     root_made = cfg.output_dir is None and not root.exists()  # this run makes it: a refusal removes it again
     out = cfg.output_dir if cfg.output_dir is not None else new_output_dir(

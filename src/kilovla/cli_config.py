@@ -66,7 +66,7 @@ class EnvSection:
 
 @dataclass
 class EvalSection:
-    n_episodes: int = _f(10, "episodes per task", least=0)  # quantize: 0 skips its comparison
+    n_episodes: int = _f(10, "episodes per task", least=1)
     batch_size: int = _f(8, "envs per task stepped together, one policy batch", least=1)
     seed: int = _f(0, "the eval stream's seed: the same env seeds for every policy")
     n_action_steps: int | None = _f(None, "actions executed per predicted chunk (default: the policy's)", least=1)
@@ -119,14 +119,20 @@ class QuantSection:
 
 
 @dataclass
+class QuantEvalSection(EvalSection):
+    n_episodes: int = _f(0, "episodes per task (0: skip the comparison)", least=0)
+    videos: int = _f(0, "record the first K episodes per task", least=0)
+
+
+@dataclass
 class QuantizeCommand:
     """`kilovla quantize`: block-wise FP8 of a policy folder, with a report."""
 
     policy: PolicySection = _f(PolicySection(path=None), "")
     quant: QuantSection = _f(QuantSection(), "")
     env: EnvSection = _f(EnvSection(), "")
-    eval: EvalSection = _f(EvalSection(n_episodes=0, videos=0), "the closed-loop comparison of both policies "
-                           "(eval.n_episodes=0 skips it)")
+    eval: QuantEvalSection = _f(QuantEvalSection(), "the closed-loop comparison of both policies "
+                                "(eval.n_episodes=0 skips it)")
     output_dir: str | None = _f(None, "the new folder for the quantized policy (must not exist)")
 
 

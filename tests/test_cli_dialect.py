@@ -302,6 +302,31 @@ def test_eval_refuses_before_it_announces_a_folder(tmp_path, monkeypatch, capsys
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--env.task=reach-v9"], "error: unknown metaworld task(s) ['reach-v9']"),
+    (["--env.cameras=foo"], "error: unknown Meta-World cameras ['foo']"),
+    (["--collect.seed=-1"], "error: --collect.seed=-1: must be an integer in [0, 1000000000)"),
+    (["--seed", "-1"], "error: --seed -1: must be an integer in [0, 1000000000)"),
+])
+def test_collect_refuses_before_it_announces(tmp_path, monkeypatch, capsys, argv, said):
+    monkeypatch.chdir(tmp_path)
+    assert main(["collect", "--env.task=reach-v3", "--collect.n_episodes=1", "--output_dir=d", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1].startswith(said) and "starting" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["demo", "--seed=-1"], "error: --seed=-1: must be an integer in [0, 999999999)"),
+    (["eval", "--eval.seed=1000000000"], "error: --eval.seed=1000000000: must be an integer in [0, 1000000000)"),
+])
+def test_a_seed_outside_the_seed_rule_names_the_flag(tmp_path, monkeypatch, capsys, argv, line):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_refused_eval_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["eval", "--policy.path=scripted", "--env.task=MT10", "--eval.n_episodes=0"]) == 2

@@ -223,17 +223,20 @@ def cmd_bench_table(args) -> int:
 
 # -- kilovla collect / eval ------------------------------------------------------------------------
 def cmd_collect(args) -> int:
-    from kilovla.envs.collect import collect
+    from kilovla.envs.collect import check_collect, collect
     from kilovla.eval.closed_loop import task_progress
 
     cfg = args.cfg  # cli_config.CollectCommand
     if cfg.output_dir is None:
         raise KilovlaError("collect: give --output_dir=DIR, the dataset folder to write")
     tasks, c = cfg.env.tasks(), cfg.collect
+    cameras = cfg.env.camera_tuple() or ("scene", "wrist")
+    check_collect(cfg.output_dir, env=cfg.env.type, tasks=tasks, episodes_per_task=c.n_episodes, cameras=cameras,
+                  seed=c.seed, max_steps=cfg.env.max_steps, labels=c.labels, overwrite=c.overwrite)  # then announce
     progress, update = task_progress("collect")
     with progress:
         report = collect(cfg.output_dir, env=cfg.env.type, tasks=tasks, episodes_per_task=c.n_episodes,
-                         cameras=cfg.env.camera_tuple() or ("scene", "wrist"), resolution=cfg.env.resolution or 96,
+                         cameras=cameras, resolution=cfg.env.resolution or 96,
                          noise_std=c.noise, seed=c.seed, max_steps=cfg.env.max_steps, batch_size=c.batch_size,
                          num_workers=c.workers, labels=c.labels, overwrite=c.overwrite, progress=update)
     for task in tasks:

@@ -22,15 +22,18 @@ from dataclasses import dataclass, field
 import yaml
 
 from kilovla.config import _all_keys, _unknown, from_dict, parse_override, set_dotted, to_dict
+from kilovla.envs.seeds import MAX_SEED
 from kilovla.errors import KilovlaError
 
 PREFIX = "cfg:"  # namespace attributes holding config keys
 
 
-def _f(default, help: str, choices: tuple[str, ...] | None = None, least: float | None = None):
+def _f(default, help: str, choices: tuple[str, ...] | None = None, least: float | None = None,
+       below: float | None = None):
     """A field with its `--help` line (and the values it takes: `choices`, checked by argparse; `least`, the
-    smallest number it takes, checked by `config_from` before the command runs)."""
-    meta = {"help": help, "choices": choices, "least": least}
+    smallest number it takes, and `below`, the bound it stays under, checked by `config_from` before the
+    command runs)."""
+    meta = {"help": help, "choices": choices, "least": least, "below": below}
     if dataclasses.is_dataclass(default):
         return field(default_factory=lambda: dataclasses.replace(default), metadata=meta)
     if isinstance(default, (list, dict)):
@@ -68,7 +71,7 @@ class EnvSection:
 class EvalSection:
     n_episodes: int = _f(10, "episodes per task", least=1)
     batch_size: int = _f(8, "envs per task stepped together, one policy batch", least=1)
-    seed: int = _f(0, "the eval stream's seed: the same env seeds for every policy")
+    seed: int = _f(0, "the eval stream's seed: the same env seeds for every policy", least=0, below=MAX_SEED)
     n_action_steps: int | None = _f(None, "actions executed per predicted chunk (default: the policy's)", least=1)
     workers: int = _f(0, "env processes (0: in this process)", least=0)
     videos: int = _f(2, "record the first K episodes per task", least=0)
@@ -142,7 +145,7 @@ class CollectSection:
     noise: float = _f(0.0, "std of Gaussian noise added to expert actions", least=0)
     labels: str = _f("executed", "with collect.noise, the action recorded: the noisy one executed, or the expert's "
                      "noise-free one for the state reached (DART)", ("executed", "expert"))
-    seed: int = _f(0, "the collection stream's seed (disjoint from evaluation's)")
+    seed: int = _f(0, "the collection stream's seed (disjoint from evaluation's)", least=0, below=MAX_SEED)
     batch_size: int = _f(4, "envs stepped together per task", least=1)
     workers: int = _f(0, "env processes (0: in this process)", least=0)
     overwrite: bool = _f(False, "replace output_dir if it holds a dataset")
@@ -203,7 +206,8 @@ class DemoCommand:
 
     quick: bool = _f(False, "the minute-scale recipe (QUICK) instead of the full one")
     output_dir: str = _f("demo-output", "the demo's folder (an earlier demo's is replaced, nothing else)")
-    seed: int | None = _f(None, "collection and training seed S, evaluation seed S+1 (default: the recipe's, 0)")
+    seed: int | None = _f(None, "collection and training seed S, evaluation seed S+1 (default: the recipe's, 0)",
+                          least=0, below=MAX_SEED - 1)
     policy: DemoPolicySection = _f(DemoPolicySection(), "")
 
     def recipe(self):
@@ -403,12 +407,15 @@ def config_from(args: argparse.Namespace, extra: list[str] = ()):
 
 
 def _check_least(cls, cfg, spelt: dict) -> None:
-    """A number below its field's `least` (`--eval.videos=-1`): one line naming the flag as it was typed."""
+    """A number below its field's `least` (`--eval.videos=-1`) or not under its `below` (a seed of 10 digits):
+    one line naming the flag as it was typed."""
     for key, _, value, meta in _fields(cls, cfg):
-        least = meta.get("least")
-        if least is not None and value is not None and value < least:
-            shown = next(iter(spelt.get(PREFIX + key, {}).values()), (f"--{key}={value}",))[0]
-            raise KilovlaError(f"{shown}: must be >= {least}")
+        least, below = meta.get("least"), meta.get("below")
+        if value is None or (least is None or value >= least) and (below is None or value < below):
+            continue
+        shown = next(iter(spelt.get(PREFIX + key, {}).values()), (f"--{key}={value}",))[0]
+        raise KilovlaError(f"{shown}: must be >= {least}" if below is None else
+                           f"{shown}: must be an integer in [{least}, {below})")
 
 
 DEMO_ALIASES = {"--out": "output_dir"}

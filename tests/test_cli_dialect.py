@@ -54,7 +54,7 @@ def test_a_misspelt_key_gets_did_you_mean_and_exit_2(capsys):
 
 def test_a_bad_value_is_one_line_and_exit_2(capsys):
     assert main(["eval", "--eval.n_episodes=many"]) == 2
-    assert capsys.readouterr().err.strip() == "error: config key 'eval.n_episodes': 'many' is not a int"
+    assert capsys.readouterr().err.strip() == "error: config key 'eval.n_episodes': 'many' is not an int"
     assert main(["eval", "--policy.path=scripted", "stray"]) == 2
     assert "unexpected arguments ['stray']" in capsys.readouterr().err
 
@@ -82,6 +82,11 @@ def test_eval_runs_in_the_dotted_dialect(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["per_task"]["reach-v3"]["episodes"] == 1
     assert capsys.readouterr().err == ""  # no alias used, no notice
+
+
+def test_a_bad_value_of_an_old_flag_names_the_flag_as_typed(capsys):
+    assert main(["eval", "--episodes", "abc"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --episodes abc: 'abc' is not an int"
 
 
 def test_old_flags_with_bad_input_say_their_new_spelling_then_one_error_line(capsys):
@@ -165,8 +170,10 @@ def test_demo_takes_dotted_overrides_of_its_recipe(capsys):
 @pytest.mark.parametrize("override, message", [
     ("--policy.overrides.expert.widht=128",
      "error: unknown config key 'policy.overrides.expert.widht' (did you mean 'policy.overrides.expert.width'?)"),
-    ("--policy.overrides.expert.width=wide", "error: config key 'policy.overrides.expert.width': 'wide' is not a int"),
-    ("--policy.preset=pi0-huge", "error: unknown model preset 'pi0-huge'; available: pi05-tiny, pi0-tiny, "),
+    ("--policy.overrides.expert.width=wide", "error: config key 'policy.overrides.expert.width': 'wide' is not an int"),
+    ("--policy.preset=pi0-huge", "error: --policy.preset=pi0-huge: unknown model preset 'pi0-huge'"),
+    ("--policy.preset=pi0-tny", "error: --policy.preset=pi0-tny: unknown model preset 'pi0-tny' (did you mean "
+     "'pi0-tiny'?); available: pi05-tiny, pi0-tiny, "),
 ])
 def test_demo_refuses_a_bad_override_in_a_second_before_collecting_or_writing(override, message, tmp_path, capsys,
                                                                                monkeypatch):

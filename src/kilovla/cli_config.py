@@ -216,6 +216,9 @@ class DemoCommand:
 
         recipe = QUICK if self.quick else FULL
         if self.policy.preset is not None:
+            from kilovla.models.presets import check_preset
+
+            check_preset(self.policy.preset, "--policy.preset")
             recipe = recipe.replace(preset=self.policy.preset)
         if self.policy.overrides:  # over the recipe's model for its preset (the wide expert for pi0-tiny only)
             recipe = recipe.replace(model=_merged(recipe.preset_model(), self.policy.overrides))
@@ -401,9 +404,23 @@ def config_from(args: argparse.Namespace, extra: list[str] = ()):
         if not _dict_key(cls, key) or "=" not in item:
             raise _unknown(cls, key)
         set_dotted(data, *parse_override(item))
-    cfg = from_dict(cls, data)
+    try:
+        cfg = from_dict(cls, data)
+    except KilovlaError as e:
+        raise _as_typed(e, args) from None
     _check_least(cls, cfg, getattr(args, "_spelt", {}))
     return cfg
+
+
+def _as_typed(error: KilovlaError, args: argparse.Namespace) -> KilovlaError:
+    """A bad value given by an old flag (`--episodes abc`): its error names the flag as typed, not the key."""
+    said = getattr(args, "_aliases_said", ())
+    for dest, given in getattr(args, "_spelt", {}).items():
+        head = f"config key {dest[len(PREFIX):]!r}: "
+        typed = [shown for flag, (shown, _) in given.items() if flag in said]
+        if typed and str(error).startswith(head):
+            return KilovlaError(f"{typed[0]}: {str(error)[len(head):]}")
+    return error
 
 
 def _check_least(cls, cfg, spelt: dict) -> None:

@@ -74,6 +74,35 @@ def test_help_lists_every_field_per_section_with_its_default(capsys):
     assert "--n-action-steps = --eval.n_action_steps" in out  # the aliases, in the epilog
 
 
+def _help(command: str, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_each_commands_help_states_its_own_defaults_and_policies(capsys):
+    out = _help("collect", capsys)  # collect has no policy: its own resolution and cameras
+    assert "--env.resolution INT camera pixels (default: 96)" in out
+    assert "--env.cameras STR comma-separated env cameras (default: scene,wrist)" in out
+    assert "training resolution" not in out and "the env's own" not in out
+    for command in ("quantize", "serve"):  # a policy folder only
+        out = _help(command, capsys)
+        assert f"--policy.path STR the policy folder to {command}:" in out and "scripted" not in out
+    assert "scripted, random, or ws://HOST:PORT" in _help("eval", capsys)
+
+
+@pytest.mark.parametrize("argv", [["serve", "--policy.path=ws://127.0.0.1:8000"],
+                                  ["quantize", "--policy.path=scripted", "--output_dir=q"]])
+def test_quantize_and_serve_refuse_what_is_not_a_policy_folder_by_name(tmp_path, monkeypatch, capsys, argv):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {argv[1].replace('=', ' ')}: {argv[0]} takes a policy folder (a run folder or a " \
+                  "checkpoint); scripted, random and ws:// URLs are for `kilovla eval`"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_eval_runs_in_the_dotted_dialect(tmp_path, capsys):
     out = tmp_path / "ev"
     assert main(["eval", "--policy.path=scripted", "--env.type=metaworld", "--env.task=reach-v3",

@@ -348,6 +348,7 @@ def cmd_quantize(args) -> int:
         raise KilovlaError("quantize: give --policy.path=DIR, the policy folder to quantize")
     if cfg.output_dir is None:
         raise KilovlaError("quantize: give --output_dir=DIR, the new folder for the quantized policy")
+    _check_folder_spec(args, "quantize")
     source = str(policy_folder(cfg.policy.path))  # a run folder or checkpoints/latest: its newest
     config = Fp8Config(block=q.block, include=q.include, exclude=q.exclude, scope=q.scope,
                        activations=q.activations, dtype=q.dtype)
@@ -358,6 +359,15 @@ def cmd_quantize(args) -> int:
     print_report(report, console=_console())
     print(f"wrote {cfg.output_dir} (policy folder) and {cfg.output_dir}/quant_report.json")
     return 0
+
+
+def _check_folder_spec(args, command: str) -> None:
+    """quantize and serve take a policy folder: scripted, random and a ws:// URL (which a path would
+    shorten to ws:/) are refused by name."""
+    path = args.cfg.policy.path
+    if path in ("scripted", "random") or path.startswith(("ws://", "wss://")):
+        raise KilovlaError(f"{_spelling(args, '--policy', '--policy.path')} {path}: {command} takes a policy folder "
+                           "(a run folder or a checkpoint); scripted, random and ws:// URLs are for `kilovla eval`")
 
 
 def _quant_evaluation(cfg, source: str):
@@ -385,6 +395,7 @@ def cmd_serve(args) -> int:
     cfg, sv = args.cfg, args.cfg.serve  # cli_config.ServeCommand
     if cfg.policy.path is None:
         raise KilovlaError("serve: give --policy.path=DIR, the policy folder to serve")
+    _check_folder_spec(args, "serve")
     mapping = {}
     for item in sv.map:
         key, sep, value = item.partition("=")

@@ -4,7 +4,7 @@
         --eval.n_episodes=20 --eval.batch_size=10 --output_dir=DIR
 
 `add_config_flags` declares `--section.key` for every field (`--help` lists them per section with their
-defaults) and today's dashed flags as aliases that print the new spelling once on stderr (a terminal's:
+defaults; a command's `HELP` rewords a shared field for it) and today's dashed flags as aliases that print the new spelling once on stderr (a terminal's:
 off one, bad input stays one error line). `config_from`
 reads the values with config.py's machinery (each checked against its field's type); a key that does not
 exist stops with config.py's did-you-mean. The sections (`PolicySection`, `EnvSection`, `EvalSection`)
@@ -138,6 +138,12 @@ class QuantizeCommand:
                                 "(eval.n_episodes=0 skips it)")
     output_dir: str | None = _f(None, "the new folder for the quantized policy (must not exist)")
 
+    HELP: typing.ClassVar[dict[str, str]] = {
+        "policy.path": "the policy folder to quantize: a policy folder, a run folder or its checkpoints/latest (the "
+                       "newest complete checkpoint)",
+        "env.resolution": "camera pixels (default: the policy's training resolution, policy.json image_size; 96 for "
+                          "folders that lack it)"}
+
 
 @dataclass
 class CollectSection:
@@ -158,6 +164,9 @@ class CollectCommand:
     env: EnvSection = _f(EnvSection(cameras="scene,wrist", resolution=96), "")
     collect: CollectSection = _f(CollectSection(), "")
     output_dir: str | None = _f(None, "the dataset folder to write")
+
+    HELP: typing.ClassVar[dict[str, str]] = {"env.cameras": "comma-separated env cameras",
+                                             "env.resolution": "camera pixels"}  # no policy: collect's own defaults
 
 
 @dataclass
@@ -184,6 +193,9 @@ class ServeCommand:
 
     policy: PolicySection = _f(PolicySection(path=None), "")
     serve: ServeSection = _f(ServeSection(), "")
+
+    HELP: typing.ClassVar[dict[str, str]] = {"policy.path": "the policy folder to serve: a policy folder, a run "
+                                             "folder or its checkpoints/latest (the newest complete checkpoint)"}
 
 
 SERVE_ALIASES = {
@@ -339,7 +351,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, st
         section = key.split(".")[0] if "." in key else "options"
         if section not in groups:
             groups[section] = parser.add_argument_group(f"--{section}.*" if "." in key else "other options")
-        help = m.get("help", "")
+        help = getattr(cls, "HELP", {}).get(key, m.get("help", ""))  # a command's own wording of a shared field
         shown = "" if "default:" in help else f" (default: {default})"
         bare = dict(action=_Key, nargs="?", const="true") if hint is bool else dict(action=_Key)
         # (a bool flag alone, `--eval.allow_seen_seeds`: true)

@@ -317,6 +317,8 @@ def test_two_spellings_of_one_key_with_one_value_agree():
      "error: --quant.scope: invalid choice: 'every' is not one of default, all"),
     (["collect", "--collect.labels=foo"], "error: --collect.labels: invalid choice: 'foo' is not one of executed, expert"),
     (["collect", "--labels", "foo"], "error: --labels: invalid choice: 'foo' is not one of executed, expert"),
+    (["eval", "--eval.n_episodes"], "error: --eval.n_episodes: expected one argument"),
+    (["eval", "--episodes"], "error: --episodes: expected one argument"),
 ])
 def test_a_value_outside_the_choices_is_one_line_and_exit_2(capsys, argv, line):
     with pytest.raises(SystemExit) as e:

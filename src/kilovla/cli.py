@@ -577,7 +577,8 @@ def _demo_parser(sub) -> None:
 
 
 class _CommandParser(argparse.ArgumentParser):
-    """A command's parser: a value outside a flag's choices is one error line, not the usage (8-15 lines)."""
+    """A command's parser: one flag's error (a value outside its choices, its value missing) is one error
+    line, not the usage (8-15 lines)."""
 
     def _check_value(self, action, value):
         if action.choices is not None and value not in action.choices:
@@ -585,7 +586,8 @@ class _CommandParser(argparse.ArgumentParser):
                 action, f"invalid choice: {value!r} is not one of {', '.join(map(str, action.choices))}")
 
     def error(self, message):
-        if "invalid choice: " not in message:
+        if not message.startswith("argument ") or not ("invalid choice: " in message
+                                                         or "expected one argument" in message):
             super().error(message)
         _say_error(message.removeprefix("argument "))
         sys.exit(2)

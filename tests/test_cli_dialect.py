@@ -54,7 +54,7 @@ def test_a_misspelt_key_gets_did_you_mean_and_exit_2(capsys):
 
 def test_a_bad_value_is_one_line_and_exit_2(capsys):
     assert main(["eval", "--eval.n_episodes=many"]) == 2
-    assert capsys.readouterr().err.strip() == "error: config key 'eval.n_episodes': 'many' is not a int"
+    assert capsys.readouterr().err.strip() == "error: config key 'eval.n_episodes': 'many' is not an int"
     assert main(["eval", "--policy.path=scripted", "stray"]) == 2
     assert "unexpected arguments ['stray']" in capsys.readouterr().err
 
@@ -74,6 +74,35 @@ def test_help_lists_every_field_per_section_with_its_default(capsys):
     assert "--n-action-steps = --eval.n_action_steps" in out  # the aliases, in the epilog
 
 
+def _help(command: str, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_each_commands_help_states_its_own_defaults_and_policies(capsys):
+    out = _help("collect", capsys)  # collect has no policy: its own resolution and cameras
+    assert "--env.resolution INT camera pixels (default: 96)" in out
+    assert "--env.cameras STR comma-separated env cameras (default: scene,wrist)" in out
+    assert "training resolution" not in out and "the env's own" not in out
+    for command in ("quantize", "serve"):  # a policy folder only
+        out = _help(command, capsys)
+        assert f"--policy.path STR the policy folder to {command}:" in out and "scripted" not in out
+    assert "scripted, random, or ws://HOST:PORT" in _help("eval", capsys)
+
+
+@pytest.mark.parametrize("argv", [["serve", "--policy.path=ws://127.0.0.1:8000"],
+                                  ["quantize", "--policy.path=scripted", "--output_dir=q"]])
+def test_quantize_and_serve_refuse_what_is_not_a_policy_folder_by_name(tmp_path, monkeypatch, capsys, argv):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {argv[1].replace('=', ' ')}: {argv[0]} takes a policy folder (a run folder or a " \
+                  "checkpoint); scripted, random and ws:// URLs are for `kilovla eval`"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_eval_runs_in_the_dotted_dialect(tmp_path, capsys):
     out = tmp_path / "ev"
     assert main(["eval", "--policy.path=scripted", "--env.type=metaworld", "--env.task=reach-v3",
@@ -82,6 +111,11 @@ def test_eval_runs_in_the_dotted_dialect(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["per_task"]["reach-v3"]["episodes"] == 1
     assert capsys.readouterr().err == ""  # no alias used, no notice
+
+
+def test_a_bad_value_of_an_old_flag_names_the_flag_as_typed(capsys):
+    assert main(["eval", "--episodes", "abc"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --episodes abc: 'abc' is not an int"
 
 
 def test_old_flags_with_bad_input_say_their_new_spelling_then_one_error_line(capsys):
@@ -165,8 +199,10 @@ def test_demo_takes_dotted_overrides_of_its_recipe(capsys):
 @pytest.mark.parametrize("override, message", [
     ("--policy.overrides.expert.widht=128",
      "error: unknown config key 'policy.overrides.expert.widht' (did you mean 'policy.overrides.expert.width'?)"),
-    ("--policy.overrides.expert.width=wide", "error: config key 'policy.overrides.expert.width': 'wide' is not a int"),
-    ("--policy.preset=pi0-huge", "error: unknown model preset 'pi0-huge'; available: pi05-tiny, pi0-tiny, "),
+    ("--policy.overrides.expert.width=wide", "error: config key 'policy.overrides.expert.width': 'wide' is not an int"),
+    ("--policy.preset=pi0-huge", "error: --policy.preset=pi0-huge: unknown model preset 'pi0-huge'"),
+    ("--policy.preset=pi0-tny", "error: --policy.preset=pi0-tny: unknown model preset 'pi0-tny' (did you mean "
+     "'pi0-tiny'?); available: pi05-tiny, pi0-tiny, "),
 ])
 def test_demo_refuses_a_bad_override_in_a_second_before_collecting_or_writing(override, message, tmp_path, capsys,
                                                                                monkeypatch):
@@ -282,11 +318,52 @@ def test_two_spellings_of_one_key_with_one_value_agree():
      "error: --quant.scope: invalid choice: 'every' is not one of default, all"),
     (["collect", "--collect.labels=foo"], "error: --collect.labels: invalid choice: 'foo' is not one of executed, expert"),
     (["collect", "--labels", "foo"], "error: --labels: invalid choice: 'foo' is not one of executed, expert"),
+    (["eval", "--eval.n_episodes"], "error: --eval.n_episodes: expected one argument"),
+    (["eval", "--episodes"], "error: --episodes: expected one argument"),
 ])
 def test_a_value_outside_the_choices_is_one_line_and_exit_2(capsys, argv, line):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and capsys.readouterr().err.strip() == line
+
+
+@pytest.mark.parametrize("flag, said", [
+    ("--eval.n_episodes=0", "--eval.n_episodes=0: must be >= 1"),
+    ("--env.task=reach-v9", "unknown metaworld task(s) ['reach-v9']"),
+    ("--env.task=", "no metaworld tasks given"),
+    ("--env.cameras=foo", "unknown Meta-World cameras ['foo']"),
+])
+def test_eval_refuses_before_it_announces_a_folder(tmp_path, monkeypatch, capsys, flag, said):
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--policy.path=scripted", "--env.task=reach-v3", "--eval.n_episodes=1", flag]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"error: {said}") and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--env.task=reach-v9"], "error: unknown metaworld task(s) ['reach-v9']"),
+    (["--env.cameras=foo"], "error: unknown Meta-World cameras ['foo']"),
+    (["--collect.seed=-1"], "error: --collect.seed=-1: must be an integer in [0, 1000000000)"),
+    (["--seed", "-1"], "error: --seed -1: must be an integer in [0, 1000000000)"),
+])
+def test_collect_refuses_before_it_announces(tmp_path, monkeypatch, capsys, argv, said):
+    monkeypatch.chdir(tmp_path)
+    assert main(["collect", "--env.task=reach-v3", "--collect.n_episodes=1", "--output_dir=d", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1].startswith(said) and "starting" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["demo", "--seed=-1"], "error: --seed=-1: must be an integer in [0, 999999999)"),
+    (["eval", "--eval.seed=1000000000"], "error: --eval.seed=1000000000: must be an integer in [0, 1000000000)"),
+])
+def test_a_seed_outside_the_seed_rule_names_the_flag(tmp_path, monkeypatch, capsys, argv, line):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == line
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_refused_eval_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -341,7 +418,8 @@ def test_rl_help_shows_policy_path(capsys):
 @pytest.mark.parametrize("argv, line", [
     (["eval", "--eval.videos=-1"], "error: --eval.videos=-1: must be >= 0"),
     (["eval", "--videos", "-1"], "error: --videos -1: must be >= 0"),
-    (["eval", "--eval.n_episodes=-2"], "error: --eval.n_episodes=-2: must be >= 0"),
+    (["eval", "--eval.n_episodes=-2"], "error: --eval.n_episodes=-2: must be >= 1"),
+    (["eval", "--eval.n_episodes=0"], "error: --eval.n_episodes=0: must be >= 1"),  # quantize's least is 0
     (["eval", "--eval.batch_size=0"], "error: --eval.batch_size=0: must be >= 1"),
     (["eval", "--workers", "-1"], "error: --workers -1: must be >= 0"),
     (["collect", "--collect.noise=-1", "--output_dir=c"], "error: --collect.noise=-1: must be >= 0"),

@@ -52,3 +52,24 @@ def test_the_rl_config_is_the_gain_rows_recipe():
 
     assert runner.load(str(CONFIGS / "rl_residual_sac.yaml"), ["--env.tasks=[reach-v3,push-v3]"]) == \
         runner.load(str(CONFIGS / "rl_residual_sac.yaml"), list(GAIN))
+
+
+def test_a_type_error_names_the_type_with_its_article():
+    from dataclasses import dataclass
+
+    from kilovla.config import from_dict
+    from kilovla.errors import KilovlaError
+
+    @dataclass
+    class C:
+        n: int = 0
+        x: float = 0.0
+        b: bool = False
+        s: str = ""
+        o: int | None = None
+
+    for key, value, kind in [("n", "abc", "an int"), ("x", "abc", "a float"), ("b", 3, "a bool"), ("s", 3, "a str"),
+                             ("o", "abc", "an int or None")]:
+        with pytest.raises(KilovlaError) as e:
+            from_dict(C, {key: value})
+        assert str(e.value) == f"config key {key!r}: {value!r} is not {kind}"

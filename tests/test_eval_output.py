@@ -35,6 +35,17 @@ def test_eval_out_holding_an_evaluation_is_refused_and_left_as_it_was(tmp_path, 
     assert after == before
 
 
+def test_eval_into_a_dataset_folder_says_it_holds_a_dataset_not_an_evaluation(tmp_path, capsys):
+    for sub in ("meta", "data", "videos/observation.images.scene"):
+        (tmp_path / "ds" / sub).mkdir(parents=True)
+    assert main(["eval", *QUICK, "--output_dir", str(tmp_path / "ds")]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == (f"error: --output_dir {tmp_path / 'ds'}: holds a LeRobot dataset (meta), "
+                                            "not an evaluation; not writing into it: use a new folder, or leave out "
+                                            "--output_dir for a fresh one under eval-output/")
+    assert out == "" and sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["data", "meta", "videos"]
+
+
 def test_eval_without_out_writes_a_new_timestamped_folder_each_run_and_says_which(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["eval", *QUICK]) == 0

@@ -243,4 +243,6 @@ def test_collect_into_an_existing_folder_names_the_cli_flag(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     assert main(["collect", "--tasks", "reach-v3", "--episodes-per-task", "1", "--resolution", "16",
                  "--out", str(tmp_path / "out")]) == 2
-    assert _errors(capsys.readouterr().err) == f"error: {tmp_path / 'out'}: already exists (--overwrite replaces it)"
+    out, err = capsys.readouterr()
+    assert _errors(err) == f"error: {tmp_path / 'out'}: already exists (--collect.overwrite replaces it)"
+    assert out == ""  # refused before "collect: starting"

@@ -140,7 +140,7 @@ def test_a_rank_that_stops_answering_ends_the_run_naming_rank_and_step(dataset, 
 def test_unknown_config_keys_suggest_the_closest():
     with pytest.raises(KilovlaError, match=r"unknown config key 'optim.lrr' \(did you mean 'optim.lr'\?\)"):
         load_config(TrainConfig, None, ["--optim.lrr=1e-4"])
-    with pytest.raises(KilovlaError, match=r"config key 'steps': 'many' is not a int"):
+    with pytest.raises(KilovlaError, match=r"config key 'steps': 'many' is not an int"):
         load_config(TrainConfig, None, ["--steps=many"])
 
 

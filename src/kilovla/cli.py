@@ -223,17 +223,20 @@ def cmd_bench_table(args) -> int:
 
 # -- kilovla collect / eval ------------------------------------------------------------------------
 def cmd_collect(args) -> int:
-    from kilovla.envs.collect import collect
+    from kilovla.envs.collect import check_collect, collect
     from kilovla.eval.closed_loop import task_progress
 
     cfg = args.cfg  # cli_config.CollectCommand
     if cfg.output_dir is None:
         raise KilovlaError("collect: give --output_dir=DIR, the dataset folder to write")
     tasks, c = cfg.env.tasks(), cfg.collect
+    cameras = cfg.env.camera_tuple() or ("scene", "wrist")
+    check_collect(cfg.output_dir, env=cfg.env.type, tasks=tasks, episodes_per_task=c.n_episodes, cameras=cameras,
+                  seed=c.seed, max_steps=cfg.env.max_steps, labels=c.labels, overwrite=c.overwrite)  # then announce
     progress, update = task_progress("collect")
     with progress:
         report = collect(cfg.output_dir, env=cfg.env.type, tasks=tasks, episodes_per_task=c.n_episodes,
-                         cameras=cfg.env.camera_tuple() or ("scene", "wrist"), resolution=cfg.env.resolution or 96,
+                         cameras=cameras, resolution=cfg.env.resolution or 96,
                          noise_std=c.noise, seed=c.seed, max_steps=cfg.env.max_steps, batch_size=c.batch_size,
                          num_workers=c.workers, labels=c.labels, overwrite=c.overwrite, progress=update)
     for task in tasks:
@@ -243,7 +246,7 @@ def cmd_collect(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from kilovla.eval.closed_loop import check_action_steps, evaluate, load_policy, new_output_dir, task_progress
+    from kilovla.eval.closed_loop import check_evaluation, evaluate, load_policy, new_output_dir, task_progress
     from kilovla.folders import check_new_evaluation
 
     cfg = args.cfg  # cli_config.EvalCommand
@@ -251,8 +254,8 @@ def cmd_eval(args) -> int:
     if cfg.output_dir is not None:  # a folder the user named: never overwrite an evaluation in it
         check_new_evaluation(cfg.output_dir, flag=_spelling(args, "--out", "--output_dir"))
     policy = load_policy(cfg.policy.path, env=cfg.env.type, seed=cfg.eval.seed, ema=cfg.policy.ema)
-    check_action_steps(policy, cfg.eval.n_action_steps)
     settings = cfg.eval.settings(cfg.env, tasks)
+    check_evaluation(policy, settings)  # tasks, cameras, fit: refused before a folder is announced
     root = Path("eval-output")
     root_made = cfg.output_dir is None and not root.exists()  # this run makes it: a refusal removes it again
     out = cfg.output_dir if cfg.output_dir is not None else new_output_dir(
@@ -348,6 +351,7 @@ def cmd_quantize(args) -> int:
         raise KilovlaError("quantize: give --policy.path=DIR, the policy folder to quantize")
     if cfg.output_dir is None:
         raise KilovlaError("quantize: give --output_dir=DIR, the new folder for the quantized policy")
+    _check_folder_spec(args, "quantize")
     source = str(policy_folder(cfg.policy.path))  # a run folder or checkpoints/latest: its newest
     config = Fp8Config(block=q.block, include=q.include, exclude=q.exclude, scope=q.scope,
                        activations=q.activations, dtype=q.dtype)
@@ -358,6 +362,15 @@ def cmd_quantize(args) -> int:
     print_report(report, console=_console())
     print(f"wrote {cfg.output_dir} (policy folder) and {cfg.output_dir}/quant_report.json")
     return 0
+
+
+def _check_folder_spec(args, command: str) -> None:
+    """quantize and serve take a policy folder: scripted, random and a ws:// URL (which a path would
+    shorten to ws:/) are refused by name."""
+    path = args.cfg.policy.path
+    if path in ("scripted", "random") or path.startswith(("ws://", "wss://")):
+        raise KilovlaError(f"{_spelling(args, '--policy', '--policy.path')} {path}: {command} takes a policy folder "
+                           "(a run folder or a checkpoint); scripted, random and ws:// URLs are for `kilovla eval`")
 
 
 def _quant_evaluation(cfg, source: str):
@@ -385,6 +398,7 @@ def cmd_serve(args) -> int:
     cfg, sv = args.cfg, args.cfg.serve  # cli_config.ServeCommand
     if cfg.policy.path is None:
         raise KilovlaError("serve: give --policy.path=DIR, the policy folder to serve")
+    _check_folder_spec(args, "serve")
     mapping = {}
     for item in sv.map:
         key, sep, value = item.partition("=")
@@ -584,7 +598,8 @@ def _demo_parser(sub) -> None:
 
 
 class _CommandParser(argparse.ArgumentParser):
-    """A command's parser: a value outside a flag's choices is one error line, not the usage (8-15 lines)."""
+    """A command's parser: one flag's error (a value outside its choices, its value missing) is one error
+    line, not the usage (8-15 lines)."""
 
     def _check_value(self, action, value):
         if action.choices is not None and value not in action.choices:
@@ -597,7 +612,8 @@ class _CommandParser(argparse.ArgumentParser):
         return super().format_help()
 
     def error(self, message):
-        if "invalid choice: " not in message:
+        if not message.startswith("argument ") or not ("invalid choice: " in message
+                                                         or "expected one argument" in message):
             super().error(message)
         _say_error(message.removeprefix("argument "))
         sys.exit(2)

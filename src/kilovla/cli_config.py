@@ -4,7 +4,7 @@
         --eval.n_episodes=20 --eval.batch_size=10 --output_dir=DIR
 
 `add_config_flags` declares `--section.key` for every field (`--help` lists them per section with their
-defaults) and today's dashed flags as aliases that print the new spelling once on stderr (a terminal's:
+defaults; a command's `HELP` rewords a shared field for it) and today's dashed flags as aliases that print the new spelling once on stderr (a terminal's:
 off one, bad input stays one error line). `config_from`
 reads the values with config.py's machinery (each checked against its field's type); a key that does not
 exist stops with config.py's did-you-mean. The sections (`PolicySection`, `EnvSection`, `EvalSection`)
@@ -22,16 +22,18 @@ from dataclasses import dataclass, field
 import yaml
 
 from kilovla.config import _all_keys, _unknown, from_dict, parse_override, set_dotted, to_dict
+from kilovla.envs.seeds import MAX_SEED
 from kilovla.errors import KilovlaError
 
 PREFIX = "cfg:"  # namespace attributes holding config keys
 
 
-def _f(default, help: str, choices: tuple[str, ...] | None = None, least: float | None = None, path: bool = False):
+def _f(default, help: str, choices: tuple[str, ...] | None = None, least: float | None = None,
+       below: float | None = None, path: bool = False):
     """A field with its `--help` line (and the values it takes: `choices`, checked by argparse; `least`, the
-    smallest number it takes, and `path`, a file or folder (never ""), checked by `config_from` before the
-    command runs)."""
-    meta = {"help": help, "choices": choices, "least": least, "path": path}
+    smallest number it takes, `below`, the bound it stays under, and `path`, a file or folder (never ""),
+    checked by `config_from` before the command runs)."""
+    meta = {"help": help, "choices": choices, "least": least, "below": below, "path": path}
     if dataclasses.is_dataclass(default):
         return field(default_factory=lambda: dataclasses.replace(default), metadata=meta)
     if isinstance(default, (list, dict)):
@@ -68,9 +70,9 @@ class EnvSection:
 
 @dataclass
 class EvalSection:
-    n_episodes: int = _f(10, "episodes per task", least=0)  # quantize: 0 skips its comparison
+    n_episodes: int = _f(10, "episodes per task", least=1)
     batch_size: int = _f(8, "envs per task stepped together, one policy batch", least=1)
-    seed: int = _f(0, "the eval stream's seed: the same env seeds for every policy")
+    seed: int = _f(0, "the eval stream's seed: the same env seeds for every policy", least=0, below=MAX_SEED)
     n_action_steps: int | None = _f(None, "actions executed per predicted chunk (default: the policy's)", least=1)
     workers: int = _f(0, "env processes (0: in this process)", least=0)
     videos: int = _f(2, "record the first K episodes per task", least=0)
@@ -122,15 +124,27 @@ class QuantSection:
 
 
 @dataclass
+class QuantEvalSection(EvalSection):
+    n_episodes: int = _f(0, "episodes per task (0: skip the comparison)", least=0)
+    videos: int = _f(0, "record the first K episodes per task", least=0)
+
+
+@dataclass
 class QuantizeCommand:
     """`kilovla quantize`: block-wise FP8 of a policy folder, with a report."""
 
     policy: PolicySection = _f(PolicySection(path=None), "")
     quant: QuantSection = _f(QuantSection(), "")
     env: EnvSection = _f(EnvSection(), "")
-    eval: EvalSection = _f(EvalSection(n_episodes=0, videos=0), "the closed-loop comparison of both policies "
-                           "(eval.n_episodes=0 skips it)")
+    eval: QuantEvalSection = _f(QuantEvalSection(), "the closed-loop comparison of both policies "
+                                "(eval.n_episodes=0 skips it)")
     output_dir: str | None = _f(None, "the new folder for the quantized policy (must not exist)", path=True)
+
+    HELP: typing.ClassVar[dict[str, str]] = {
+        "policy.path": "the policy folder to quantize: a policy folder, a run folder or its checkpoints/latest (the "
+                       "newest complete checkpoint)",
+        "env.resolution": "camera pixels (default: the policy's training resolution, policy.json image_size; 96 for "
+                          "folders that lack it)"}
 
 
 @dataclass
@@ -139,7 +153,7 @@ class CollectSection:
     noise: float = _f(0.0, "std of Gaussian noise added to expert actions", least=0)
     labels: str = _f("executed", "with collect.noise, the action recorded: the noisy one executed, or the expert's "
                      "noise-free one for the state reached (DART)", ("executed", "expert"))
-    seed: int = _f(0, "the collection stream's seed (disjoint from evaluation's)")
+    seed: int = _f(0, "the collection stream's seed (disjoint from evaluation's)", least=0, below=MAX_SEED)
     batch_size: int = _f(4, "envs stepped together per task", least=1)
     workers: int = _f(0, "env processes (0: in this process)", least=0)
     overwrite: bool = _f(False, "replace output_dir if it holds a dataset")
@@ -152,6 +166,9 @@ class CollectCommand:
     env: EnvSection = _f(EnvSection(cameras="scene,wrist", resolution=96), "")
     collect: CollectSection = _f(CollectSection(), "")
     output_dir: str | None = _f(None, "the dataset folder to write", path=True)
+
+    HELP: typing.ClassVar[dict[str, str]] = {"env.cameras": "comma-separated env cameras",
+                                             "env.resolution": "camera pixels"}  # no policy: collect's own defaults
 
 
 @dataclass
@@ -179,6 +196,9 @@ class ServeCommand:
     policy: PolicySection = _f(PolicySection(path=None), "")
     serve: ServeSection = _f(ServeSection(), "")
 
+    HELP: typing.ClassVar[dict[str, str]] = {"policy.path": "the policy folder to serve: a policy folder, a run "
+                                             "folder or its checkpoints/latest (the newest complete checkpoint)"}
+
 
 SERVE_ALIASES = {
     "--policy": "policy.path", "--ema": "policy.ema", "--no-cuda-graphs": ("serve.cuda_graphs", False),
@@ -200,7 +220,8 @@ class DemoCommand:
 
     quick: bool = _f(False, "the minute-scale recipe (QUICK) instead of the full one")
     output_dir: str = _f("demo-output", "the demo's folder (an earlier demo's is replaced, nothing else)", path=True)
-    seed: int | None = _f(None, "collection and training seed S, evaluation seed S+1 (default: the recipe's, 0)")
+    seed: int | None = _f(None, "collection and training seed S, evaluation seed S+1 (default: the recipe's, 0)",
+                          least=0, below=MAX_SEED - 1)
     policy: DemoPolicySection = _f(DemoPolicySection(), "")
 
     def recipe(self):
@@ -209,6 +230,9 @@ class DemoCommand:
 
         recipe = QUICK if self.quick else FULL
         if self.policy.preset is not None:
+            from kilovla.models.presets import check_preset
+
+            check_preset(self.policy.preset, "--policy.preset")
             recipe = recipe.replace(preset=self.policy.preset)
         if self.policy.overrides:  # over the recipe's model for its preset (the wide expert for pi0-tiny only)
             recipe = recipe.replace(model=_merged(recipe.preset_model(), self.policy.overrides))
@@ -334,7 +358,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, st
         section = key.split(".")[0] if "." in key else "options"
         if section not in groups:
             groups[section] = parser.add_argument_group(f"--{section}.*" if "." in key else "other options")
-        help = m.get("help", "")
+        help = getattr(cls, "HELP", {}).get(key, m.get("help", ""))  # a command's own wording of a shared field
         shown = "" if "default:" in help else f" (default: {default})"
         bare = dict(action=_Key, nargs="?", const="true") if hint is bool else dict(action=_Key)
         # (a bool flag alone, `--eval.allow_seen_seeds`: true)
@@ -399,21 +423,37 @@ def config_from(args: argparse.Namespace, extra: list[str] = ()):
         if not _dict_key(cls, key) or "=" not in item:
             raise _unknown(cls, key)
         set_dotted(data, *parse_override(item))
-    cfg = from_dict(cls, data)
+    try:
+        cfg = from_dict(cls, data)
+    except KilovlaError as e:
+        raise _as_typed(e, args) from None
     _check_values(cls, cfg, getattr(args, "_spelt", {}))
     return cfg
 
 
+def _as_typed(error: KilovlaError, args: argparse.Namespace) -> KilovlaError:
+    """A bad value given by an old flag (`--episodes abc`): its error names the flag as typed, not the key."""
+    said = getattr(args, "_aliases_said", ())
+    for dest, given in getattr(args, "_spelt", {}).items():
+        head = f"config key {dest[len(PREFIX):]!r}: "
+        typed = [shown for flag, (shown, _) in given.items() if flag in said]
+        if typed and str(error).startswith(head):
+            return KilovlaError(f"{typed[0]}: {str(error)[len(head):]}")
+    return error
+
+
 def _check_values(cls, cfg, spelt: dict) -> None:
-    """A number below its field's `least` (`--eval.videos=-1`) or an empty path (`--output_dir=`): one line
-    naming the flag as it was typed."""
+    """A number below its field's `least` (`--eval.videos=-1`) or not under its `below` (a seed of 10 digits),
+    or an empty path (`--output_dir=`): one line naming the flag as it was typed."""
     for key, _, value, meta in _fields(cls, cfg):
-        least = meta.get("least")
+        least, below = meta.get("least"), meta.get("below")
         shown = next(iter(spelt.get(PREFIX + key, {}).values()), (f"--{key}={value}",))[0]
-        if least is not None and value is not None and value < least:
-            raise KilovlaError(f"{shown}: must be >= {least}")
         if meta.get("path") and value == "":
             raise KilovlaError(f"{shown}: an empty path; give a file or folder")
+        if value is None or (least is None or value >= least) and (below is None or value < below):
+            continue
+        raise KilovlaError(f"{shown}: must be >= {least}" if below is None else
+                           f"{shown}: must be an integer in [{least}, {below})")
 
 
 DEMO_ALIASES = {"--out": "output_dir"}

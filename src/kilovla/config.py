@@ -40,6 +40,14 @@ def _unknown(cls, key: str, also: tuple[str, ...] = (), prefix: str = "") -> Kil
     return KilovlaError(f"unknown config key {key!r}{hint}")
 
 
+def _kind(hint) -> str:
+    """A type as a message names it: 'an int', 'a float', 'an int or None'."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join("None" if a is type(None) else _kind(a) for a in typing.get_args(hint))
+    name = getattr(hint, "__name__", str(hint))
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def _coerce(value: Any, hint, key: str):
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -51,7 +59,7 @@ def _coerce(value: Any, hint, key: str):
                 return _coerce(value, arg, key)
             except KilovlaError:
                 continue
-        raise KilovlaError(f"config key {key!r}: {value!r} is not a {hint}")
+        raise KilovlaError(f"config key {key!r}: {value!r} is not {_kind(hint)}")
     if hint is Any:
         return value
     if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -73,7 +81,7 @@ def _coerce(value: Any, hint, key: str):
         return dict(value)
     if hint in (int, str, bool) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
-    raise KilovlaError(f"config key {key!r}: {value!r} is not a {getattr(hint, '__name__', hint)}")
+    raise KilovlaError(f"config key {key!r}: {value!r} is not {_kind(hint)}")
 
 
 def from_dict(cls, data: dict, prefix: str = "", root=None):

@@ -175,6 +175,11 @@ def check_new_evaluation(folder: str | Path, flag: str = "--out") -> None:
     if folder.exists() and not folder.is_dir():
         raise KilovlaError(f"{flag} {folder}: exists and is not a folder")
     check_parent(folder, flag)  # a file on the path: refused now, not after every episode has run
+    other = next(((kind, m) for kind in (DATASET, RUN, DEMO) for m in kind.marker
+                  if m not in EVALUATION.entries and (folder / m).exists()), None)
+    if folder.is_dir() and other is not None:  # a dataset's videos/ is not an evaluation's
+        raise KilovlaError(f"{flag} {folder}: holds {other[0].name} ({other[1]}), not an evaluation; not writing "
+                           f"into it: use a new folder, or leave out {flag} for a fresh one under eval-output/")
     if holds_evaluation(folder):
         found = next(m for m in EVALUATION.marker if (folder / m).exists())
         raise KilovlaError(f"{flag} {folder}: already holds an evaluation ({found}); not overwriting it: "

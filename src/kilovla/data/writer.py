@@ -55,12 +55,13 @@ _ARROW_TYPES = {"float32": pa.float32(), "float64": pa.float64(), "int64": pa.in
                 "int16": pa.int16(), "int8": pa.int8(), "uint8": pa.uint8(), "bool": pa.bool_(), "string": pa.string()}
 
 
-def check_dataset_destination(root: str | Path, overwrite: bool = False) -> None:
+def check_dataset_destination(root: str | Path, overwrite: bool = False, flag: str = "--overwrite") -> None:
     """KilovlaError unless a dataset can be written at `root`: absent (or, with `overwrite`, a dataset to
-    replace) and not under a file. `DatasetWriter` checks this first; a CLI calls it before its progress."""
+    replace) and not under a file. `DatasetWriter` checks this first; a CLI calls it before its progress,
+    with `flag`, its spelling of `overwrite`."""
     root = Path(root)
     if root.exists() and not overwrite:
-        raise KilovlaError(f"{root}: already exists (--overwrite replaces it)")
+        raise KilovlaError(f"{root}: already exists ({flag} replaces it)")
     check_replaceable(root, DATASET)  # --overwrite replaces a dataset, never a folder of other files
     _check_parent(root)
 

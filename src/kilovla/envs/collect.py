@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kilovla.data.writer import DatasetWriter
+from kilovla.data.writer import DatasetWriter, check_dataset_destination
 from kilovla.envs.base import env_type
 from kilovla.envs.rollout import run_episodes, stack_observations
 from kilovla.envs.seeds import SEED_RULE, collect_seed
@@ -37,6 +37,22 @@ class CollectReport:
     frames: int = 0
 
 
+def check_collect(out: str | Path, *, env: str, tasks: list[str], episodes_per_task: int,
+                  cameras: tuple[str, ...], seed: int, max_steps: int | None, labels: str, overwrite: bool):
+    """Everything `collect` refuses before it steps an env (the CLI calls it before its progress lines):
+    the episode count, tasks, cameras, labels, seed and the output folder. Returns (env type, spec)."""
+    if episodes_per_task < 1:  # else the seed check below names episode -1
+        raise KilovlaError(f"--collect.n_episodes must be at least 1, got {episodes_per_task}")
+    sim = env_type(env)
+    sim.check_tasks(tasks)
+    spec = sim.spec(tasks[0], cameras=cameras, max_steps=max_steps)
+    if labels not in ("executed", "expert"):
+        raise KilovlaError(f"labels must be 'executed' or 'expert', not {labels!r}")
+    collect_seed(seed, len(tasks) - 1, 3 * episodes_per_task - 1)  # the last seed it may use fits the rule: check now
+    check_dataset_destination(out, overwrite, flag="--collect.overwrite")
+    return sim, spec
+
+
 def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episodes_per_task: int,
             cameras: tuple[str, ...] = ("scene", "wrist"), resolution: int = 96, noise_std: float = 0.0,
             seed: int = 0, max_steps: int | None = None, batch_size: int = 4, num_workers: int = 0,
@@ -44,17 +60,11 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
             progress=None) -> CollectReport:
     """Write `episodes_per_task` successful episodes per task (attempts continue until reached,
     up to 3x the target). `progress(task, kept, target)` is called as episodes finish."""
-    if episodes_per_task < 1:  # else the seed check below names episode -1
-        raise KilovlaError(f"--collect.n_episodes must be at least 1, got {episodes_per_task}")
-    sim = env_type(env)
-    sim.check_tasks(tasks)
-    spec = sim.spec(tasks[0], cameras=cameras, max_steps=max_steps)
+    sim, spec = check_collect(out, env=env, tasks=tasks, episodes_per_task=episodes_per_task, cameras=cameras,
+                              seed=seed, max_steps=max_steps, labels=labels, overwrite=overwrite)
     features = spec.features(resolution)
     features.update({key: {"dtype": "float32", "shape": [width]} for key, width in spec.extra_state})
     features["next.success"] = {"dtype": "bool", "shape": [1]}
-    if labels not in ("executed", "expert"):
-        raise KilovlaError(f"labels must be 'executed' or 'expert', not {labels!r}")
-    collect_seed(seed, len(tasks) - 1, 3 * episodes_per_task - 1)  # the last seed it may use fits the rule: check now
     policy = sim.expert(noise_std, seed)
     clean = sim.expert(0.0, seed) if labels == "expert" and noise_std > 0 else None
     report = CollectReport(root=str(out))

@@ -82,7 +82,14 @@ def expand_tasks(names: list[str]) -> list[str]:
     return out
 
 
+def check_cameras(cameras) -> None:
+    unknown = [c for c in cameras if c not in CAMERAS]
+    if unknown:
+        raise KilovlaError(f"unknown LIBERO cameras {unknown}; use {sorted(CAMERAS)}")
+
+
 def spec(task: str = "", cameras=("agentview", "wrist"), max_steps: int | None = None, **_) -> EnvSpec:
+    check_cameras(cameras)  # before any env is built
     suite = task.partition("/")[0]
     steps = max_steps or MAX_STEPS.get(suite, max(MAX_STEPS.values()))
     return EnvSpec("libero", ACTION_DIM, STATE_DIM, tuple(cameras), steps, FPS)
@@ -112,9 +119,7 @@ class LiberoEnv(gym.Env):
         self.task, self._task = task, suite.get_task(int(index))
         self.instruction = self._task.language
         self.cameras = tuple(cameras)
-        unknown = [c for c in cameras if c not in CAMERAS]
-        if unknown:
-            raise KilovlaError(f"unknown LIBERO cameras {unknown}; use {sorted(CAMERAS)}")
+        check_cameras(cameras)
         self.init_states = suite.get_task_init_states(int(index))
         self.max_steps = max_steps or MAX_STEPS[suite_name]
         self.terminate_on_success = terminate_on_success

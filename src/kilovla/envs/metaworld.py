@@ -115,7 +115,14 @@ def scripted_expert(task: str):
     return experts[task]()
 
 
+def check_cameras(cameras) -> None:
+    unknown = [c for c in cameras if c not in CAMERAS and c not in CAMERAS.values()]
+    if unknown:
+        raise KilovlaError(f"unknown Meta-World cameras {unknown}; use {sorted(CAMERAS)}")
+
+
 def spec(task: str, cameras=DEFAULT_CAMERAS, max_steps: int = MAX_STEPS, **_) -> EnvSpec:
+    check_cameras(cameras)  # before any env is built: a spec names only cameras the env can render
     return EnvSpec("metaworld", ACTION_DIM, STATE_DIM, tuple(cameras), max_steps, FPS,
                    extra_state=(("observation.environment_state", 39),))
 
@@ -130,9 +137,7 @@ class MetaWorldEnv(gym.Env):
         from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
 
         check_tasks("metaworld", [task], task_names())
-        unknown = [c for c in cameras if c not in CAMERAS and c not in CAMERAS.values()]
-        if unknown:
-            raise KilovlaError(f"unknown Meta-World cameras {unknown}; use {sorted(CAMERAS)}")
+        check_cameras(cameras)
         if not 16 <= resolution <= 1024:
             raise KilovlaError(f"resolution must be within 16..1024 pixels, got {resolution}")
         self.task, self.instruction = task, instruction(task)

@@ -144,18 +144,10 @@ def new_output_dir(root: str | Path, env: str, policy_spec: str, now: datetime.d
             folder = base.with_name(f"{base.name}_{n}")
 
 
-def evaluate(policy, settings: EvalSettings, *, out_dir: str | Path | None = None, replace: bool = True,
-             progress: Callable[[str, int, int], None] | None = None, label: str = "eval") -> dict:
-    """Play `settings` with `policy`.
-    `progress(task, finished, total)` hears of every finished episode (and of each task's start, with 0);
-    without one, the evaluation shows its own (`task_progress(label)`). `replace`: whether an earlier
-    evaluation in `out_dir` is replaced (else refused, before anything runs). Episodes on seeds the
-    policy's demonstrations started from are refused unless `settings.allow_seen_seeds`
-    (`check_unseen_seeds`); the report's `demonstration_seeds_shared` counts them either way."""
-    if progress is None:
-        own, update = task_progress(label)
-        with own:
-            return evaluate(policy, settings, out_dir=out_dir, replace=replace, progress=update, label=label)
+def check_evaluation(policy, settings: EvalSettings):
+    """Everything `evaluate` refuses before it runs an episode: the tasks, cameras and fit of `policy` to
+    the env, the episode count, the actions per chunk and the demonstrations' seeds. A CLI calls it before
+    it announces an output folder. Returns (env spec, actions per chunk, seeds shared with demonstrations)."""
     s = settings
     spec = s.check_fits(policy)
     if s.episodes < 1:
@@ -170,6 +162,23 @@ def evaluate(policy, settings: EvalSettings, *, out_dir: str | Path | None = Non
     shared = check_unseen_seeds(getattr(getattr(policy, "meta", None), "demonstration_seeds", None), list(s.tasks),
                                 s.seed, s.episodes, env=s.env, allow_seen_seeds=s.allow_seen_seeds,
                                 who=f"policy {getattr(policy, 'name', policy)}")
+    return spec, n_action_steps, shared
+
+
+def evaluate(policy, settings: EvalSettings, *, out_dir: str | Path | None = None, replace: bool = True,
+             progress: Callable[[str, int, int], None] | None = None, label: str = "eval") -> dict:
+    """Play `settings` with `policy`.
+    `progress(task, finished, total)` hears of every finished episode (and of each task's start, with 0);
+    without one, the evaluation shows its own (`task_progress(label)`). `replace`: whether an earlier
+    evaluation in `out_dir` is replaced (else refused, before anything runs). Episodes on seeds the
+    policy's demonstrations started from are refused unless `settings.allow_seen_seeds`
+    (`check_unseen_seeds`); the report's `demonstration_seeds_shared` counts them either way."""
+    if progress is None:
+        own, update = task_progress(label)
+        with own:
+            return evaluate(policy, settings, out_dir=out_dir, replace=replace, progress=update, label=label)
+    s = settings
+    spec, n_action_steps, shared = check_evaluation(policy, s)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         if not replace:

@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 
 import torch
@@ -46,9 +47,19 @@ PRESETS = {name: config for fam in families() for name, config in fam.presets.it
 POLICY_DEFAULTS = {name: recipe for fam in families() for name, recipe in fam.recipes.items()}
 
 
+def check_preset(name: str, flag: str = "", known: dict | None = None) -> None:
+    """Refuse a name that is not a registered preset (a key of `known`, default PRESETS), with did-you-mean;
+    `flag`: the CLI's spelling (`--policy.preset`), named with the value as typed."""
+    if name in (PRESETS if known is None else known):
+        return
+    close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise KilovlaError(f"{f'{flag}={name}: ' if flag else ''}unknown model preset {name!r}{hint}; "
+                       f"available: {', '.join(PRESETS)}")
+
+
 def policy_defaults(name: str) -> PolicyDefaults:
-    if name not in POLICY_DEFAULTS:
-        raise KilovlaError(f"unknown model preset {name!r}; available: {', '.join(PRESETS)}")
+    check_preset(name, known=POLICY_DEFAULTS)
     return POLICY_DEFAULTS[name]
 
 
@@ -57,8 +68,7 @@ def preset(name: str, **overrides):
     ``preset("pi05-tiny", vision={"image_size": 64})``. Every key and value is checked as a config
     file's are: ``expert={"widht": 64}`` -> KilovlaError "unknown config key
     'policy.overrides.expert.widht' (did you mean 'policy.overrides.expert.width'?)"."""
-    if name not in PRESETS:
-        raise KilovlaError(f"unknown model preset {name!r}; available: {', '.join(PRESETS)}")
+    check_preset(name)
     return _replaced(PRESETS[name], overrides, type(PRESETS[name]), OVERRIDES_KEY)
 
 

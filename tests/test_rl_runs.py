@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from kilovla.rl import runner
 from kilovla.rl import loops
@@ -32,6 +33,7 @@ def _rl_checkpoint(root, version):
     folder = root / f"step_{version:06d}"
     folder.mkdir(parents=True)
     (folder / "policy.json").write_text(json.dumps(META))
+    save_file({"w": torch.zeros(1)}, folder / "model.safetensors")  # weights the runner checks for before Ray
     (folder / "rl_state.json").write_text(json.dumps({"version": version, "env_steps": 10 * version,
                                                       "started_from": str(folder)}))
     torch.save({"algorithm": "ppo", "updates": version}, folder / "learner.pt")

@@ -76,6 +76,18 @@ class ModelSettings:
     language_padding: str  # "longest" (dynamic padding) or "max_length"
     language_tokens: int | None = None  # the prompt's token limit; None: the preset's
 
+    def as_overrides(self, cfg, chunk_key: str) -> dict:
+        """These settings as overrides of a config that names them as pi0's and GR00T's do (packing,
+        language_padding, max_state_dim, disabled_cameras, vision.image_size), the chunk length under
+        `chunk_key`; the camera slots disabled are the preset's enabled ones past the data's."""
+        out = {chunk_key: self.chunk_length, "max_state_dim": self.max_state_dim, "packing": self.packing,
+               "language_padding": self.language_padding,
+               "disabled_cameras": [*cfg.disabled_cameras, *cfg.enabled_cameras[self.cameras:]],
+               "vision": {"image_size": self.image_size}}
+        if self.language_tokens is not None:
+            out["max_language_tokens"] = self.language_tokens
+        return out
+
 
 @dataclass(frozen=True)
 class TPSplit:

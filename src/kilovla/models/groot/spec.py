@@ -27,14 +27,8 @@ def lora_targets(vision: bool, llm: bool) -> str:
 
 
 def overrides(cfg: GrootConfig, s: ModelSettings) -> dict:
-    """`s` as GrootConfig overrides; the camera slots disabled are the preset's enabled ones past the data's."""
-    out = {"action_horizon": s.chunk_length, "max_state_dim": s.max_state_dim, "packing": s.packing,
-           "language_padding": s.language_padding,
-           "disabled_cameras": [*cfg.disabled_cameras, *cfg.enabled_cameras[s.cameras:]],
-           "vision": {"image_size": s.image_size}}
-    if s.language_tokens is not None:
-        out["max_language_tokens"] = s.language_tokens
-    return out
+    """`s` as GrootConfig overrides: named as ModelSettings.as_overrides names them, the chunk as `action_horizon`."""
+    return s.as_overrides(cfg, "action_horizon")
 
 
 def freeze_groups(model) -> dict:

@@ -39,14 +39,8 @@ def rename(key: str, name: str) -> str | None:
 
 
 def overrides(cfg: Pi05Config, s: ModelSettings) -> dict:
-    """`s` as Pi05Config overrides; the camera slots disabled are the preset's enabled ones past the data's."""
-    out = {"chunk_size": s.chunk_length, "max_state_dim": s.max_state_dim, "packing": s.packing,
-           "language_padding": s.language_padding,
-           "disabled_cameras": [*cfg.disabled_cameras, *cfg.enabled_cameras[s.cameras:]],
-           "vision": {"image_size": s.image_size}}
-    if s.language_tokens is not None:
-        out["max_language_tokens"] = s.language_tokens
-    return out
+    """`s` as Pi05Config overrides: named as ModelSettings.as_overrides names them, the chunk as `chunk_size`."""
+    return s.as_overrides(cfg, "chunk_size")
 
 
 def freeze_groups(model) -> dict:

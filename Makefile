@@ -54,9 +54,9 @@ demo: system venv
 	$(BIN)/kilovla demo
 
 # Everything but the gpu marker, slow tests included (LIBERO, the Ray RL runs, the RL canary), in two runs:
-# the fast tests and the slow ones whose results do not depend on timing (marker shares_cpu: the RL canary)
-# on two pytest workers, then the other slow ones alone, since they time out hung workers and ranks and
-# compare speeds. ~13 minutes on 2 cores; plain `pytest` (not slow, not gpu) takes ~6.
+# the fast tests and the slow ones whose results do not depend on timing (marker shares_cpu: the RL canary,
+# the sync and kill -9 Ray runs) on two pytest workers, then the other slow ones alone, since they time out
+# hung workers and ranks and compare speeds. ~13 minutes on 2 cores; plain `pytest` (not slow, not gpu) takes ~6.
 # KILOVLA_REQUIRE_TORCHCODEC: both video decoders are tested; a torchcodec that fails to load fails.
 TEST_ENV = KILOVLA_REQUIRE_TORCHCODEC=$(if $(strip $(TORCHCODEC)),1,0) KILOVLA_LIBERO_OFFICIAL=$(LIBERO_OFFICIAL)
 # pytest exits 5 when it collects no test: that is a broken suite here, not a pass.

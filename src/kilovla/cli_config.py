@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -484,6 +485,7 @@ def train_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
+@functools.cache  # fields_help asks once per field; the source is read once per class
 def _comments(cls) -> dict[str, str]:
     """`name: type = default  # comment`: the comment of each field declared in `cls` or a base, from source."""
     import inspect

@@ -16,7 +16,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-
 from kilovla.errors import KilovlaError
 
 

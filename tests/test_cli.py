@@ -95,13 +95,13 @@ def test_data_info_on_a_plain_file_says_it_is_not_a_dataset_folder(tmp_path):
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--min-frames", "50", "--max-frames", "10"], "--min-frames 50 is above --max-frames 10"),
-    (["--min-frames", "0"], "--min-frames 0: an episode needs at least 1 frame"),
-    (["--resolution", "0"], "--resolution 0: frames must be at least 4 pixels a side"),
-    (["--resolution", "5", "--codec", "libx264"], "--resolution 5: libx264 (yuv420p) needs an even number"),
-    (["--fps", "0"], "--fps 0: must be at least 1"),
-    (["--episodes", "0"], "--episodes 0: must be at least 1"),
-    (["--cameras", "front,front"], "--cameras front,front: camera names must be non-empty and distinct"),
+    (["--min_frames=50", "--max_frames=10"], "--min_frames=50 is above --max_frames=10"),
+    (["--min_frames=0"], "--min_frames=0: an episode needs at least 1 frame"),
+    (["--resolution=0"], "--resolution=0: frames must be at least 4 pixels a side"),
+    (["--resolution=5", "--codec=libx264"], "--resolution=5: libx264 (yuv420p) needs an even number"),
+    (["--fps=0"], "--fps=0: must be at least 1"),
+    (["--episodes", "0"], "--episodes=0: must be at least 1"),  # a space or "=": the message says "="
+    (["--cameras=front,front"], "--cameras=front,front: camera names must be non-empty and distinct"),
 ])
 def test_data_synth_flags_no_dataset_can_be_made_of_are_one_line_and_nothing_is_written(tmp_path, flags, said):
     rc, err = _run_cli("data", "synth", str(tmp_path / "ds"), *flags)
@@ -141,7 +141,7 @@ def test_convert_then_validate(v21_root, tmp_path):
 
 
 def test_bench_data_quick_writes_the_named_rows(tmp_path):
-    assert main(["bench", "data", "--quick", "--out", str(tmp_path), "--world-size", "64"]) == 0
+    assert main(["bench", "data", "--quick", f"--output_dir={tmp_path}", "--world_size=64"]) == 0
     result = json.loads((tmp_path / "data.json").read_text())
     assert result["suite"] == "data" and result["quick"] is True
     assert set(result["machine"]) >= {"cpu", "cores", "gpu", "torch"}
@@ -242,7 +242,7 @@ def test_a_partial_suite_run_keeps_the_rows_it_did_not_measure(tmp_path):
 
 def test_data_bench_runs_on_a_dataset_smaller_than_the_bench_batch(tiny_root, tmp_path):
     # tiny_root has ~80 frames, fewer than the suite's global batches (and 16 samples x 2 ranks fit)
-    assert main(["data", "bench", str(tiny_root), "--quick", "--world-size", "2", "--out", str(tmp_path)]) == 0
+    assert main(["data", "bench", str(tiny_root), "--quick", "--world_size=2", f"--output_dir={tmp_path}"]) == 0
     rows = {r["name"]: r for r in json.loads((tmp_path / "data.json").read_text())["rows"]}
     assert rows["loader_samples_per_s"]["ours"] > 0
     assert rows["rank_imbalance_attention"]["ours"] <= rows["rank_imbalance_attention"]["baseline"]

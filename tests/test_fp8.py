@@ -977,17 +977,18 @@ def test_quantize_on_the_gpu_selects_a_gpu_kernel(folders, tmp_path):
 @pytest.mark.parametrize("policy, flags, message", [
     ("MISSING", [], "not a policy folder"),
     ("SOURCE", [], "does not fit env metaworld"),  # made for the synthetic data
-    ("METAWORLD", ["--dataset", "SYNTHETIC"], "error: --dataset {SYNTHETIC} does not fit the policy"),
-    ("METAWORLD", ["--episodes", "-1"], "error: --episodes -1: must be >= 0"),
+    ("METAWORLD", ["--fp8.dataset", "SYNTHETIC"], "error: --fp8.dataset {SYNTHETIC} does not fit the policy"),
+    ("METAWORLD", ["--fp8.episodes=-1"], "error: --fp8.episodes=-1: must be >= 0"),
+    ("METAWORLD", ["--episodes", "-1"], "error: --episodes -1: must be >= 0"),  # the old spelling, named as typed
 ])
 def test_a_refused_bench_fp8_writes_nothing(folders, tmp_path, capsys, policy, flags, message):
-    """Refused before the held-out episodes are collected: not even the --out folder is made."""
+    """Refused before the held-out episodes are collected: not even the --output_dir folder is made."""
     from kilovla.cli import main
 
     _metaworld_policy_folder(tmp_path / "mw")
     paths = {"MISSING": str(tmp_path / "missing"), "SOURCE": str(folders["source"]), "METAWORLD": str(tmp_path / "mw"),
              "SYNTHETIC": str(folders["dataset"])}
-    argv = ["bench", "fp8", "--quick", f"--policy.path={paths[policy]}", f"--out={tmp_path / 'out'}",
+    argv = ["bench", "fp8", "--quick", f"--policy.path={paths[policy]}", f"--output_dir={tmp_path / 'out'}",
             *[paths.get(a, a) for a in flags]]
     assert main(argv) == 2
     assert message.format(**paths) in capsys.readouterr().err

@@ -225,13 +225,13 @@ def test_a_default_location_cache_of_another_backend_is_passed_over_with_one_war
 def test_cli_stale_cache_exits_2_with_one_line(cached):
     root, out = cached
     _reencode_front(root)
-    proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "bench", str(root), "--quick", "--out",
-                           str(out.parent / "bench"), "--cache", str(out)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "bench", str(root), "--quick",
+                           f"--output_dir={out.parent / 'bench'}", f"--frame_cache={out}"], capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"error: {root / FRONT_VIDEO}: changed since the frame cache was built "
         f"({(root / FRONT_VIDEO).stat().st_size} bytes, {_manifest_size(out)} then): rebuild it with "
-        f"`kilovla data cache {root} --out {out}`"]
+        f"`kilovla data cache {root} --output_dir={out}`"]
 
 
 def _manifest_size(out):
@@ -241,8 +241,8 @@ def _manifest_size(out):
 @pytest.mark.ray
 def test_cli_builds_the_cache_with_ray_data(tiny_copy, tmp_path):
     out = tmp_path / "ray-cache"
-    proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "cache", str(tiny_copy), "--out", str(out),
-                           "--backend", "pyav", "--json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "cache", str(tiny_copy), f"--output_dir={out}",
+                           "--backend=pyav", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert summary["engine"] == "ray" and summary["parts"] == 8 and summary["decoded_now"] == 8
@@ -281,12 +281,12 @@ def test_cli_refuses_a_non_empty_folder_that_is_not_a_cache_and_touches_nothing(
     (mine / ".notes.tmp").write_text("keep")
     (mine / "empty").mkdir()
     before = sorted(str(p.relative_to(mine)) for p in mine.rglob("*"))
-    proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "cache", str(tiny_copy), "--out", str(mine),
+    proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "cache", str(tiny_copy), f"--output_dir={mine}",
                            "--local"], capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"error: {mine}: the folder is not empty and holds no frame cache (manifest.json); "
-        "pick an empty or new folder for --out"]
+        "pick an empty or new folder for --output_dir"]
     assert sorted(str(p.relative_to(mine)) for p in mine.rglob("*")) == before
 
 

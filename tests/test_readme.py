@@ -163,6 +163,9 @@ def test_readme_results_tables_are_rendered_from_docs_bench():
 
 
 def test_the_bench_parser_accepts_table_with_a_path():
-    args = cli.build_parser().parse_args(["bench", "table", "docs/bench", "--readme", "README.md"])
-    assert (args.suite, args.path, args.readme) == ("table", "docs/bench", "README.md")
+    from kilovla.cli_config import config_from
+
+    args = cli.build_parser().parse_args(["bench", "table", "docs/bench", "--readme=README.md"])
+    cfg = config_from(args)
+    assert (args.suite, cfg.results, cfg.readme) == ("table", "docs/bench", "README.md")
     assert isinstance(cli.build_parser(), argparse.ArgumentParser)

@@ -233,7 +233,7 @@ def test_data_stats_names_only_the_frames_that_fail_without_the_decoder_s_source
     video = tiny_copy / "videos/observation.images.front/chunk-000/file-000.mp4"
     for frame in range(20, 26):
         _corrupt_frame(video, frame)
-    assert main(["data", "stats", "--dry-run", str(tiny_copy)]) == 2
+    assert main(["data", "stats", "--dry_run", str(tiny_copy)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {video}: cannot decode frame") and len(err.splitlines()) == 1
     assert ".cpp" not in err, err

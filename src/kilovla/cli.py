@@ -28,8 +28,9 @@ def cmd_data_info(args) -> int:
 
     from kilovla.data.meta import DatasetMeta
 
-    info = DatasetMeta(args.path).summary()
-    if args.json:
+    cfg = args.cfg  # cli_config.DataInfoCommand
+    info = DatasetMeta(cfg.dataset.root).summary()
+    if cfg.json:
         print(json.dumps(info, indent=2))
         return 0
     table = Table(title=f"{info['root']} (LeRobot {info['codebase_version']})", show_header=False)
@@ -48,18 +49,19 @@ def cmd_data_info(args) -> int:
 def cmd_data_validate(args) -> int:
     from kilovla.data.validate import validate_dataset
 
-    if args.deep:  # decoding every frame takes a while on a real dataset
+    root = args.cfg.dataset.root  # cli_config.DataValidateCommand
+    if args.cfg.deep:  # decoding every frame takes a while on a real dataset
         from kilovla.progress import CountProgress
 
         with CountProgress("data validate: episodes decoded", stream=sys.stderr) as progress:
-            problems = validate_dataset(args.path, deep=True, progress=progress.callback)
+            problems = validate_dataset(root, deep=True, progress=progress.callback)
     else:
-        problems = validate_dataset(args.path)
+        problems = validate_dataset(root)
     for p in problems:
         _say_error(p)
     if problems:
         return 2
-    print(f"{args.path}: valid")
+    print(f"{root}: valid")
     return 0
 
 
@@ -71,30 +73,30 @@ def cmd_data_stats(args) -> int:
     from kilovla.data.validate import check_dataset
     from kilovla.data.writer import _atomic_write_text
 
-    check_dataset(args.path, stats=False)  # the stats it is about to rewrite may be what is wrong
-    ds = LeRobotDataset(args.path)
+    root = args.cfg.dataset.root  # cli_config.DataStatsCommand
+    check_dataset(root, stats=False)  # the stats it is about to rewrite may be what is wrong
+    ds = LeRobotDataset(root)
     stats = compute_dataset_stats(ds)
-    table = Table(title=f"normalisation stats of {args.path}")
+    table = Table(title=f"normalisation stats of {root}")
     for col in ("feature", "count", "mean", "std", "q01", "q99"):
         table.add_column(col)
     for key, st in stats.items():
         fmt = lambda v: " ".join(f"{x:.3g}" for x in v.ravel()[:4]) + (" ..." if v.size > 4 else "")  # noqa: E731
         table.add_row(key, str(int(st["count"][0])), fmt(st["mean"]), fmt(st["std"]), fmt(st["q01"]), fmt(st["q99"]))
     _console().print(table)
-    if not args.dry_run:
-        from pathlib import Path
-
+    if not args.cfg.dry_run:
         text = json.dumps(stats_to_json(stats), indent=4, allow_nan=False)  # strict JSON: no NaN reaches here
-        _atomic_write_text(Path(args.path) / "meta" / "stats.json", text)
-        print(f"wrote {args.path}/meta/stats.json")
+        _atomic_write_text(Path(root) / "meta" / "stats.json", text)
+        print(f"wrote {root}/meta/stats.json")
     return 0
 
 
 def cmd_data_convert(args) -> int:
     from kilovla.data.writer import convert_v21_to_v30
 
-    out = convert_v21_to_v30(args.src, args.dst, overwrite=args.overwrite)
-    print(f"converted {args.src} (v2.1) -> {out} (v3.0)")
+    cfg = args.cfg  # cli_config.DataConvertCommand
+    out = convert_v21_to_v30(cfg.dataset.root, cfg.output_dir, overwrite=cfg.overwrite)
+    print(f"converted {cfg.dataset.root} (v2.1) -> {out} (v3.0)")
     return 0
 
 
@@ -103,13 +105,17 @@ def cmd_data_synth(args) -> int:
     from kilovla.data.writer import check_dataset_destination
     from kilovla.progress import CountProgress
 
-    shape = dict(episodes=args.episodes, frames=(args.min_frames, args.max_frames), fps=args.fps,
-                 cameras=tuple(args.cameras.split(",")), resolution=(args.resolution, args.resolution),
-                 codec=args.codec)
-    check_synthetic_args(**shape)  # before the progress lines start: bad flags are one line
-    check_dataset_destination(args.dst, args.overwrite)
-    with CountProgress("data synth: episodes written", total=args.episodes) as progress:
-        out = make_synthetic_dataset(args.dst, **shape, seed=args.seed, overwrite=args.overwrite,
+    from kilovla.cli_config import typed
+
+    cfg = args.cfg  # cli_config.DataSynthCommand
+    shape = dict(episodes=cfg.episodes, frames=(cfg.min_frames, cfg.max_frames), fps=cfg.fps,
+                 cameras=tuple(cfg.cameras.split(",")), resolution=(cfg.resolution, cfg.resolution), codec=cfg.codec)
+    spelt = getattr(args, "_spelt", {})
+    # before the progress lines start: bad flags are one line, naming each flag as typed
+    check_synthetic_args(**shape, shown=lambda key, value: typed(spelt, key, f"--{key}={value}"))
+    check_dataset_destination(cfg.output_dir, cfg.overwrite)
+    with CountProgress("data synth: episodes written", total=cfg.episodes) as progress:
+        out = make_synthetic_dataset(cfg.output_dir, **shape, seed=cfg.seed, overwrite=cfg.overwrite,
                                      progress=progress.callback)
     print(f"wrote {out}")
     return 0
@@ -121,17 +127,19 @@ def cmd_data_cache(args) -> int:
     from kilovla.data.frame_cache import build_frame_cache
     from kilovla.progress import CountProgress
 
-    with CountProgress("data cache: episodes decoded", stream=sys.stderr if args.json else None) as progress:
-        result = build_frame_cache(args.src, args.out, cameras=args.cameras.split(",") if args.cameras else None,
-                                   backend=args.backend, engine="local" if args.local else "auto",
-                                   ray_address=args.ray_address, progress=progress.callback)
+    cfg = args.cfg  # cli_config.DataCacheCommand
+    with CountProgress("data cache: episodes decoded", stream=sys.stderr if cfg.json else None) as progress:
+        result = build_frame_cache(cfg.dataset.root, cfg.output_dir,
+                                   cameras=cfg.cameras.split(",") if cfg.cameras else None, backend=cfg.backend,
+                                   engine="local" if cfg.local else "auto", ray_address=cfg.ray_address,
+                                   progress=progress.callback)
     summary = {"cache": str(result.path), "parts": result.parts, "decoded_now": result.decoded,
                "frames": result.frames, "cache_bytes": result.cache_bytes, "video_bytes": result.video_bytes,
                "engine": result.engine}
-    if args.json:
+    if cfg.json:
         print(json.dumps(summary, indent=2))
         return 0
-    table = Table(title=f"frame cache of {args.src}", show_header=False)
+    table = Table(title=f"frame cache of {cfg.dataset.root}", show_header=False)
     table.add_row("cache", summary["cache"])
     table.add_row("parts (camera x episode)", f"{result.parts} ({result.decoded} decoded now, "
                   f"{result.parts - result.decoded} still valid)")
@@ -148,10 +156,11 @@ def cmd_data_bench(args) -> int:
     from kilovla.bench.common import suite_started
     from kilovla.progress import Heartbeat
 
+    cfg = args.cfg  # cli_config.DataBenchCommand
     suite_started("data")
     with Heartbeat("data bench"):
-        path = data_bench.run(quick=args.quick, out_dir=args.out, dataset=args.path, world_size=args.world_size,
-                              frame_cache=args.cache)
+        path = data_bench.run(quick=cfg.quick, out_dir=cfg.output_dir, dataset=cfg.dataset.root,
+                              world_size=cfg.world_size, frame_cache=cfg.frame_cache)
     print(f"wrote {path}")
     return 0
 
@@ -170,27 +179,29 @@ def cmd_bench(args) -> int:
     from kilovla.bench import rl as rl_bench
     from kilovla.bench import scaling as scaling_bench
     from kilovla.bench import serve as serve_bench
+    from kilovla.cli_config import check_bench_keys
 
-    runners = {
-        "data": lambda: data_bench.run(quick=args.quick, out_dir=args.out, world_size=args.world_size),
-        "lake": lambda: lake_bench.run(quick=args.quick, out_dir=args.out),
-        "envs": lambda: envs_bench.run(quick=args.quick, out_dir=args.out),
-        "packing": lambda: models_bench.run_packing(quick=args.quick, out_dir=args.out),
-        "pruning": lambda: models_bench.run_pruning(quick=args.quick, out_dir=args.out),
-        "scaling": lambda: scaling_bench.run(quick=args.quick, out_dir=args.out),
-        "load": lambda: load_bench.run(quick=args.quick, out_dir=args.out),
-        "memory": lambda: memory_bench.run(quick=args.quick, out_dir=args.out),
-        "rl": lambda: rl_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, minutes=args.minutes,
-                                   env_steps=args.env_steps, only=args.only),
-        "fp8": lambda: fp8_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy, dataset=args.dataset,
-                                     episodes=args.episodes, resolution=args.resolution),
-        "serve": lambda: serve_bench.run(quick=args.quick, out_dir=args.out, policy=args.policy),
-    }
+    cfg = args.cfg  # cli_config.BenchCommand
+    check_bench_keys(args)
     if args.suite == "table":
-        return cmd_bench_table(args)
+        return cmd_bench_table(cfg)
+    common = dict(quick=cfg.quick, out_dir=cfg.output_dir)
+    runners = {
+        "data": lambda: data_bench.run(**common, world_size=cfg.world_size),
+        "lake": lambda: lake_bench.run(**common),
+        "envs": lambda: envs_bench.run(**common),
+        "packing": lambda: models_bench.run_packing(**common),
+        "pruning": lambda: models_bench.run_pruning(**common),
+        "scaling": lambda: scaling_bench.run(**common),
+        "load": lambda: load_bench.run(**common),
+        "memory": lambda: memory_bench.run(**common),
+        "rl": lambda: rl_bench.run(**common, policy=cfg.policy.path, minutes=cfg.rl.minutes,
+                                   env_steps=cfg.rl.env_steps, only=cfg.rl.only),
+        "fp8": lambda: fp8_bench.run(**common, policy=cfg.policy.path, dataset=cfg.fp8.dataset,
+                                     episodes=cfg.fp8.episodes, resolution=cfg.fp8.resolution),
+        "serve": lambda: serve_bench.run(**common, policy=cfg.policy.path),
+    }
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    if args.only is not None and args.suite != "rl":
-        raise KilovlaError(f"--only selects rows of the rl suite, not of {args.suite}")
     from kilovla.bench.common import suite_started
     from kilovla.progress import Heartbeat
 
@@ -202,20 +213,20 @@ def cmd_bench(args) -> int:
     if args.suite == "all":
         from kilovla.bench.common import write_results
 
-        print("wrote {} and {}".format(*write_results(args.out, suites)))
+        print("wrote {} and {}".format(*write_results(cfg.output_dir, suites)))
     return 0
 
 
-def cmd_bench_table(args) -> int:
-    """`kilovla bench table DIR_OR_JSON [--readme README.md]`: the suites' JSON as markdown tables."""
+def cmd_bench_table(cfg) -> int:
+    """`kilovla bench table DIR_OR_JSON [--readme=README.md]`: the suites' JSON as markdown tables."""
     from kilovla.bench.common import render_tables, update_readme
 
-    if not args.path:
+    if not cfg.results:
         raise KilovlaError("bench table: give a <suite>.json or a folder of them, e.g. bench-results")
-    tables = render_tables(args.path)
-    if args.readme:
-        changed = update_readme(args.readme, tables)
-        print(f"{args.readme}: {'tables updated' if changed else 'tables already current'}")
+    tables = render_tables(cfg.results)
+    if cfg.readme:
+        changed = update_readme(cfg.readme, tables)
+        print(f"{cfg.readme}: {'tables updated' if changed else 'tables already current'}")
     else:
         print(tables)
     return 0
@@ -424,12 +435,6 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _bench_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    p.add_argument("--out", default="bench-results", help="folder for <suite>.json")
-    p.add_argument("--world-size", type=int, default=1024, help="simulated ranks for the imbalance rows")
-
-
 def _version() -> str:
     """The installed distribution's version; the source tree's when run from a checkout (PYTHONPATH)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -443,80 +448,38 @@ def _version() -> str:
 
 
 def _data_parsers(sub) -> None:
+    from kilovla import cli_config as c
+
     data = sub.add_parser("data", help="inspect, check, convert and benchmark LeRobot datasets")
     dsub = data.add_subparsers(dest="data_command", required=True)
-    p = dsub.add_parser("info", help="episodes, frames, fps, features, tasks, cameras, codec, size")
-    p.add_argument("path")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=cmd_data_info)
-    p = dsub.add_parser("validate", help="check a dataset; exit 0 if valid, 2 with one line per problem")
-    p.add_argument("path")
-    p.add_argument("--deep", action="store_true", help="also decode every frame of every episode (at its timestamp), every camera")
-    p.set_defaults(func=cmd_data_validate)
-    p = dsub.add_parser("stats", help="recompute normalisation stats (exact) into meta/stats.json")
-    p.add_argument("path")
-    p.add_argument("--dry-run", action="store_true", help="print, do not write")
-    p.set_defaults(func=cmd_data_stats)
-    p = dsub.add_parser("convert", help="convert a LeRobot v2.1 dataset to v3.0")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=cmd_data_convert)
-    p = dsub.add_parser("synth", help="write a synthetic v3.0 dataset (for trying things out)")
-    p.add_argument("dst")
-    p.add_argument("--episodes", type=int, default=10)
-    p.add_argument("--min-frames", type=int, default=40)
-    p.add_argument("--max-frames", type=int, default=80)
-    p.add_argument("--fps", type=int, default=10)
-    p.add_argument("--cameras", default="front,wrist")
-    p.add_argument("--resolution", type=int, default=96)
-    p.add_argument("--codec", default="libsvtav1", choices=["libsvtav1", "libx264"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=cmd_data_synth)
-    p = dsub.add_parser("cache", help="decode every video once into a frame cache that loaders read instead")
-    p.add_argument("src")
-    p.add_argument("--out", default=None, help="cache folder (default: where loaders look by themselves, "
-                   "$KILOVLA_CACHE_DIR or ~/.cache/kilovla, frames/<name>-<hash>)")
-    p.add_argument("--ray-address", default=None, help="Ray cluster to decode on ('auto': the running one); "
-                   "default: RAY_ADDRESS, else a local Ray")
-    p.add_argument("--local", action="store_true", help="decode in this process, without Ray")
-    p.add_argument("--cameras", default=None, help="comma-separated camera keys (default: all)")
-    p.add_argument("--backend", default="auto", choices=["auto", "pyav", "torchcodec"],
-                   help="decoder; frames are bit-identical to what a loader with this backend decodes")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=cmd_data_cache)
-    p = dsub.add_parser("bench", help="the data benchmark suite on your dataset")
-    p.add_argument("path", help="a LeRobot v3 dataset folder (with meta/info.json) to benchmark loading on")
-    p.add_argument("--cache", default=None, help="the dataset's frame cache for the cache rows "
-                   "(default: build one under OUT/cache)")
-    _bench_flags(p)
-    p.set_defaults(func=cmd_data_bench)
+    commands = {
+        "info": (c.DataInfoCommand, cmd_data_info, "episodes, frames, fps, features, tasks, cameras, codec, size"),
+        "validate": (c.DataValidateCommand, cmd_data_validate,
+                     "check a dataset; exit 0 if valid, 2 with one line per problem"),
+        "stats": (c.DataStatsCommand, cmd_data_stats, "recompute normalisation stats (exact) into meta/stats.json"),
+        "convert": (c.DataConvertCommand, cmd_data_convert, "convert a LeRobot v2.1 dataset to v3.0"),
+        "synth": (c.DataSynthCommand, cmd_data_synth, "write a synthetic v3.0 dataset (for trying things out)"),
+        "cache": (c.DataCacheCommand, cmd_data_cache,
+                  "decode every video once into a frame cache that loaders read instead"),
+        "bench": (c.DataBenchCommand, cmd_data_bench, "the data benchmark suite on your dataset"),
+    }
+    for name, (cls, func, help) in commands.items():
+        positional = c.DATA_POSITIONAL[name]
+        p = dsub.add_parser(name, allow_abbrev=False, help=help, description=f"kilovla data {name} " + " ".join(
+            f"{arg.upper()}" for arg, _ in positional) + " [options]")
+        c.add_config_flags(p, cls, c.DATA_ALIASES.get(name), positional=positional)
+        p.set_defaults(func=func)
 
 
 def _bench_parser(sub) -> None:
-    from kilovla.cli_config import _Alias, _Key
+    from kilovla.cli_config import BENCH_ALIASES, BenchCommand, add_config_flags
 
-    p = sub.add_parser("bench", allow_abbrev=False, help="benchmark suites: print a table, write DIR/<suite>.json")
+    p = sub.add_parser("bench", allow_abbrev=False, help="benchmark suites: print a table, write DIR/<suite>.json",
+                       description="kilovla bench SUITE [--quick] [--output_dir=bench-results]; "
+                       "kilovla bench table DIR_OR_JSON [--readme=README.md]")
     p.add_argument("suite", choices=[*SUITES, "all", "table"],
                    help="table: render PATH's <suite>.json as markdown (README's tables) instead of measuring")
-    p.add_argument("path", nargs="?", default=None, help="table: a <suite>.json or a folder of them")
-    p.add_argument("--readme", default=None, help="table: write the tables into this README between its markers")
-    _bench_flags(p)
-    p.add_argument("--policy.path", dest="policy", action=_Key, default=None, help="rl, fp8, serve: the policy folder to fine-tune / "
-                   "quantize / serve (default: the demo's checkpoint; fp8 trains one with the demo's recipe when there "
-                   "is none)")
-    p.add_argument("--policy", dest="policy", action=_Alias, key="policy.path", flag=False, default=None,
-                   help=argparse.SUPPRESS)  # the old spelling
-    p.add_argument("--minutes", type=float, default=60.0, help="rl: wall-time cap of each RL run of the gain rows")
-    p.add_argument("--env-steps", type=int, default=120_000, help="rl: env-step budget of each RL run of the gain rows (bench.rl.GAIN_ENV_STEPS)")
-    p.add_argument("--only", choices=["gain", "throughput"], default=None,
-                   help="rl: just the closed-loop gain rows, or just the throughput rows")
-    p.add_argument("--dataset", default=None, help="fp8: held-out LeRobot data (default: fresh scripted episodes)")
-    p.add_argument("--resolution", type=int, default=None,
-                   help="fp8: camera pixels of the held-out episodes and the closed loop (default: the demo's)")
-    p.add_argument("--episodes", type=int, default=None,
-                   help="fp8: closed-loop episodes per task (default 50; 0 skips the comparison)")
+    add_config_flags(p, BenchCommand, BENCH_ALIASES, positional=(("path", "results"),))
     p.set_defaults(func=cmd_bench)
 
 
@@ -525,7 +488,7 @@ def _quantize_parser(sub) -> None:
 
     p = sub.add_parser("quantize", allow_abbrev=False, help="block-wise FP8 post-training quantization of a policy folder, with a report",
                        description="kilovla quantize --policy.path=DIR --output_dir=NEW [--eval.n_episodes=50]")
-    add_config_flags(p, QuantizeCommand, QUANTIZE_ALIASES, positional=("policy_dir", "policy.path"))
+    add_config_flags(p, QuantizeCommand, QUANTIZE_ALIASES, positional=(("policy_dir", "policy.path"),))
     p.set_defaults(func=cmd_quantize)
 
 
@@ -550,7 +513,10 @@ def _train_rl_parsers(sub) -> None:
     p.add_argument("--policy", dest="policy", action=_Alias, key="policy.path", flag=False, default=None,
                    help=argparse.SUPPRESS)  # the old spelling
     p.add_argument("--resume", default=None, help="an RL checkpoint folder, or 'auto' for the run's latest")
-    p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' after `ray start`); default: local")
+    p.add_argument("--ray_address", dest="ray_address", action=_Key, default=None,
+                   help="join a Ray cluster ('auto' after `ray start`); default: local")
+    p.add_argument("--ray-address", dest="ray_address", action=_Alias, key="ray_address", flag=False, default=None,
+                   help=argparse.SUPPRESS)  # the old spelling
     p.set_defaults(func=cmd_rl, overrides=[])
 
 
@@ -597,6 +563,9 @@ def _demo_parser(sub) -> None:
     p.set_defaults(func=cmd_demo)
 
 
+_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+
+
 class _CommandParser(argparse.ArgumentParser):
     """A command's parser: one flag's error (a value outside its choices, its value missing) is one error
     line, not the usage (8-15 lines)."""
@@ -605,6 +574,15 @@ class _CommandParser(argparse.ArgumentParser):
         if action.choices is not None and value not in action.choices:
             raise argparse.ArgumentError(
                 action, f"invalid choice: {value!r} is not one of {', '.join(map(str, action.choices))}")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A bool key alone (`--dry_run DIR`) is true: the word after it is its value only when it reads
+        as one (`--serve.cuda_graphs false`), else it stays a positional argument."""
+        bools = {s for a in self._actions if a.nargs == "?" and a.const == "true" for s in a.option_strings}
+        if args is not None:
+            args = [f"{a}=true" if a in bools and (i + 1 == len(args) or args[i + 1].lower() not in _BOOL_WORDS)
+                    else a for i, a in enumerate(args)]
+        return super().parse_known_args(args, namespace)
 
     def format_help(self):
         if getattr(self, "settings", None) is not None:  # train, rl: their config's fields, imported for --help only

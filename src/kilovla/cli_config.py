@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from kilovla.bench.common import SUITES
 from kilovla.config import _all_keys, _unknown, from_dict, parse_override, set_dotted, to_dict
 from kilovla.envs.seeds import MAX_SEED
 from kilovla.errors import KilovlaError
@@ -30,11 +31,11 @@ PREFIX = "cfg:"  # namespace attributes holding config keys
 
 
 def _f(default, help: str, choices: tuple[str, ...] | None = None, least: float | None = None,
-       below: float | None = None, path: bool = False):
+       below: float | None = None, path: bool = False, required: bool = False):
     """A field with its `--help` line (and the values it takes: `choices`, checked by argparse; `least`, the
-    smallest number it takes, `below`, the bound it stays under, and `path`, a file or folder (never ""),
-    checked by `config_from` before the command runs)."""
-    meta = {"help": help, "choices": choices, "least": least, "below": below, "path": path}
+    smallest number it takes, `below`, the bound it stays under, `path`, a file or folder (never ""), and
+    `required`, given by every run, checked by `config_from` before the command runs)."""
+    meta = {"help": help, "choices": choices, "least": least, "below": below, "path": path, "required": required}
     if dataclasses.is_dataclass(default):
         return field(default_factory=lambda: dataclasses.replace(default), metadata=meta)
     if isinstance(default, (list, dict)):
@@ -242,6 +243,151 @@ class DemoCommand:
         return recipe
 
 
+# -- kilovla data ... ------------------------------------------------------------------------------------
+@dataclass
+class DatasetSection:
+    root: str | None = _f(None, "the LeRobot dataset folder (with meta/info.json)", path=True, required=True)
+
+
+@dataclass
+class DataInfoCommand:
+    """`kilovla data info`."""
+
+    dataset: DatasetSection = _f(DatasetSection(), "")
+    json: bool = _f(False, "print JSON instead of a table")
+
+
+@dataclass
+class DataValidateCommand:
+    """`kilovla data validate`."""
+
+    dataset: DatasetSection = _f(DatasetSection(), "")
+    deep: bool = _f(False, "also decode every frame of every episode (at its timestamp), every camera")
+
+
+@dataclass
+class DataStatsCommand:
+    """`kilovla data stats`."""
+
+    dataset: DatasetSection = _f(DatasetSection(), "")
+    dry_run: bool = _f(False, "print, do not write")
+
+
+@dataclass
+class DataConvertCommand:
+    """`kilovla data convert`: v2.1 -> v3.0."""
+
+    dataset: DatasetSection = _f(DatasetSection(), "")
+    output_dir: str | None = _f(None, "the v3.0 dataset folder to write", path=True, required=True)
+    overwrite: bool = _f(False, "replace output_dir if it holds a dataset")
+
+    HELP: typing.ClassVar[dict[str, str]] = {"dataset.root": "the LeRobot v2.1 dataset folder to convert"}
+
+
+@dataclass
+class DataSynthCommand:
+    """`kilovla data synth`: a synthetic v3.0 dataset (data/synthetic.py checks the values, naming the flag)."""
+
+    output_dir: str | None = _f(None, "the dataset folder to write", path=True, required=True)
+    episodes: int = _f(10, "episodes written")
+    min_frames: int = _f(40, "the shortest episode's frames")
+    max_frames: int = _f(80, "the longest episode's frames")
+    fps: int = _f(10, "frames per second")
+    cameras: str = _f("front,wrist", "comma-separated camera names")
+    resolution: int = _f(96, "camera pixels (square)")
+    codec: str = _f("libsvtav1", "video codec", ("libsvtav1", "libx264"))
+    seed: int = _f(0, "the random stream's seed", least=0, below=MAX_SEED)
+    overwrite: bool = _f(False, "replace output_dir if it holds a dataset")
+
+
+@dataclass
+class DataCacheCommand:
+    """`kilovla data cache`: every video decoded once into a frame cache."""
+
+    dataset: DatasetSection = _f(DatasetSection(), "")
+    output_dir: str | None = _f(None, "cache folder (default: where loaders look by themselves, $KILOVLA_CACHE_DIR "
+                                "or ~/.cache/kilovla, frames/<name>-<hash>)", path=True)
+    ray_address: str | None = _f(None, "Ray cluster to decode on ('auto': the running one); default: RAY_ADDRESS, "
+                                 "else a local Ray")
+    local: bool = _f(False, "decode in this process, without Ray")
+    cameras: str | None = _f(None, "comma-separated camera keys (default: all)")
+    backend: str = _f("auto", "decoder; frames are bit-identical to what a loader with this backend decodes",
+                      ("auto", "pyav", "torchcodec"))
+    json: bool = _f(False, "print JSON instead of a table")
+
+
+@dataclass
+class DataBenchCommand:
+    """`kilovla data bench`: the data suite on the user's dataset."""
+
+    dataset: DatasetSection = _f(DatasetSection(), "")
+    frame_cache: str | None = _f(None, "the dataset's frame cache for the cache rows (default: build one under "
+                                 "output_dir/cache)", path=True)
+    quick: bool = _f(False, "small sizes, for a smoke run")
+    output_dir: str = _f("bench-results", "folder for data.json", path=True)
+    world_size: int = _f(1024, "simulated ranks for the imbalance rows", least=1)
+
+    HELP: typing.ClassVar[dict[str, str]] = {"dataset.root": "a LeRobot v3 dataset folder (with meta/info.json) to "
+                                             "benchmark loading on"}
+
+
+DATA_POSITIONAL = {"info": (("path", "dataset.root"),), "validate": (("path", "dataset.root"),),
+                   "stats": (("path", "dataset.root"),), "convert": (("src", "dataset.root"), ("dst", "output_dir")),
+                   "synth": (("dst", "output_dir"),), "cache": (("src", "dataset.root"),),
+                   "bench": (("path", "dataset.root"),)}
+DATA_ALIASES = {"stats": {"--dry-run": "dry_run"},
+                "synth": {"--min-frames": "min_frames", "--max-frames": "max_frames"},
+                "cache": {"--out": "output_dir", "--ray-address": "ray_address"},
+                "bench": {"--cache": "frame_cache", "--out": "output_dir", "--world-size": "world_size"}}
+
+
+# -- kilovla bench ------------------------------------------------------------------------------------
+@dataclass
+class BenchPolicySection:
+    path: str | None = _f(None, "rl, fp8, serve: the policy folder to fine-tune / quantize / serve (default: the "
+                          "demo's checkpoint; fp8 trains one with the demo's recipe when there is none)", path=True)
+
+
+@dataclass
+class BenchRLSection:
+    minutes: float = _f(60.0, "wall-time cap of each RL run of the gain rows", least=0)
+    env_steps: int = _f(120_000, "env-step budget of each RL run of the gain rows (bench.rl.GAIN_ENV_STEPS)",
+                        least=1)
+    only: str | None = _f(None, "just the closed-loop gain rows, or just the throughput rows",
+                          ("gain", "throughput"))
+
+
+@dataclass
+class BenchFp8Section:
+    dataset: str | None = _f(None, "held-out LeRobot data (default: fresh scripted episodes)", path=True)
+    resolution: int | None = _f(None, "camera pixels of the held-out episodes and the closed loop (default: the "
+                                "demo's)", least=1)
+    episodes: int | None = _f(None, "closed-loop episodes per task (default 50; 0 skips the comparison)", least=0)
+
+
+@dataclass
+class BenchCommand:
+    """`kilovla bench SUITE`: measure, print a table, write output_dir/<suite>.json."""
+
+    quick: bool = _f(False, "small sizes, for a smoke run")
+    output_dir: str = _f("bench-results", "folder for <suite>.json", path=True)
+    world_size: int = _f(1024, "data: simulated ranks for the imbalance rows", least=1)
+    policy: BenchPolicySection = _f(BenchPolicySection(), "")
+    rl: BenchRLSection = _f(BenchRLSection(), "")
+    fp8: BenchFp8Section = _f(BenchFp8Section(), "")
+    results: str | None = _f(None, "table: a <suite>.json or a folder of them", path=True)
+    readme: str | None = _f(None, "table: write the tables into this README between its markers", path=True)
+
+
+# The suites each key acts in ("all": every suite but table); a key given to another suite is refused.
+BENCH_KEY_SUITES = {"quick": SUITES, "output_dir": SUITES, "world_size": ("data",),
+                    "policy.": ("rl", "fp8", "serve"), "rl.": ("rl",), "fp8.": ("fp8",), "results": ("table",),
+                    "readme": ("table",)}
+BENCH_ALIASES = {"--out": "output_dir", "--world-size": "world_size", "--policy": "policy.path",
+                 "--minutes": "rl.minutes", "--env-steps": "rl.env_steps", "--only": "rl.only",
+                 "--dataset": "fp8.dataset", "--resolution": "fp8.resolution", "--episodes": "fp8.episodes"}
+
+
 _ENV_ALIASES = {"--env": "env.type", "--tasks": "env.task", "--cameras": "env.cameras",
                 "--resolution": "env.resolution", "--max-steps": "env.max_steps"}
 QUANTIZE_ALIASES = {
@@ -263,6 +409,24 @@ EVAL_ALIASES = {
     "--n-action-steps": "eval.n_action_steps", "--workers": "eval.workers", "--videos": "eval.videos",
     "--allow-seen-seeds": "eval.allow_seen_seeds", "--out": "output_dir",
 }
+
+
+def check_bench_keys(args: argparse.Namespace) -> None:
+    """A key given to a suite that does not read it (`--rl.minutes=5` to `bench data`): one line, as argparse
+    would refuse an unknown flag, rather than a setting silently dropped. `rl.only` picks rows of rl alone."""
+    spelt = getattr(args, "_spelt", {})
+    keys = [name[len(PREFIX):] for name in vars(args) if name.startswith(PREFIX)]
+    given = {key: typed(spelt, key, f"--{key}") for key in keys}
+    given.update({key: f"{getattr(args, name)} (the positional {name})"
+                  for name, key in args.config_positional if getattr(args, name) is not None})
+    for key, shown in given.items():
+        suites = next((s for k, s in BENCH_KEY_SUITES.items() if key == k or k.endswith(".") and key.startswith(k)),
+                      None)
+        if suites is None or args.suite in suites:
+            continue
+        if args.suite == "all" and "table" not in suites and key != "rl.only":
+            continue
+        raise KilovlaError(f"{shown}: a setting of bench {' / '.join(suites)}, not of bench {args.suite}")
 
 
 # -- argparse ------------------------------------------------------------------------------------------
@@ -299,11 +463,10 @@ def check_spellings(args: argparse.Namespace) -> None:
     """Two spellings of one key (old and new, or the old positional) with different values: an error, not
     the last one silently winning."""
     spelt = {dest: dict(given) for dest, given in getattr(args, "_spelt", {}).items()}
-    positional = getattr(args, "config_positional", None)
-    if positional and getattr(args, positional[0], None) is not None:
-        value = getattr(args, positional[0])
-        spelt.setdefault(PREFIX + positional[1], {})[positional[0]] = (f"{value} (the positional {positional[0]})",
-                                                                        value)
+    for name, key in getattr(args, "config_positional", ()):
+        value = getattr(args, name, None)
+        if value is not None:
+            spelt.setdefault(PREFIX + key, {})[name] = (f"{value} (the positional {name})", value)
     for given in spelt.values():
         one_value(list(given.values()))
 
@@ -349,9 +512,9 @@ class _Alias(argparse.Action):
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, str] | None = None,
-                     positional: tuple[str, str] | None = None) -> None:
+                     positional: tuple[tuple[str, str], ...] = ()) -> None:
     """`--key` for every field of `cls`, grouped per section in `--help`; `aliases`: old flag -> key;
-    `positional`: (name, key) of an old positional argument that fills `key`."""
+    `positional`: (name, key) of each positional argument, in order, that fills `key`."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     meta = {}
     for key, hint, default, m in _fields(cls, cls()):
@@ -373,8 +536,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls, aliases: dict[str, st
         parser.add_argument(flag, dest=PREFIX + key, action=_Alias, key=key, flag=hint is bool, const=const,
                             append=typing.get_origin(hint) is list, choices=None if hint is bool else choices,
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    if positional:
-        parser.add_argument(positional[0], nargs="?", default=None, help=f"the same as --{positional[1]}")
+    for name, key in positional:
+        parser.add_argument(name, nargs="?", default=None, help=f"the same as --{key}")
     if aliases:
         parser.epilog = "old flags still work: " + ", ".join(
             f"{a} = --{k[0]}={str(k[1]).lower()}" if isinstance(k, tuple) else f"{a} = --{k}" for a, k in aliases.items())
@@ -410,9 +573,9 @@ def config_from(args: argparse.Namespace, extra: list[str] = ()):
     cls = args.config_cls
     hints = {key: hint for key, hint, _, _ in _fields(cls, cls())}
     data = to_dict(cls())
-    positional = getattr(args, "config_positional", None)
-    if positional and getattr(args, positional[0]) is not None:
-        set_dotted(data, positional[1], getattr(args, positional[0]))
+    for name, key in getattr(args, "config_positional", ()):
+        if getattr(args, name) is not None:
+            set_dotted(data, key, getattr(args, name))
     for name, raw in vars(args).items():
         if name.startswith(PREFIX):
             key = name[len(PREFIX):]
@@ -428,7 +591,7 @@ def config_from(args: argparse.Namespace, extra: list[str] = ()):
         cfg = from_dict(cls, data)
     except KilovlaError as e:
         raise _as_typed(e, args) from None
-    _check_values(cls, cfg, getattr(args, "_spelt", {}))
+    _check_values(cls, cfg, getattr(args, "_spelt", {}), dict(getattr(args, "config_positional", ())))
     return cfg
 
 
@@ -443,18 +606,27 @@ def _as_typed(error: KilovlaError, args: argparse.Namespace) -> KilovlaError:
     return error
 
 
-def _check_values(cls, cfg, spelt: dict) -> None:
+def _check_values(cls, cfg, spelt: dict, positional: dict[str, str]) -> None:
     """A number below its field's `least` (`--eval.videos=-1`) or not under its `below` (a seed of 10 digits),
-    or an empty path (`--output_dir=`): one line naming the flag as it was typed."""
+    an empty path (`--output_dir=`) or a required key not given: one line naming the flag as it was typed."""
+    by_key = {key: name for name, key in positional.items()}
     for key, _, value, meta in _fields(cls, cfg):
         least, below = meta.get("least"), meta.get("below")
-        shown = next(iter(spelt.get(PREFIX + key, {}).values()), (f"--{key}={value}",))[0]
+        if meta.get("required") and value is None:
+            also = f" (or the positional {by_key[key]})" if key in by_key else ""
+            raise KilovlaError(f"give --{key}{also}: {getattr(cls, 'HELP', {}).get(key, meta['help'])}")
+        shown = typed(spelt, key, f"--{key}={value}")
         if meta.get("path") and value == "":
             raise KilovlaError(f"{shown}: an empty path; give a file or folder")
         if value is None or (least is None or value >= least) and (below is None or value < below):
             continue
         raise KilovlaError(f"{shown}: must be >= {least}" if below is None else
                            f"{shown}: must be an integer in [{least}, {below})")
+
+
+def typed(spelt: dict, key: str, default: str) -> str:
+    """How the user typed `key` (`--episodes 3`, `--eval.n_episodes=3`): for messages."""
+    return next(iter(spelt.get(PREFIX + key, {}).values()), (default,))[0]
 
 
 DEMO_ALIASES = {"--out": "output_dir"}

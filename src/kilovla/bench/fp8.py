@@ -13,13 +13,13 @@ Rows (DESIGN.md, Benchmarks):
 - min_layer_sqnr_db: the lowest output SQNR of an FP8 layer on held-out samples (ours only);
 - action_mse_rel: action MSE of the FP8 policy against the unquantized one / action variance (ours only);
 - success_rate: closed-loop success on the demo's tasks, unquantized (baseline) vs FP8 (ours), same seeds
-  (``--episodes 0`` leaves it out: the timing and size rows then run in a few minutes);
+  (``--fp8.episodes=0`` leaves it out: the timing and size rows then run in a few minutes);
 - chunk_latency_ms: batch-1 action chunk of the demo policy, fp32 vs FP8 (emulated on CPU);
   chunk_latency_ms_3b (CUDA only): the `pi05-3b` shape with random weights, bf16 vs FP8 kernels.
 
 The policy is the demo's: ``--policy.path=DIR``, else the checkpoint `kilovla demo` left in demo-output/,
 else one trained here with the demo's recipe. The held-out samples are fresh scripted episodes on
-another seed (``--dataset DIR`` to bring your own).
+another seed (``--fp8.dataset=DIR`` to bring your own).
 """
 
 from __future__ import annotations
@@ -191,14 +191,14 @@ def _policy_rows(report: dict, tasks: list[str], n: int) -> list[Row]:
 
 def _check_inputs(policy, dataset, settings, n: int) -> None:
     """What can be refused before anything is written: the policy folder, the data it is measured on, the env
-    it runs in (the held-out episodes and the closed loop), `--episodes`."""
+    it runs in (the held-out episodes and the closed loop), `--fp8.episodes`."""
     from kilovla.quantize.folder import check_dataset, read_source
 
     if n < 0:
-        raise KilovlaError(f"--episodes {n}: must be >= 0 (0 skips the closed-loop comparison)")
+        raise KilovlaError(f"--fp8.episodes={n}: must be >= 0 (0 skips the closed-loop comparison)")
     folder = read_source(policy)
     if dataset is not None:
-        check_dataset(dataset, folder.meta, flag="--dataset")
+        check_dataset(dataset, folder.meta, flag="--fp8.dataset")
     if n or dataset is None:  # the env collects the held-out episodes or runs the closed loop
         settings.check_fits(folder.interface())
 

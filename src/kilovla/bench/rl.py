@@ -1,7 +1,7 @@
 """`kilovla bench rl`: RL-VLA3 against the synchronous baseline, same workers, same policy, same algorithm.
 
-`--only throughput` runs the throughput rows and the batcher grid (PPO, as always measured), `--only
-gain` the closed-loop gain rows; neither: both (`--quick`: throughput only).
+`--rl.only=throughput` runs the throughput rows and the batcher grid (PPO, as always measured),
+`--rl.only=gain` the closed-loop gain rows; neither: both (`--quick`: throughput only).
 
 Throughput rows `env_steps_per_s_sigma_{0,0.5,1.0,1.5}` and `env_steps_per_s_straggler`: Meta-World
 envs (2 env workers x 12 envs, reach-v3 and push-v3, 32 px, two cameras rendered once per chunk)
@@ -74,7 +74,7 @@ GAIN = ("--learner.algo.name=residual_sac", "--env.workers=2", "--env.envs_per_w
         "--env.shaping=progress", "--env.reward_scale=0.1", "--env.success_bonus=1.0", "--learner.algo.sac.penalty=0.2")
 # 120 k env steps per mode: the gain rows measured +23 (async) and +19.5 (sync) points there, the
 # learning curves flat from ~80 k (docs/rl_finetune.md); the issue's 250 k per mode would take the whole
-# `--only gain` run to ~110 minutes on 2 cores (~100 env-steps/s in either mode), past its 90-minute target.
+# `--rl.only=gain` run to ~110 minutes on 2 cores (~100 env-steps/s in either mode), past its 90-minute target.
 GAIN_ENV_STEPS = 120_000
 GAIN_EPISODES = 100  # per task, before and after
 EVAL_SEED = 1  # closed_loop.episode_seeds: envs/seeds.py's eval stream, disjoint from the demonstrations' and RL's
@@ -345,9 +345,9 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, policy: str |
     """`only`: "throughput" (the sync/async rows and the batcher grid) or "gain" (the closed-loop gain rows);
     None: both (--quick: throughput only). Without `policy` the start checkpoint is built (`start_policy`)."""
     if only not in (None, "gain", "throughput"):
-        raise KilovlaError(f"bench rl --only must be gain or throughput, not {only!r}")
+        raise KilovlaError(f"bench rl: --rl.only must be gain or throughput, not {only!r}")
     if quick and only == "gain":
-        raise KilovlaError("bench rl --only gain has no --quick form: the gain rows need real RL runs")
+        raise KilovlaError("bench rl --rl.only=gain has no --quick form: the gain rows need real RL runs")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     policy = policy or start_policy(out)

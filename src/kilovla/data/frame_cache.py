@@ -45,7 +45,7 @@ files is refused.
 
 Where a loader finds a cache: `LeRobotDataset(root, frame_cache=...)` takes a folder, None (never),
 or "auto" (the default): `default_cache_dir(root)`, which is where `kilovla data cache SRC` writes
-unless told `--out`. With "auto" a cache that cannot serve the request (partial: other cameras;
+unless told `--output_dir`. With "auto" a cache that cannot serve the request (partial: other cameras;
 interrupted: no manifest; stale; decoded with another backend than an explicit `video_backend`) is
 passed over with one warning line and frames are decoded from the videos; a folder named explicitly
 is refused instead, with the reason.
@@ -392,7 +392,7 @@ def _claim_folder(out: Path) -> tuple[dict | None, set[str]]:
     if not out.exists():
         return None, set()
     if not out.is_dir():
-        raise KilovlaError(f"{out}: --out must be a folder, this is a file")
+        raise KilovlaError(f"{out}: --output_dir must be a folder, this is a file")
     manifest = _read_json(out / MANIFEST)
     marker = _read_json(out / BUILDING)
     if manifest is not None and manifest.get("format") != FORMAT:
@@ -402,7 +402,7 @@ def _claim_folder(out: Path) -> tuple[dict | None, set[str]]:
     if manifest is None and marker is None:
         if any(out.iterdir()):
             raise KilovlaError(f"{out}: the folder is not empty and holds no frame cache ({MANIFEST}); "
-                               "pick an empty or new folder for --out")
+                               "pick an empty or new folder for --output_dir")
         return None, set()
     if manifest is None:
         manifest = marker.get("manifest") if isinstance(marker.get("manifest"), dict) else None
@@ -553,7 +553,7 @@ def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str],
     if not mpath.exists():
         what = "is not a frame cache" if not path.exists() or not any(path.iterdir()) else "is incomplete"
         raise DatasetError(mpath, f"missing: {path} {what} (an interrupted `kilovla data cache`?); "
-                           f"rebuild it with `kilovla data cache {meta.root} --out {path}`")
+                           f"rebuild it with `kilovla data cache {meta.root} --output_dir={path}`")
     try:
         manifest = json.loads(mpath.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -563,7 +563,7 @@ def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str],
     if manifest.get("version") != VERSION:
         raise DatasetError(mpath, f"frame cache version {manifest.get('version')!r}, this kilovla reads {VERSION}; "
                            "rebuild it with `kilovla data cache`")
-    rebuild = f"rebuild it with `kilovla data cache {meta.root} --out {path}`"
+    rebuild = f"rebuild it with `kilovla data cache {meta.root} --output_dir={path}`"
     if manifest.get("fps") != meta.fps or manifest.get("total_frames") != meta.total_frames:
         raise DatasetError(mpath, f"built for a dataset of {manifest.get('total_frames')} frames at "
                            f"{manifest.get('fps')} fps; {meta.root} has {meta.total_frames} at {meta.fps}: {rebuild}")
@@ -580,7 +580,7 @@ def open_frame_cache(path: str | Path, meta, columns: dict, cameras: list[str],
     if video_backend != "auto" and manifest.get("backend") != video_backend:
         raise DatasetError(mpath, f"frames were decoded with {manifest.get('backend')}, this dataset asks for "
                            f"video_backend={video_backend!r}; use 'auto' or rebuild it with "
-                           f"`kilovla data cache {meta.root} --out {path} --backend {video_backend}`")
+                           f"`kilovla data cache {meta.root} --output_dir={path} --backend={video_backend}`")
     timestamps = columns["timestamp"]
     parts = {(p["camera"], p["episode"]): p for p in manifest.get("parts", [])}
     videos = manifest.get("videos", {})

@@ -32,31 +32,33 @@ def render_frame(height: int, width: int, t: int, xy: np.ndarray, hue: int) -> n
 
 
 def check_synthetic_args(*, episodes: int, frames: tuple[int, int], fps: int, cameras: tuple[str, ...],
-                         resolution: tuple[int, int], codec: str) -> None:
-    """KilovlaError naming the flag when no dataset can be made of these (`data synth` checks them first).
+                         resolution: tuple[int, int], codec: str, shown=None) -> None:
+    """KilovlaError naming the flag when no dataset can be made of these (`data synth` checks them first);
+    `shown(key, value)`: the flag as the user typed it (default `--key=value`).
 
     >>> check_synthetic_args(episodes=2, frames=(50, 10), fps=10, cameras=("front",), resolution=(96, 96),
     ...                      codec="libsvtav1")
     Traceback (most recent call last):
-    kilovla.errors.KilovlaError: --min-frames 50 is above --max-frames 10
+    kilovla.errors.KilovlaError: --min_frames=50 is above --max_frames=10
     """
+    shown = shown or (lambda key, value: f"--{key}={value}")
     lo, hi = frames
     if episodes < 1:
-        raise KilovlaError(f"--episodes {episodes}: must be at least 1")
+        raise KilovlaError(f"{shown('episodes', episodes)}: must be at least 1")
     if lo < 1:
-        raise KilovlaError(f"--min-frames {lo}: an episode needs at least 1 frame")
+        raise KilovlaError(f"{shown('min_frames', lo)}: an episode needs at least 1 frame")
     if lo > hi:
-        raise KilovlaError(f"--min-frames {lo} is above --max-frames {hi}")
+        raise KilovlaError(f"{shown('min_frames', lo)} is above {shown('max_frames', hi)}")
     if fps < 1:
-        raise KilovlaError(f"--fps {fps}: must be at least 1")
+        raise KilovlaError(f"{shown('fps', fps)}: must be at least 1")
     # The encoders refuse smaller frames (SVT-AV1 below 4 pixels; H.264's yuv420p needs even sizes).
     if min(resolution) < 4:
-        raise KilovlaError(f"--resolution {min(resolution)}: frames must be at least 4 pixels a side")
+        raise KilovlaError(f"{shown('resolution', min(resolution))}: frames must be at least 4 pixels a side")
     if codec == "libx264" and any(n % 2 for n in resolution):
-        raise KilovlaError(f"--resolution {max(n for n in resolution if n % 2)}: libx264 (yuv420p) needs an even "
-                           "number of pixels a side")
+        raise KilovlaError(f"{shown('resolution', max(n for n in resolution if n % 2))}: libx264 (yuv420p) needs "
+                           "an even number of pixels a side")
     if not all(cameras) or len(set(cameras)) != len(cameras):
-        raise KilovlaError(f"--cameras {','.join(cameras)}: camera names must be non-empty and distinct")
+        raise KilovlaError(f"{shown('cameras', ','.join(cameras))}: camera names must be non-empty and distinct")
 
 
 def make_synthetic_dataset(root: str | Path, *, episodes: int = 4, frames: int | tuple[int, int] = (20, 40),

@@ -107,3 +107,15 @@ def test_one_perturbed_weight_changes_the_actions_past_the_tolerance(expected, t
     save_file(weights, folder / "model.safetensors")
     got = _direct(folder, False, _observation(expected), expected["noise"])
     assert np.abs(got - expected["demo_checkpoint/direct"]).max() > 10 * ATOL
+
+
+@pytest.mark.parametrize("folder, label", [("demo_checkpoint", "pi0-tiny"), ("fp8", "pi0-tiny FP8 W8A8"),
+                                           ("rl_residual_sac", "pi0-tiny + residual_sac residual")])
+def test_reports_and_the_serve_banner_name_what_a_folder_holds(folder, label):
+    """Not only its preset: an FP8 or RL folder said "pi0-tiny" in eval reports and serve's banner."""
+    from kilovla.policy_folder import PolicyFolder
+    from kilovla.serve.engine import PolicyEngine
+
+    assert PolicyFolder.open(FIXTURES / folder).label == label
+    engine = PolicyEngine.load(FIXTURES / folder, device="cpu")
+    assert (engine.policy.name, engine.metadata()["policy"], engine.metadata()["model"]) == (label, label, "pi0-tiny")

@@ -561,6 +561,7 @@ def test_serve_says_which_checkpoint_a_latest_pointer_resolved_to(monkeypatch, c
 
     class Engine:  # what run() reads of a loaded engine; `folder` is what PolicyEngine.load resolved
         meta, folder = SimpleNamespace(preset="pi0-tiny"), "runs/mw/checkpoints/step_000004"
+        policy = SimpleNamespace(name="pi0-tiny FP8 W8A8")
         device, bf16, sampler = "cpu", False, SimpleNamespace(enabled=False)
 
         def warm_up(self):
@@ -580,7 +581,7 @@ def test_serve_says_which_checkpoint_a_latest_pointer_resolved_to(monkeypatch, c
     monkeypatch.setattr(server_mod.PolicyEngine, "load", classmethod(lambda cls, policy, **kw: Engine()))
     monkeypatch.setattr(server_mod, "PolicyServer", Server)
     assert server_mod.run("runs/mw/checkpoints/last", server_mod.ServeConfig()) == 0
-    assert "kilovla serve: pi0-tiny from runs/mw/checkpoints/step_000004 on ws://" in capsys.readouterr().out
+    assert "kilovla serve: pi0-tiny FP8 W8A8 from runs/mw/checkpoints/step_000004 on ws://" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("device, message", [

@@ -240,8 +240,12 @@ def test_in_training_closed_loop_evaluation_is_logged(reach_demos, tmp_path, cap
 # -- the review's defects: refused at start, before anything is written ------------------------------
 @pytest.mark.parametrize("flag, message", [
     ("--batch.global_batch_size=0", "error: batch.global_batch_size must be >= 1, not 0"),
-    ("--precision=fp16", "error: precision must be one of auto, fp32, bf16, not 'fp16'"),
-    ("--parallel.strategy=fsdpx", "error: parallel.strategy must be one of ddp, fsdp, not 'fsdpx'"),
+    ("--precision=fp16", "error: --precision must be one of auto, fp32, bf16, not 'fp16'"),
+    ("--parallel.strategy=fsdpx", "error: --parallel.strategy must be one of ddp, fsdp, not 'fsdpx'"),
+    ("--policy.normalization=minmax", "error: --policy.normalization must be one of quantile, mean_std, min_max, "
+                                      "not 'minmax'"),
+    ("--policy.image_resize=crop", "error: --policy.image_resize must be one of stretch, pad, not 'crop'"),
+    ("--policy.stats=mine", "error: --policy.stats must be one of recompute, dataset, not 'mine'"),
 ])
 def test_bad_batch_precision_or_strategy_is_one_line_exit_2(dataset, tmp_path, flag, message):
     proc = _run([*_args(dataset, tmp_path / "bad"), flag])

@@ -293,6 +293,19 @@ class PolicyFolder:
             raise KilovlaError(f"{path}: does not match policy.json's residual: {str(e).splitlines()[0]}") from None
         return actor
 
+    @property
+    def label(self) -> str:
+        """What the folder holds, for reports and banners: "pi0-tiny", "pi0-tiny FP8 W8A8",
+        "pi0-tiny + LoRA", "pi0-tiny + residual_sac residual"."""
+        parts = [self.meta.preset]
+        if self.quantization is not None:
+            parts.append("FP8 " + ("W8A8" if self.quantization.get("activations") == "1x128" else "weight-only"))
+        if self.adapters:
+            parts.append("+ LoRA")
+        if self.meta.residual is not None:
+            parts.append(f"+ {self.meta.residual.get('algorithm', 'RL')} residual")
+        return " ".join(parts)
+
     def load(self, device: str | torch.device = "cpu", ema: bool = False):
         """The folder as a `VLAPolicy` on `device`. `ema`: the exponential moving average of the weights
         (ema.safetensors, written by a run with `ema_decay`) instead of the last weights."""
@@ -308,7 +321,7 @@ class PolicyFolder:
         if meta.residual is not None:  # an RL folder: the base's weights, its learned residual beside them
             model = ResidualPolicyModel(model, self.residual_actor())
         policy = VLAPolicy(model, meta, device, root=self.path)
-        policy.source, policy.ema = str(self.path), ema  # recorded in evaluation reports
+        policy.name, policy.source, policy.ema = self.label, str(self.path), ema  # recorded in evaluation reports
         return policy
 
     def _base_model(self, ema: bool):

@@ -33,7 +33,7 @@ class ServedPolicy:
             first.close()
             raise KilovlaError(f"{url}: not a kilovla policy server (its metadata has no noise_shape)")
         self._connections.append(first)
-        self.name = f"{m['model']} @ {url}"
+        self.name = f"{m.get('policy', m['model'])} @ {url}"  # an earlier server sends no "policy"
         self.action_dim, self.state_dim = m["action_dim"], m["state_dim"]
         self.state_keys = list(m["state_keys"])
         self.cameras = tuple(k.removeprefix("observation.images.") for k in m["cameras"])

@@ -96,7 +96,8 @@ class PolicyEngine:
     def metadata(self) -> dict:
         """The frame a client gets on connect (openpi's `get_server_metadata()`)."""
         size = self.meta.image_size
-        return {"server": "kilovla", "model": self.meta.preset, "policy_folder": str(Path(self.folder).resolve()),
+        return {"server": "kilovla", "model": self.meta.preset, "policy": self.policy.name,
+                "policy_folder": str(Path(self.folder).resolve()),
                 "action_horizon": int(self.horizon), "action_dim": int(self.meta.action_dim),
                 "n_action_steps": self.meta.n_action_steps, "cameras": list(self.meta.camera_map),
                 "image_size": list(size) if size else None, "state_keys": list(self.meta.state_keys),

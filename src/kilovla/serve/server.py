@@ -279,7 +279,7 @@ def run(policy: str, cfg: ServeConfig, device: str = "auto", ema: bool = False, 
     server = PolicyServer(engine, cfg)
 
     def ready(port: int) -> None:
-        print(f"kilovla serve: {engine.meta.preset} from {engine.folder} on ws://{cfg.host}:{port} ({engine.device} "
+        print(f"kilovla serve: {engine.policy.name} from {engine.folder} on ws://{cfg.host}:{port} ({engine.device} "
               f"{'bf16' if engine.bf16 else 'fp32'}{', CUDA graphs' if engine.sampler.enabled else ''}, "
               f"batches of up to {cfg.max_batch} within {cfg.max_wait_ms:g} ms"
               f"{', api key required' if cfg.api_key else ''})", flush=True)

@@ -129,8 +129,8 @@ def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta], init_from
         if lacking:
             raise KilovlaError(f"{first.files.path(stats_rel)}: no {'/'.join(mode_keys)} stats for {lacking} "
                                "(`kilovla data stats PATH` recomputes them)")
-    else:
-        raise KilovlaError(f"policy.stats must be recompute or dataset, not {cfg.policy.stats!r}")
+    else:  # train/config.py check() refused any other name
+        raise AssertionError(cfg.policy.stats)
     state_dim = int(sum(np.prod(first.features[k].shape) for k in cfg.policy.state_keys))
     action_dim = int(np.prod(first.features["action"].shape))
     image_size = [int(d) for d in first.features[next(iter(camera_map))].shape[:2]] if camera_map else None

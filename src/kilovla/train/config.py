@@ -242,6 +242,7 @@ def _interface(folder) -> dict:
 
 
 STRATEGIES = ("ddp", "fsdp")
+STATS_MODES = ("recompute", "dataset")
 
 
 def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
@@ -257,10 +258,7 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
         problems.append(f"batch.global_batch_tokens must be >= 1, not {cfg.batch.global_batch_tokens}")
     if cfg.batch.token_budget < 1:
         problems.append(f"batch.token_budget must be >= 1, not {cfg.batch.token_budget}")
-    if cfg.precision not in PRECISIONS:
-        problems.append(f"precision must be one of {', '.join(PRECISIONS)}, not {cfg.precision!r}")
-    if cfg.parallel.strategy not in STRATEGIES:
-        problems.append(f"parallel.strategy must be one of {', '.join(STRATEGIES)}, not {cfg.parallel.strategy!r}")
+    problems += _choice_problems(cfg)
     if cfg.eval.every < 0 or (cfg.eval.every and cfg.eval.episodes < 1):
         problems.append(f"eval.every must be >= 0 and eval.episodes >= 1 (got {cfg.eval.every}, {cfg.eval.episodes})")
     problems += cfg.policy.lora.check()
@@ -281,6 +279,19 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
                            "support; leave parallel.static_graph=false")
 
 
+def _choice_problems(cfg: TrainConfig) -> list[str]:
+    """A named mode that is none of its names (`--policy.normalization=minmax`), before anything is built."""
+    from kilovla.models.images import RESIZE_MODES
+    from kilovla.models.processor import NORMALIZATIONS
+
+    choices = [("precision", cfg.precision, PRECISIONS), ("parallel.strategy", cfg.parallel.strategy, STRATEGIES),
+               ("loader.engine", cfg.loader.engine, LOADER_ENGINES), ("policy.stats", cfg.policy.stats, STATS_MODES),
+               ("policy.normalization", cfg.policy.normalization, NORMALIZATIONS),
+               ("policy.image_resize", cfg.policy.image_resize, RESIZE_MODES)]
+    return [f"{named(key)} must be one of {', '.join(names)}, not {value!r}" for key, value, names in choices
+            if value is not None and value not in names]
+
+
 def _count_problems(cfg: TrainConfig) -> list[str]:
     """Counts and rates that mean nothing (a run of 0 steps, a checkpoint every 0 steps), which would
     otherwise finish at once, divide by zero at the first step, or fail after config.yaml is written."""
@@ -296,8 +307,6 @@ def _count_problems(cfg: TrainConfig) -> list[str]:
              *(("dataset.roots", root) for root in cfg.dataset.roots)]
     problems += [f"{named(name)} is empty: give a path" + (" or leave it unset" if name != "run_dir" else "")
                  for name, value in paths if isinstance(value, str) and not value.strip()]
-    if cfg.loader.engine not in LOADER_ENGINES:
-        problems.append(f"loader.engine must be one of {', '.join(LOADER_ENGINES)}, not {cfg.loader.engine!r}")
     if not cfg.optim.lr >= 0:
         problems.append(f"optim.lr must be >= 0, not {cfg.optim.lr}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:

@@ -537,3 +537,23 @@ def test_an_empty_path_is_refused_in_one_line(tmp_path, monkeypatch, capsys, arg
     assert main(argv) == 2
     assert capsys.readouterr().err.splitlines() == [f"error: {argv[-1]}: an empty path; give a file or folder"]
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["quantize", "--output_dir=q", "--env.task=reach-v3"],
+     "error: --env.task=reach-v3: a setting of the closed-loop comparison, which runs only with --eval.n_episodes=N"),
+    (["quantize", "--output_dir=q", "--workers", "2"],
+     "error: --workers 2: a setting of the closed-loop comparison, which runs only with --eval.n_episodes=N"),
+    (["eval", "--policy.path=random", "--policy.ema"],
+     "error: --policy.ema: the random policy has no weights; EMA weights are a policy folder's"),
+])
+def test_a_setting_that_would_do_nothing_is_refused_in_one_line(tmp_path, monkeypatch, capsys, argv, line):
+    """quantize's env/eval keys without its comparison, EMA weights of a policy that has none."""
+    from tests.test_legacy_folders import FIXTURES
+
+    monkeypatch.chdir(tmp_path)
+    if argv[0] == "quantize":
+        argv = [*argv, f"--policy.path={FIXTURES / 'demo_checkpoint'}"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(line)
+    assert list(tmp_path.iterdir()) == []

@@ -363,6 +363,9 @@ def cmd_quantize(args) -> int:
     if cfg.output_dir is None:
         raise KilovlaError("quantize: give --output_dir=DIR, the new folder for the quantized policy")
     _check_folder_spec(args, "quantize")
+    from kilovla.cli_config import check_quantize_keys
+
+    check_quantize_keys(args)
     source = str(policy_folder(cfg.policy.path))  # a run folder or checkpoints/latest: its newest
     config = Fp8Config(block=q.block, include=q.include, exclude=q.exclude, scope=q.scope,
                        activations=q.activations, dtype=q.dtype)

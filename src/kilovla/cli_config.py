@@ -411,15 +411,31 @@ EVAL_ALIASES = {
 }
 
 
-def check_bench_keys(args: argparse.Namespace) -> None:
-    """A key given to a suite that does not read it (`--rl.minutes=5` to `bench data`): one line, as argparse
-    would refuse an unknown flag, rather than a setting silently dropped. `rl.only` picks rows of rl alone."""
+def given_keys(args: argparse.Namespace) -> dict[str, str]:
+    """The keys given on the command line (dotted, by an alias or positionally) -> how each was typed."""
     spelt = getattr(args, "_spelt", {})
     keys = [name[len(PREFIX):] for name in vars(args) if name.startswith(PREFIX)]
     given = {key: typed(spelt, key, f"--{key}") for key in keys}
     given.update({key: f"{getattr(args, name)} (the positional {name})"
                   for name, key in args.config_positional if getattr(args, name) is not None})
-    for key, shown in given.items():
+    return given
+
+
+def check_quantize_keys(args: argparse.Namespace) -> None:
+    """quantize's env.* and eval.* keys (but eval.seed, the held-out comparison's too) set the closed-loop
+    comparison: given while eval.n_episodes=0 skips it, they would do nothing."""
+    if args.cfg.eval.n_episodes:
+        return
+    for key, shown in given_keys(args).items():
+        if key.startswith(("env.", "eval.")) and key not in ("eval.n_episodes", "eval.seed"):
+            raise KilovlaError(f"{shown}: a setting of the closed-loop comparison, which runs only with "
+                               "--eval.n_episodes=N (N > 0)")
+
+
+def check_bench_keys(args: argparse.Namespace) -> None:
+    """A key given to a suite that does not read it (`--rl.minutes=5` to `bench data`): one line, as argparse
+    would refuse an unknown flag, rather than a setting silently dropped. `rl.only` picks rows of rl alone."""
+    for key, shown in given_keys(args).items():
         suites = next((s for k, s in BENCH_KEY_SUITES.items() if key == k or k.endswith(".") and key.startswith(k)),
                       None)
         if suites is None or args.suite in suites:

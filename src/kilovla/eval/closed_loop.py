@@ -347,6 +347,8 @@ def load_policy(spec: str, *, env: str = "metaworld", seed: int = 0, action_dim:
     """'scripted', 'random', a ws:// URL of `kilovla serve` or a checkpoint path -> a Policy; `ema`: the
     checkpoint's EMA weights. A run folder, or its checkpoints/latest (or LeRobot's `last`), means the
     run's newest complete checkpoint (`folders.policy_folder`)."""
+    if ema and spec in ("scripted", "random"):
+        raise KilovlaError(f"--policy.ema: the {spec} policy has no weights; EMA weights are a policy folder's")
     if spec == "scripted":
         return env_type(env).expert(0.0, seed)
     if spec == "random":

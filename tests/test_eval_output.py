@@ -192,6 +192,10 @@ def test_a_run_without_a_complete_checkpoint_is_one_line(tmp_path, capsys):
     with pytest.raises(KilovlaError, match=r"holds step_000002, step_000004 but no `latest` pointer .* pass "
                                            r".*step_000004 if it is whole"):
         policy_folder(tmp_path / "unpointed" / "checkpoints" / "latest")
+    _run(tmp_path / "dangling", latest=6)  # the pointer names a step deleted since
+    with pytest.raises(KilovlaError, match=r"holds step_000002, step_000004 but `latest` names step_000006, which "
+                                           r"is not there: pass .*step_000004 if it is whole"):
+        policy_folder(tmp_path / "dangling")
 
 
 @pytest.fixture(scope="module")

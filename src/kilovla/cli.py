@@ -335,6 +335,9 @@ def cmd_rl(args) -> int:
     if unknown:
         raise KilovlaError(f"unexpected arguments {unknown}; overrides look like --section.key=value")
     misspelt = [a for a in args.overrides if a.startswith("--policy.")]  # RLConfig.policy is the folder itself
+    if any(a.split("=")[0] == "--policy.ema" for a in misspelt):
+        raise KilovlaError("--policy.ema: rl starts from a policy folder's trained weights (model.safetensors), "
+                           "not its EMA weights")
     if misspelt:
         from kilovla.config import _unknown
         from kilovla.rl.config import RLConfig

@@ -146,9 +146,8 @@ def claim_run_dir(run_dir: str | Path, resume: str | None, checkpoint: Path | No
         raise KilovlaError(f"{run_dir}: run_dir holds a run: pass --resume auto or use a new run_dir")
     steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir()) if has_run else []
     if steps:
-        raise KilovlaError(f"{run_dir / 'checkpoints'}: holds {', '.join(steps)} but no `latest` pointer to a "
-                           f"complete one: pass --resume {run_dir / 'checkpoints' / steps[-1]} to continue it, "
-                           "or use a new run_dir")
+        raise KilovlaError(f"{run_dir / 'checkpoints'}: holds {', '.join(steps)} but {_no_latest(run_dir / 'checkpoints')}: "
+                           f"pass --resume {run_dir / 'checkpoints' / steps[-1]} to continue it, or use a new run_dir")
     if resume == "auto" and main:
         print(f"no checkpoint in {run_dir / 'checkpoints'}: starting fresh"
               + (" (replacing the earlier run's logs)" if has_run else ""), flush=True)
@@ -191,6 +190,13 @@ def check_new_evaluation(folder: str | Path, flag: str = "--out") -> None:
 LATEST_NAMES = ("latest", "last")
 
 
+def _no_latest(root: Path) -> str:
+    """Why `root/latest` gave no checkpoint, for messages."""
+    pointer = root / "latest"
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    return f"`latest` names {named}, which is not there" if named else "no `latest` pointer to a complete one"
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The checkpoint `root/latest` names (the pointer a run moves to a checkpoint once it is complete),
     or None when there is no pointer, it is empty, or its folder is gone."""
@@ -227,7 +233,8 @@ def policy_folder(path: str | Path) -> Path:
         return root / "last"
     steps = sorted(p.name for p in root.glob("step_*") if p.is_dir())
     if steps:
-        raise KilovlaError(f"{path}: {root} holds {', '.join(steps)} but no `latest` pointer to a complete "
-                           f"checkpoint: pass {root / steps[-1]} if it is whole")
-    raise KilovlaError(f"{path}: a kilovla run without a complete checkpoint (no {root / 'latest'}): "
+        raise KilovlaError(f"{path}: {root} holds {', '.join(steps)} but {_no_latest(root)}: pass "
+                           f"{root / steps[-1]} if it is whole")
+    missing = f"{_no_latest(root)}" if (root / "latest").is_file() else f"no {root / 'latest'}"
+    raise KilovlaError(f"{path}: a kilovla run without a complete checkpoint ({missing}): "
                        "pass a checkpoint folder, or let the run save one")

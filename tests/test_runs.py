@@ -326,6 +326,10 @@ def test_resuming_with_another_starting_checkpoint_is_refused_and_the_same_one_i
     assert f"(--policy.path={run / 'checkpoints' / 'step_000002'}, a fresh" in err  # the remedy, as typed
     assert (run / "config.yaml").read_text() == before and _steps(run / "checkpoints")[-1] == "step_000002"
     assert main(["train", *_args(dataset, run, "--steps=3"), "--resume=auto"]) == 0  # none given: fine
+    # ... and the run still names its start (config.yaml said init_from: null, policy.json lost it)
+    assert "init_from: " + str(a) in (run / "config.yaml").read_text()
+    record = json.loads((run / "checkpoints" / "step_000003" / "policy.json").read_text())["init_from"]
+    assert record["path"] == str(a.resolve())
     assert main(["train", *_args(dataset, first, "--steps=3", f"--policy.path={a}"), "--resume=auto"]) == 2
     assert "(the checkpoint's: None)" in capsys.readouterr().err  # started from random weights
 

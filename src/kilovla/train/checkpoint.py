@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import json
 import os
 import random
@@ -336,6 +337,29 @@ def check_resumed_settings(folder: Path, cfg) -> None:
             log.warning("steps=%d, the checkpoint's run had steps=%d: the cosine schedule now ends at step %d, so the "
                         "learning rate at step %d goes from %.3g to %.3g", cfg.steps, old_steps, cfg.steps, at,
                         before, after)
+
+
+def with_resumed_start(folder: Path, cfg):
+    """`cfg` with policy.init_from unset taken from the checkpoint's run (its config.yaml): resumed without
+    it, the run's config.yaml was rewritten with `init_from: null` and its next policy.json lost the record
+    of its start (and the demonstration seeds the start brings). A start that is gone since stays unset,
+    said in one warning (the weights continue from the checkpoint either way)."""
+    import yaml
+
+    path = Path(folder) / "config.yaml"
+    if cfg.policy.init_from or not path.is_file():
+        return cfg
+    try:
+        started = ((yaml.safe_load(path.read_text()) or {}).get("policy") or {}).get("init_from")
+    except yaml.YAMLError as e:
+        raise KilovlaError(f"{path}: not a training config: {e}") from None
+    if not started:
+        return cfg
+    if not Path(started).expanduser().exists():
+        log.warning("%s: the run started from %s, which is gone; this run's config.yaml and policy.json will not "
+                    "name its start", folder, started)
+        return cfg
+    return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, init_from=started))
 
 
 def _same_path(a: str, b: str | None) -> bool:

@@ -74,6 +74,9 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     """Check, build, run; returns the summary (also run_dir/summary.json on rank 0)."""
     t_start = time.perf_counter()
     check_start_exists(cfg)
+    folder = ckpt.resolve(resume, Path(cfg.run_dir)) if resume else None
+    if folder is not None:
+        cfg = ckpt.with_resumed_start(folder, cfg)  # config.yaml and policy.json keep naming the run's start
     cfg = with_init_model(cfg)  # a policy folder to start from brings its preset and overrides
     validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     if not cfg.dataset.roots:
@@ -88,7 +91,6 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
             check_dataset(entry.root, problems=entry.problems)
     world = distributed.init(cfg.parallel.timeout_s, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
     run_dir = Path(cfg.run_dir)
-    folder = ckpt.resolve(resume, run_dir) if resume else None
     if folder is not None:  # before the run_dir and its config.yaml say otherwise
         ckpt.check_resumed_settings(folder, cfg)
     use = claim_run_dir(run_dir, resume, folder, main=world.is_main)

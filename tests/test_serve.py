@@ -448,6 +448,25 @@ def test_robots_with_different_camera_sizes_share_a_batch(engine):
         np.testing.assert_allclose(got, alone, atol=1e-5)
 
 
+def test_a_decoded_requests_read_only_frames_reach_torch_as_writable_copies(engine, monkeypatch):
+    """msgpack hands the server read-only arrays; torch.from_numpy of one warns (once per process)."""
+    import torch
+
+    from kilovla.serve.engine import Request
+
+    rng = np.random.default_rng(17)
+    inputs = engine.inputs()
+    small, large = _obs(rng, size=32), _obs(rng, size=96)  # two sizes: each frame resized alone
+    for obs in (small, large):
+        for value in obs.values():
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+    given, real = [], torch.from_numpy
+    monkeypatch.setattr(torch, "from_numpy", lambda a: given.append(a.flags.writeable) or real(a))
+    engine.infer([Request(to_policy_observation(o, inputs), seed=i) for i, o in enumerate((small, large))])
+    assert given and all(given)
+
+
 def test_each_rtc_request_keeps_its_own_guidance_weight(engine, server):
     from openpi_client import websocket_client_policy
 

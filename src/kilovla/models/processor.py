@@ -166,7 +166,8 @@ class Processor:
             frames = np.asarray(data[key])
             if frames.ndim == 5:  # a time window on the camera: the current frame is the last
                 frames = frames[:, -1]
-            t = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float() / 255.0
+            frames = np.ascontiguousarray(frames)  # a decoded request's frames are read-only: torch warns, copy
+            t = torch.from_numpy(frames if frames.flags.writeable else frames.copy()).permute(0, 3, 1, 2).float() / 255.0
             t = resize_images(t, size, self.meta.image_resize)
             if rngs is not None and self.augmentation.enabled:
                 t = self.augmentation.apply(t, slot, rngs)

@@ -142,7 +142,7 @@ class PolicyEngine:
         size = self.model.config.vision.image_size
         out = []
         for im in images:
-            t = torch.from_numpy(np.ascontiguousarray(im)).permute(2, 0, 1)[None].float()
+            t = torch.from_numpy(np.array(im)).permute(2, 0, 1)[None].float()  # a copy: a request's is read-only
             out.append(resize_images(t, size, self.meta.image_resize)[0].permute(1, 2, 0).numpy())
         return np.stack(out)
 

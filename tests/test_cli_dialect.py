@@ -192,6 +192,12 @@ def test_bench_and_data_take_dotted_keys_and_their_old_flags(capsys):
     assert (cfg.dataset.root, cfg.frame_cache, cfg.world_size, cfg.output_dir) == ("DS", "c", 8, "bench-results")
     cfg = _bench_config(["data", "convert", "A", "--output_dir=B", "--overwrite"])
     assert (cfg.dataset.root, cfg.output_dir, cfg.overwrite) == ("A", "B", True)
+    for argv in (["data", "convert", "A", "--overwrite", "B"], ["data", "convert", "--dataset.root=A", "B"]):
+        args, extra = cli.build_parser().parse_known_args(argv)  # a flag between the paths; the source by name
+        from kilovla.cli_config import config_from, take_positionals
+
+        cfg = config_from(args, take_positionals(args, extra))
+        assert (cfg.dataset.root, cfg.output_dir) == ("A", "B")
     err = capsys.readouterr().err.splitlines()
     assert err == ["--env-steps is now --rl.env_steps", "--only is now --rl.only", "--out is now --output_dir",
                    "--resolution is now --fp8.resolution", "--cache is now --frame_cache"]

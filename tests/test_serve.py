@@ -449,7 +449,8 @@ def test_robots_with_different_camera_sizes_share_a_batch(engine):
 
 
 def test_a_decoded_requests_read_only_frames_reach_torch_as_writable_copies(engine, monkeypatch):
-    """msgpack hands the server read-only arrays; torch.from_numpy of one warns (once per process)."""
+    """msgpack hands the server read-only arrays (frames, flow noise); torch.from_numpy of one warns (once per
+    process)."""
     import torch
 
     from kilovla.serve.engine import Request
@@ -463,8 +464,11 @@ def test_a_decoded_requests_read_only_frames_reach_torch_as_writable_copies(engi
                 value.flags.writeable = False
     given, real = [], torch.from_numpy
     monkeypatch.setattr(torch, "from_numpy", lambda a: given.append(a.flags.writeable) or real(a))
-    engine.infer([Request(to_policy_observation(o, inputs), seed=i) for i, o in enumerate((small, large))])
-    assert given and all(given)
+    noise = np.zeros((engine.horizon, engine.width), np.float32)  # as `eval --policy.path=ws://` sends it
+    noise.flags.writeable = False
+    engine.infer([Request(to_policy_observation(small, inputs), noise=noise),
+                  Request(to_policy_observation(large, inputs), seed=1)])
+    assert len(given) >= 2 and all(given)
 
 
 def test_each_rtc_request_keeps_its_own_guidance_weight(engine, server):

@@ -222,7 +222,8 @@ def cmd_bench_table(cfg) -> int:
     from kilovla.bench.common import render_tables, update_readme
 
     if not cfg.results:
-        raise KilovlaError("bench table: give a <suite>.json or a folder of them, e.g. bench-results")
+        raise KilovlaError("bench table: give a <suite>.json or a folder of them (the positional path or "
+                           "--results), e.g. bench-results")
     tables = render_tables(cfg.results)
     if cfg.readme:
         changed = update_readme(cfg.readme, tables)
@@ -331,13 +332,13 @@ def cmd_train(args) -> int:
 def cmd_rl(args) -> int:
     from kilovla.rl import runner
 
+    if any(a.split("=")[0] == "--policy.ema" for a in args.overrides):  # alone, =true or =false
+        raise KilovlaError("--policy.ema: rl starts from a policy folder's trained weights (model.safetensors), "
+                           "not its EMA weights")
     unknown = [a for a in args.overrides if not (a.startswith("--") and "=" in a)]
     if unknown:
         raise KilovlaError(f"unexpected arguments {unknown}; overrides look like --section.key=value")
     misspelt = [a for a in args.overrides if a.startswith("--policy.")]  # RLConfig.policy is the folder itself
-    if any(a.split("=")[0] == "--policy.ema" for a in misspelt):
-        raise KilovlaError("--policy.ema: rl starts from a policy folder's trained weights (model.safetensors), "
-                           "not its EMA weights")
     if misspelt:
         from kilovla.config import _unknown
         from kilovla.rl.config import RLConfig
@@ -569,7 +570,7 @@ def _demo_parser(sub) -> None:
     p.set_defaults(func=cmd_demo)
 
 
-_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off"}  # what YAML reads as a bool
 
 
 class _CommandParser(argparse.ArgumentParser):
@@ -596,8 +597,8 @@ class _CommandParser(argparse.ArgumentParser):
         return super().format_help()
 
     def error(self, message):
-        if not message.startswith("argument ") or not ("invalid choice: " in message
-                                                         or "expected one argument" in message):
+        if not message.startswith("argument ") or not any(
+                said in message for said in ("invalid choice: ", "expected one argument", "ignored explicit argument")):
             super().error(message)
         _say_error(message.removeprefix("argument "))
         sys.exit(2)
@@ -648,8 +649,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if dotted or "_spelt" in vars(args):
-            from kilovla.cli_config import check_spellings, config_from
+            from kilovla.cli_config import check_spellings, config_from, take_positionals
 
+            if dotted:
+                extra = take_positionals(args, extra)
             check_spellings(args)
         if dotted:
             args.cfg = config_from(args, extra)

@@ -362,7 +362,7 @@ class BenchFp8Section:
     dataset: str | None = _f(None, "held-out LeRobot data (default: fresh scripted episodes)", path=True)
     resolution: int | None = _f(None, "camera pixels of the held-out episodes and the closed loop (default: the "
                                 "demo's)", least=1)
-    episodes: int | None = _f(None, "closed-loop episodes per task (default 50; 0 skips the comparison)", least=0)
+    episodes: int | None = _f(None, "closed-loop episodes per task (default: 50; 0 skips the comparison)", least=0)
 
 
 @dataclass
@@ -409,6 +409,23 @@ EVAL_ALIASES = {
     "--n-action-steps": "eval.n_action_steps", "--workers": "eval.workers", "--videos": "eval.videos",
     "--allow-seen-seeds": "eval.allow_seen_seeds", "--out": "output_dir",
 }
+
+
+def take_positionals(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """The command's positional paths, wherever they stand (`convert SRC --overwrite DST`: argparse gives
+    DST back unparsed), in order into the positional keys not given by a flag (`convert --dataset.root=SRC
+    DST`: DST is the output); returns `extra` less them."""
+    pairs = getattr(args, "config_positional", ())
+    values = [getattr(args, name) for name, _ in pairs if getattr(args, name) is not None]
+    values += [item for item in extra if not item.startswith("-")]
+    free = [name for name, key in pairs if PREFIX + key not in vars(args)]
+    if not pairs or len(values) > len(free):  # more paths than places: left as they are, refused later
+        return list(extra)
+    for name, _ in pairs:
+        setattr(args, name, None)
+    for name, value in zip(free, values):
+        setattr(args, name, value)
+    return [item for item in extra if item.startswith("-")]
 
 
 def given_keys(args: argparse.Namespace) -> dict[str, str]:

@@ -1,8 +1,8 @@
 """`kilovla rl`: RL fine-tuning of a VLA policy folder, synchronous or fully asynchronous (RL-VLA3).
 
-    kilovla rl --config rl.yaml --mode async --policy.path=demo-output/run/checkpoints/step_001000
-    kilovla rl --config rl.yaml --mode sync --resume auto
-    ray start --head; kilovla rl --config rl.yaml --ray-address auto   # on a cluster
+    kilovla rl --config rl.yaml --mode=async --policy.path=demo-output/run/checkpoints/step_001000
+    kilovla rl --config rl.yaml --mode=sync --resume auto
+    ray start --head; kilovla rl --config rl.yaml --ray_address=auto   # on a cluster
 
 Both modes use the same workers, policy and algorithm (`learner.algo.name`, rl/algorithms.py), and one
 policy version per global batch of `batch_segments` segments:

@@ -111,7 +111,7 @@ class PolicyEngine:
         out = []
         for r in requests:
             if r.noise is not None:
-                out.append(torch.as_tensor(np.asarray(r.noise, np.float32)))
+                out.append(torch.from_numpy(np.array(r.noise, np.float32)))  # a copy: a request's is read-only
                 continue
             g = torch.Generator().manual_seed(int(r.seed)) if r.seed is not None else self._generator
             out.append(torch.randn(self.horizon, self.width, generator=g))

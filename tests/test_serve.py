@@ -462,8 +462,10 @@ def test_a_decoded_requests_read_only_frames_reach_torch_as_writable_copies(engi
         for value in obs.values():
             if isinstance(value, np.ndarray):
                 value.flags.writeable = False
-    given, real = [], torch.from_numpy
-    monkeypatch.setattr(torch, "from_numpy", lambda a: given.append(a.flags.writeable) or real(a))
+    given, from_numpy, as_tensor = [], torch.from_numpy, torch.as_tensor
+    monkeypatch.setattr(torch, "from_numpy", lambda a: given.append(a.flags.writeable) or from_numpy(a))
+    monkeypatch.setattr(torch, "as_tensor", lambda a, *args, **kw: (
+        given.append(a.flags.writeable) if isinstance(a, np.ndarray) else None) or as_tensor(a, *args, **kw))
     noise = np.zeros((engine.horizon, engine.width), np.float32)  # as `eval --policy.path=ws://` sends it
     noise.flags.writeable = False
     engine.infer([Request(to_policy_observation(small, inputs), noise=noise),

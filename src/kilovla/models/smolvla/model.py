@@ -19,8 +19,13 @@ Layers alternate (`self_attn_every_n_layers`, 2 in the published model):
   re-based to 0) attend to the prefix only, reading the VLM layer's post-RoPE keys and its values
   through the expert's own k/v projections (kv_heads*head_dim -> kv_heads*head_dim), unrotated.
 
-Sampling runs the prefix once, keeps each layer's keys and values, and integrates 10 Euler steps
-from noise (t = 1) to actions (t = 0) with the suffix alone.
+Two ways to run the same weights (models/smolvla/attention.py has the attention of each): padded
+(LeRobot's layout: padding and blank cameras present but masked, one dense mask) and packed
+(`config.packing`: samples end to end without padding, varlen calls with one segment per sample;
+a cross-attention layer's actions read their own sample's prefix only). They agree on real tokens.
+
+Sampling (padded) runs the prefix once, keeps each layer's keys and values, and integrates 10 Euler
+steps from noise (t = 1) to actions (t = 0) with the suffix alone.
 
 Loss: `loss_reduction="kilovla"` averages (u - v)^2 over the elements that count (padded steps and
 action dims divided out); `"lerobot_v044"` is that release's mean over every T x max_action_dim
@@ -38,10 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kilovla.errors import KilovlaError
-from kilovla.models.attention import BACKENDS, additive, attend_dense, prefix_lm_mask
-from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, padded_prefix
+from kilovla.models.attention import BACKENDS, additive, prefix_lm_mask, resolve_backend
+from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix, padded_prefix
 from kilovla.models.language import DecoderConfig, SelfAttentionProjections
 from kilovla.models.layers import apply_rope, sincos_time_embedding
+from kilovla.models.smolvla.attention import DenseAttention, PackedAttention
 from kilovla.models.vision import ViTConfig, VisionModel
 
 SMOLVLA_CAMERAS = ("camera1", "camera2", "camera3")
@@ -107,8 +113,6 @@ class SmolVLAConfig:
             raise KilovlaError(f"disabled cameras {unknown} are not among the model's cameras {list(self.cameras)}")
         if self.attention_backend not in BACKENDS:
             raise KilovlaError(f"attention_backend must be one of {BACKENDS}, not {self.attention_backend!r}")
-        if self.packing:
-            raise KilovlaError("SmolVLA has no packed path yet: set --policy.overrides.packing=false")
 
     @property
     def enabled_cameras(self) -> tuple[str, ...]:
@@ -266,21 +270,14 @@ class _VLMWithExpert(nn.Module):
         self.lm_expert = _Expert(cfg)
 
 
-_PRE, _SUF, _ALL = "prefix", "suffix", "all"
+@dataclass(frozen=True)
+class _Positions:
+    """RoPE positions: the prefix's, the suffix's in self-attention layers (after the prefix), and in
+    cross-attention layers (re-based to 0 within each sample's suffix)."""
 
-
-class _DenseAttention:
-    """Attention of the padded path: one additive mask (B, 1, N, N) over [prefix | suffix], `n` prefix
-    tokens; `attend(q, k, v, rows, cols)` attends the query rows `rows` to the key columns `cols`
-    (each "prefix", "suffix" or "all"), q/k/v (B, T, heads, head_dim)."""
-
-    def __init__(self, mask: torch.Tensor, n: int, scale: float):
-        self.mask, self.scale = mask, scale
-        self.part = {_PRE: slice(0, n), _SUF: slice(n, None), _ALL: slice(None)}
-
-    def __call__(self, q, k, v, rows: str, cols: str) -> torch.Tensor:
-        mask = self.mask[:, :, self.part[rows], self.part[cols]]
-        return attend_dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale).transpose(1, 2)
+    pre: torch.Tensor | None
+    suf: torch.Tensor | None
+    suf_cross: torch.Tensor | None
 
 
 class SmolVLAModel(nn.Module):
@@ -337,50 +334,41 @@ class SmolVLAModel(nn.Module):
         return self.action_time_mlp_out(F.silu(self.action_time_mlp_in(mixed)))
 
     # -- the layer loop --------------------------------------------------------------------------------
-    def _layer(self, i: int, x_pre, x_suf, pre_pos, suf_pos, attend, cached=None):
+    def _layer(self, i: int, x_pre, x_suf, pos: _Positions, attend, cached=None):
         """One VLM / expert layer pair -> (x_pre, x_suf, the prefix's post-RoPE (k, v)). The expert's forward
         runs inside the VLM layer's attention call, so a pair is one forward call (one FSDP unit). Either
-        stream may be None: the prefix alone fills the sampler's cache; the suffix alone reads `cached`."""
+        stream may be None: the prefix alone fills the sampler's cache; the suffix alone reads `cached`.
+        `attend`: a plan of models/smolvla/attention.py."""
         ex = self.expert.layers[i]
         joint = self.config.is_self_attention(i)
-        if not joint:  # the expert's queries re-based to position 0
-            suf_pos = None if suf_pos is None else suf_pos - suf_pos.min(dim=1, keepdim=True).values
 
         def run_expert(kp, vp, qp=None):
-            """-> (new x_suf, the prefix's attention output when qp is given to a joint layer)."""
+            """-> (new x_suf, the prefix's attention output when a joint layer is given qp)."""
             if not joint:
-                (x,) = ex(x_suf, suf_pos, lambda qs, ks, vs: (attend(qs, ks, vs, _SUF, _PRE),), cross_kv=(kp, vp))
+                (x,) = ex(x_suf, pos.suf_cross, lambda qs, ks, vs: (attend.cross(qs, ks, vs),), cross_kv=(kp, vp))
                 return x, None
-
-            def both(qs, ks, vs):
-                k, v = torch.cat([kp, ks], dim=1), torch.cat([vp, vs], dim=1)
-                if qp is None:
-                    return attend(qs, k, v, _SUF, _ALL), None
-                out = attend(torch.cat([qp, qs], dim=1), k, v, _ALL, _ALL)
-                return out[:, qp.shape[1]:], out[:, :qp.shape[1]]
-
-            return ex(x_suf, suf_pos, both)
+            return ex(x_suf, pos.suf, lambda qs, ks, vs: attend.joint(qp, kp, vp, qs, ks, vs)[::-1])
 
         if x_pre is None:
             return None, run_expert(*cached[i])[0], None
 
         def attend_prefix(qp, kp, vp):
             if x_suf is None or not joint:
-                out_p = None if qp is None else attend(qp, kp, vp, _PRE, _PRE)
+                out_p = None if qp is None else attend.prefix(qp, kp, vp)
                 return out_p, None if x_suf is None else run_expert(kp, vp)[0], kp, vp
             new_suf, out_p = run_expert(kp, vp, qp)
             return out_p, new_suf, kp, vp
 
         last = i == self.config.num_vlm_layers - 1
-        x_pre, x_suf, k, v = self.text.layers[i](x_pre, pre_pos, attend_prefix, keys_only=last)
+        x_pre, x_suf, k, v = self.text.layers[i](x_pre, pos.pre, attend_prefix, keys_only=last)
         return x_pre, x_suf, (k, v)
 
-    def _run_layers(self, x_pre, x_suf, pre_pos, suf_pos, attend, cached=None):
+    def _run_layers(self, x_pre, x_suf, pos: _Positions, attend, cached=None):
         """Both streams through every layer -> (the expert's normed output or None, per-layer prefix (k, v))."""
         kv_cache = []
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for i in range(self.config.num_vlm_layers):
-            args = (i, x_pre, x_suf, pre_pos, suf_pos, attend, cached)
+            args = (i, x_pre, x_suf, pos, attend, cached)
             if recompute:
                 x_pre, x_suf, kv = torch.utils.checkpoint.checkpoint(self._layer, *args, use_reentrant=False)
             else:
@@ -402,8 +390,8 @@ class SmolVLAModel(nn.Module):
                               "token_mask": F.pad(batch.token_mask, (0, extra))})
 
     def _padded_layout(self, batch: PaddedBatch, horizon: int):
-        """Prefix tokens (B, n, W), the additive mask (B, 1, n + H, n + H), positions (B, n + H), which
-        prefix tokens are real (B, n): what training and the sampler share."""
+        """Prefix tokens (B, n, W), the attention plan, positions, which prefix tokens are real (B, n):
+        what training and the sampler share."""
         batch = self._language(batch.select_cameras(self.config.enabled_cameras))
         img = self.embed_images(batch.images.flatten(0, 1))  # (B*C, P, W)
         x_pre, pre_mask = padded_prefix(img, batch.image_masks, self.embed_language(batch.tokens), batch.token_mask)
@@ -413,22 +401,46 @@ class SmolVLAModel(nn.Module):
         suf_mask = batch.horizon_mask if batch.horizon_mask is not None else \
             torch.ones(b, horizon, dtype=torch.bool, device=dev)
         # A 1 starts a block no earlier token sees: the state token, then every action token (causal).
-        ar = torch.cat([torch.zeros(pre_mask.shape[1] - 1, dtype=torch.bool, device=dev),
-                        torch.ones(1 + horizon, dtype=torch.bool, device=dev)])
+        n = pre_mask.shape[1]
+        ar = torch.cat([torch.zeros(n - 1, dtype=torch.bool, device=dev), torch.ones(1 + horizon, dtype=torch.bool,
+                                                                                     device=dev)])
         input_mask = torch.cat([pre_mask, suf_mask], dim=1)
         positions = input_mask.long().cumsum(1) - 1
-        return x_pre, additive(prefix_lm_mask(input_mask, ar)), positions, pre_mask
-
-    def _attention(self, mask: torch.Tensor, n: int) -> _DenseAttention:
-        return _DenseAttention(mask, n, self.config.text.head_dim ** -0.5)
+        suf = positions[:, n:]
+        pos = _Positions(positions[:, :n], suf, suf - suf.min(dim=1, keepdim=True).values)
+        attend = DenseAttention(additive(prefix_lm_mask(input_mask, ar)), n, self.config.text.head_dim ** -0.5)
+        return x_pre, attend, pos, pre_mask
 
     def forward_padded(self, batch: PaddedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Velocity prediction (B, H, max_action_dim) through the padded path."""
-        x_pre, mask, positions, pre_mask = self._padded_layout(batch, x_t.shape[1])
-        n = pre_mask.shape[1]
-        out, _ = self._run_layers(x_pre, self.embed_suffix(x_t, t), positions[:, :n], positions[:, n:],
-                                  self._attention(mask, n))
+        """Velocity prediction (B, H, max_action_dim) through the padded path (LeRobot's layout)."""
+        x_pre, attend, pos, _ = self._padded_layout(batch, x_t.shape[1])
+        out, _ = self._run_layers(x_pre, self.embed_suffix(x_t, t), pos, attend)
         return self.action_out_proj(out)
+
+    # -- packed path ----------------------------------------------------------------------------------
+    def forward_packed(self, batch: PackedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Velocity prediction (B, H, max_action_dim) with every sample's real tokens end to end, no padding:
+        per sample [its images | its language | its state] then the chunk positions it has."""
+        cfg = self.config
+        b, horizon, dev = batch.batch_size, x_t.shape[1], x_t.device
+        img = self.embed_images(batch.images) if len(batch.images) else \
+            x_t.new_zeros(0, cfg.camera_tokens, cfg.text.width)
+        # The state token after each sample's language: pack_prefix keeps a sample's text in the given order.
+        text = torch.cat([self.embed_language(batch.tokens), self.state_proj(batch.state).to(img.dtype)])
+        text_sample = torch.cat([batch.token_sample, torch.arange(b, device=dev)])
+        x_pre, pre_len, pre_pos = pack_prefix(img, batch.image_sample, text, text_sample, b)
+        suf_valid = batch.horizon_mask if batch.horizon_mask is not None else \
+            torch.ones(b, horizon, dtype=torch.bool, device=dev)
+        suf_sample, suf_slot = suf_valid.nonzero(as_tuple=True)
+        suf_len = suf_valid.sum(1)
+        rank = torch.arange(len(suf_sample), device=dev) - torch.repeat_interleave(suf_len.cumsum(0) - suf_len, suf_len)
+        pos = _Positions(pre_pos, pre_len[suf_sample] + rank, rank)
+        attend = PackedAttention(pre_len, suf_len, cfg.text.head_dim ** -0.5,
+                                 resolve_backend(cfg.attention_backend, dev))
+        out, _ = self._run_layers(x_pre, self.embed_suffix(x_t, t)[suf_valid], pos, attend)
+        v = x_t.new_zeros(b, horizon, cfg.max_action_dim)
+        v[suf_sample, suf_slot] = self.action_out_proj(out).to(v.dtype)
+        return v
 
     # -- training ------------------------------------------------------------------------------------
     def sample_time(self, n: int, device) -> torch.Tensor:
@@ -437,9 +449,8 @@ class SmolVLAModel(nn.Module):
 
     def forward(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None,
                 time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Flow-matching loss: {"loss", "per_sample" (B,), "v_t" (B, H, A)}, reduced as `loss_reduction` says."""
-        if isinstance(batch, PackedBatch):
-            raise KilovlaError("SmolVLA has no packed path yet: give it a PaddedBatch")
+        """Flow-matching loss: {"loss", "per_sample" (B,), "v_t" (B, H, A)}, reduced as `loss_reduction` says.
+        A PaddedBatch runs packed when config.packing is set."""
         if batch.actions is None:
             raise KilovlaError("training needs actions in the batch")
         actions = batch.actions
@@ -447,7 +458,9 @@ class SmolVLAModel(nn.Module):
         t = self.sample_time(actions.shape[0], actions.device) if time is None else time
         x_t = t[:, None, None] * noise + (1 - t[:, None, None]) * actions
         u_t = noise - actions
-        v_t = self.forward_padded(batch, x_t, t)
+        if isinstance(batch, PaddedBatch) and self.config.packing:
+            batch = batch.pack(self.config.enabled_cameras)
+        v_t = (self.forward_packed if isinstance(batch, PackedBatch) else self.forward_padded)(batch, x_t, t)
         if self.config.loss_reduction == "lerobot_v044":
             err = (u_t - v_t) ** 2
             return {"loss": err.mean(), "per_sample": err.mean((1, 2)), "v_t": v_t}
@@ -458,14 +471,11 @@ class SmolVLAModel(nn.Module):
         """The prefix runs once; returns `field(x, t) -> v` (noise at t = 1, actions at t = 0; t (B,))
         reusing its keys and values, and pooled prefix features (B, 2 * kv_heads * head_dim): the last
         layer's keys and values averaged over the real prefix tokens."""
-        horizon = self.config.chunk_size
-        x_pre, mask, positions, pre_mask = self._padded_layout(batch, horizon)
-        n = pre_mask.shape[1]
-        attend = self._attention(mask, n)
-        _, cache = self._run_layers(x_pre, None, positions[:, :n], None, attend)
+        x_pre, attend, pos, pre_mask = self._padded_layout(batch, self.config.chunk_size)
+        _, cache = self._run_layers(x_pre, None, pos, attend)
 
         def field(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            out, _ = self._run_layers(None, self.embed_suffix(x, t), None, positions[:, n:], attend, cache)
+            out, _ = self._run_layers(None, self.embed_suffix(x, t), pos, attend, cache)
             return self.action_out_proj(out)
 
         real = pre_mask.to(x_pre.dtype)

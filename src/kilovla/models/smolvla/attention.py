@@ -69,7 +69,8 @@ class PackedAttention:
         self.spec_joint = VarlenSpec.from_lengths(pre_len + suf_len, pre_len + suf_len, causal=True)
         # rows of cat([prefix, suffix]) in the order [prefix 0 | suffix 0 | prefix 1 | suffix 1 | ...]
         sample = torch.arange(len(pre_len), device=dev)
-        key = torch.cat([torch.repeat_interleave(sample * 2, pre_len), torch.repeat_interleave(sample * 2 + 1, suf_len)])
+        key = torch.cat([torch.repeat_interleave(sample * 2, pre_len),
+                         torch.repeat_interleave(sample * 2 + 1, suf_len)])
         self.joint_order = torch.argsort(key, stable=True)
         self.n_pre = n_pre
 

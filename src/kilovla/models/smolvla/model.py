@@ -103,7 +103,8 @@ class SmolVLAConfig:
             raise KilovlaError(f"the expert width int({self.text.width} * {self.expert_width_multiplier}) must be even "
                                "(its time embedding is half sines, half cosines)")
         if not 1 <= self.num_vlm_layers <= self.text.depth:
-            raise KilovlaError(f"num_vlm_layers must lie in [1, text.depth={self.text.depth}], not {self.num_vlm_layers}")
+            raise KilovlaError(f"num_vlm_layers must lie in [1, text.depth={self.text.depth}], "
+                               f"not {self.num_vlm_layers}")
         if self.language_padding not in ("max_length", "longest"):
             raise KilovlaError(f"language_padding must be max_length or longest, not {self.language_padding!r}")
         if self.loss_reduction not in LOSS_REDUCTIONS:

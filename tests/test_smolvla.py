@@ -219,8 +219,8 @@ def test_training_reduces_the_loss():
 
 
 def test_lerobot_key_layout_loads_strictly(tmp_path):
-    """A file with LeRobot's keys ("model." prefix, the VLM's lm_head beside the embedding) loads into
-    every parameter; a missing key is refused with its name."""
+    """A file with LeRobot's keys ("model." prefix, the VLM's lm_head beside the embedding; with or without
+    pre-0.4 normalisation buffers) loads into every parameter; a missing key is refused with its name."""
     source, target = _model(), build_model("smolvla-tiny", seed=7)
     cfg = source.config
     state = {f"model.{k}": v.clone() for k, v in source.state_dict().items()}
@@ -230,7 +230,12 @@ def test_lerobot_key_layout_loads_strictly(tmp_path):
     assert load_checkpoint(target, tmp_path / "model.safetensors") == "lerobot"
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name
-    del state["model.state_proj.weight"]
+    state["normalize_inputs.buffer_observation_state.mean"] = torch.zeros(cfg.max_state_dim)  # pre-0.4 LeRobot
+    save_file(state, tmp_path / "with_stats.safetensors")
+    target = build_model("smolvla-tiny", seed=7)
+    load_checkpoint(target, tmp_path / "with_stats.safetensors", layout="lerobot")
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
+    del state["normalize_inputs.buffer_observation_state.mean"], state["model.state_proj.weight"]
     save_file(state, tmp_path / "broken.safetensors")
     with pytest.raises(CheckpointError, match="missing keys: state_proj.weight"):
         load_checkpoint(target, tmp_path / "broken.safetensors")

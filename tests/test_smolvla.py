@@ -271,3 +271,31 @@ def test_bad_shapes_are_refused_in_one_line():
         preset("smolvla-tiny", vision={"image_size": 40})
     with pytest.raises(KilovlaError, match="loss_reduction must be one of"):
         preset("smolvla-tiny", loss_reduction="sum")
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = _model()
+    model.train()
+    batch = _batch(model.config)
+    noise, time = _noise_time(batch)
+    grads = []
+    for recompute in (False, True):
+        model.gradient_checkpointing = recompute
+        model.zero_grad()
+        model(batch, noise=noise, time=time)["loss"].backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_the_unused_last_layer_parts_take_no_gradient_and_the_rest_do():
+    """The prefix stream after the last layer is read only through its keys and values."""
+    model = _model()
+    model.train()
+    batch = _batch(model.config)
+    model(batch, noise=_noise_time(batch)[0], time=_noise_time(batch)[1])["loss"].backward()
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen and all(n.startswith(("vlm_with_expert.vlm.model.text_model.layers.3.",
+                                        "vlm_with_expert.vlm.model.text_model.norm.")) for n in frozen)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -14,6 +14,7 @@ max(1, |LeRobot|) elementwise (the check: squared errors reach ~40, where fp32 s
   `SmolVLAPolicy.forward(reduction="none")`;
 - per-sample loss, loss_reduction="kilovla": against LeRobot's unreduced loss averaged over the
   elements that count (steps not in `action_is_pad`, the first `action_dim` dims);
+- v_t and the per-sample loss through the packed path (`packing=True`: no padding, varlen attention);
 - the velocity of each of the 10 Euler steps, and the sampled actions (KV-cached and uncached).
 
 Exits 1 when any scaled difference exceeds --tol (1e-5).
@@ -22,6 +23,7 @@ Exits 1 when any scaled difference exceeds --tol (1e-5).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -84,6 +86,11 @@ def compare(ref_dir: Path) -> dict[str, dict[str, float]]:
         expected = (ref["losses"] * weight).sum((1, 2)) / weight.sum((1, 2))
         diff["loss per sample (kilovla)"] = models["kilovla"](batch, noise=x["noise"], time=x["time"])["per_sample"], \
             expected
+        model.config = dataclasses.replace(model.config, packing=True)  # the samples end to end, no padding
+        packed = model(batch, noise=x["noise"], time=x["time"])
+        model.config = dataclasses.replace(model.config, packing=False)
+        diff["v_t (packed)"] = packed["v_t"], ref["v_t"]
+        diff["loss per sample (packed, lerobot_v044)"] = packed["per_sample"], ref["loss_per_sample"]
         seen = []
         hook = model.action_out_proj.register_forward_hook(lambda mod, args, out: seen.append(out.detach().clone()))
         diff["sampled actions (cached)"] = model.sample_actions(batch, noise=x["sample_noise"].clone()), \

@@ -165,6 +165,15 @@ def test_padded_language_and_a_blank_camera_change_nothing_real():
                                _run(model, batch, max_language_tokens=80)["v_t"], **TOL)
 
 
+def test_pruning_a_camera_equals_masking_it():
+    model = _model()
+    batch = _batch(model.config)
+    blank = dataclasses.replace(batch, image_masks=batch.image_masks & torch.tensor([True, False]))
+    pruned = _run(model, blank, disabled_cameras=(model.config.cameras[-1],))
+    torch.testing.assert_close(_run(model, blank)["v_t"], pruned["v_t"], **TOL)
+    torch.testing.assert_close(_run(model, blank, packing=True)["v_t"], pruned["v_t"], **TOL)
+
+
 def test_sampling_is_deterministic_and_the_kv_cache_changes_nothing():
     model = _model()
     batch = _batch(model.config)

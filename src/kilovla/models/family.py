@@ -38,7 +38,7 @@ from torch import nn
 from kilovla.errors import KilovlaError
 from kilovla.models.images import ImageAugmentation
 
-FAMILY_MODULES = ("kilovla.models.pi05", "kilovla.models.groot")
+FAMILY_MODULES = ("kilovla.models.pi05", "kilovla.models.groot", "kilovla.models.smolvla")
 
 
 @dataclass(frozen=True, kw_only=True)

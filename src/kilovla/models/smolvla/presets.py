@@ -1,0 +1,31 @@
+"""SmolVLA presets and their fine-tuning recipes.
+
+- ``smolvla-tiny``: seconds per step on a CPU (two 32-px cameras of 4 tokens each, a 4-layer
+  48-wide decoder, byte tokenizer), for tests and parity at tiny shapes.
+- ``smolvla-base``: ``lerobot/smolvla_base``'s shapes (SigLIP-B/16 at 512 px, pixel shuffle x4 -> 64
+  tokens per camera, SmolLM2 text 960 wide, 15 / 5 heads of 64, MLP 2560, vocab 49280, the first
+  16 of 32 layers kept, a 720-wide expert, chunk 50, dims 32, 48 prompt tokens); LeRobot's recipe:
+  the VLM and vision frozen (the expert and `state_proj` train), mean/std normalisation.
+"""
+
+from __future__ import annotations
+
+from kilovla.models.family import PolicyDefaults
+from kilovla.models.language import DecoderConfig
+from kilovla.models.smolvla.model import SmolVLAConfig
+from kilovla.models.tokenize import BYTE_VOCAB_SIZE
+from kilovla.models.vision import ViTConfig
+
+PRESETS = {
+    "smolvla-tiny": SmolVLAConfig(
+        vision=ViTConfig(image_size=32, patch_size=8, width=32, depth=2, heads=4, mlp_dim=64), scale_factor=2,
+        text=DecoderConfig(width=48, depth=4, heads=6, kv_heads=2, head_dim=8, mlp_dim=96, vocab_size=BYTE_VOCAB_SIZE),
+        num_vlm_layers=4, rms_norm_eps=1e-6, chunk_size=8, max_state_dim=8, max_action_dim=8, max_language_tokens=48,
+        cameras=("camera1", "camera2")),
+    "smolvla-base": SmolVLAConfig(),
+}
+
+RECIPES = {
+    "smolvla-tiny": PolicyDefaults(),
+    "smolvla-base": PolicyDefaults(normalization="mean_std", freeze_vision=True, freeze_vlm=True, needs_weights=True),
+}

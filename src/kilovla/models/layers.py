@@ -64,6 +64,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
+class SwiGLU(GatedMLP):
+    """Llama's and Qwen's MLP: down(silu(gate(x)) * up(x)) (the same weights as Gemma's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10_000.0) -> torch.Tensor:
     """Rotary embedding on the last dim of x (..., T, H, D) at integer positions (..., T), float32 math."""
     half = x.shape[-1] // 2

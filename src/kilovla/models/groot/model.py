@@ -38,7 +38,7 @@ from kilovla.models.attention import (BACKENDS, VarlenSpec, additive, attend_den
                                       resolve_backend)
 from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix, padded_prefix
 from kilovla.models.language import DecoderConfig
-from kilovla.models.layers import CategoryLinear, GatedMLP, apply_rope
+from kilovla.models.layers import CategoryLinear, SwiGLU, apply_rope
 from kilovla.models.vision import ViTConfig, VisionTower
 
 
@@ -145,11 +145,6 @@ class _QwenAttention(nn.Module):
         self.q_norm, self.k_norm = _QwenNorm(c.head_dim), _QwenNorm(c.head_dim)
 
 
-class _SiLUMLP(GatedMLP):
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _QwenLayer(nn.Module):
     """One causal Qwen3 layer; an FSDP unit of its own."""
 
@@ -158,7 +153,7 @@ class _QwenLayer(nn.Module):
         self.c, self.rope_theta = c, rope_theta
         self.input_layernorm, self.post_attention_layernorm = _QwenNorm(c.width), _QwenNorm(c.width)
         self.self_attn = _QwenAttention(c)
-        self.mlp = _SiLUMLP(c.width, c.mlp_dim)
+        self.mlp = SwiGLU(c.width, c.mlp_dim)
 
     def forward(self, x, positions, spec: VarlenSpec | None, mask: torch.Tensor | None, backend: str):
         """x (B, L, W) with an additive mask, or packed (T, W) with a causal VarlenSpec."""

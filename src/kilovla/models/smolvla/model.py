@@ -46,7 +46,7 @@ from kilovla.errors import KilovlaError
 from kilovla.models.attention import BACKENDS, additive, prefix_lm_mask, resolve_backend
 from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix, padded_prefix
 from kilovla.models.language import DecoderConfig, SelfAttentionProjections
-from kilovla.models.layers import apply_rope, sincos_time_embedding
+from kilovla.models.layers import SwiGLU, apply_rope, sincos_time_embedding
 from kilovla.models.smolvla.attention import DenseAttention, PackedAttention
 from kilovla.models.vision import ViTConfig, VisionModel
 
@@ -153,19 +153,6 @@ class LlamaRMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-class SwiGLU(nn.Module):
-    """Llama's MLP: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, width: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(width, hidden, bias=False)
-        self.up_proj = nn.Linear(width, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, width, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaLayer(nn.Module):

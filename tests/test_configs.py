@@ -3,6 +3,7 @@ run starts, so a renamed key or a refused value breaks here, not in a user's fir
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,18 @@ def test_a_type_error_names_the_type_with_its_article():
         with pytest.raises(KilovlaError) as e:
             from_dict(C, {key: value})
         assert str(e.value) == f"config key {key!r}: {value!r} is not {kind}"
+
+
+@pytest.mark.parametrize("name", ["pi0-tiny", "groot-tiny", "smolvla-tiny"])
+@pytest.mark.parametrize("override, message", [
+    ({"language_padding": "shortest"}, "language_padding must be max_length or longest, not 'shortest'"),
+    ({"disabled_cameras": ["nope"]}, "disabled cameras ['nope'] are not among the model's cameras"),
+    ({"attention_backend": "fast"}, "attention_backend must be one of"),
+])
+def test_every_familys_config_checks_its_shared_fields(name, override, message):
+    """family.CameraSlots.check_shared: one rule for the three configs (GR00T's took any language_padding)."""
+    from kilovla.errors import KilovlaError
+    from kilovla.models.presets import preset
+
+    with pytest.raises(KilovlaError, match=re.escape(message)):
+        preset(name, **override)

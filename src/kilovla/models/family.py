@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from kilovla.errors import KilovlaError
+from kilovla.models.attention import BACKENDS
 from kilovla.models.images import ImageAugmentation
 
 FAMILY_MODULES = ("kilovla.models.pi05", "kilovla.models.groot", "kilovla.models.smolvla")
@@ -87,6 +88,25 @@ class ModelSettings:
         if self.language_tokens is not None:
             out["max_language_tokens"] = self.language_tokens
         return out
+
+
+class CameraSlots:
+    """What every family's config has alike (a base of Pi05Config, GrootConfig, SmolVLAConfig): named
+    `cameras`, some `disabled_cameras` (pruned), `language_padding` and an `attention_backend`."""
+
+    @property
+    def enabled_cameras(self) -> tuple[str, ...]:
+        return tuple(c for c in self.cameras if c not in self.disabled_cameras)
+
+    def check_shared(self) -> None:
+        """The checks of those fields, for each config's __post_init__."""
+        if self.language_padding not in ("max_length", "longest"):
+            raise KilovlaError(f"language_padding must be max_length or longest, not {self.language_padding!r}")
+        unknown = [c for c in self.disabled_cameras if c not in self.cameras]
+        if unknown:
+            raise KilovlaError(f"disabled cameras {unknown} are not among the model's cameras {list(self.cameras)}")
+        if self.attention_backend not in BACKENDS:
+            raise KilovlaError(f"attention_backend must be one of {BACKENDS}, not {self.attention_backend!r}")
 
 
 @dataclass(frozen=True)

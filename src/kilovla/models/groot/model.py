@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kilovla.errors import KilovlaError
-from kilovla.models.attention import (BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen,
+from kilovla.models.attention import (VarlenSpec, additive, attend_dense, attend_varlen,
                                       resolve_backend)
 from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix, padded_prefix
+from kilovla.models.family import CameraSlots
 from kilovla.models.language import DecoderConfig
 from kilovla.models.layers import CategoryLinear, SwiGLU, apply_rope
 from kilovla.models.vision import ViTConfig, VisionTower
@@ -61,7 +62,7 @@ class DiTConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GrootConfig:
+class GrootConfig(CameraSlots):
     vision: ViTConfig = field(default_factory=ViTConfig)
     llm: DecoderConfig = field(default_factory=lambda: DecoderConfig(
         width=2048, depth=12, heads=16, kv_heads=8, head_dim=128, mlp_dim=6144, vocab_size=151936))
@@ -93,15 +94,7 @@ class GrootConfig:
     def __post_init__(self):
         if self.vl_self_attention_heads * self.vl_self_attention_head_dim != self.llm.width:
             raise KilovlaError("the VL self-attention width must equal the LLM width")
-        if self.attention_backend not in BACKENDS:
-            raise KilovlaError(f"attention_backend must be one of {BACKENDS}, not {self.attention_backend!r}")
-        unknown = [c for c in self.disabled_cameras if c not in self.cameras]
-        if unknown:
-            raise KilovlaError(f"disabled cameras {unknown} are not among the model's cameras {list(self.cameras)}")
-
-    @property
-    def enabled_cameras(self) -> tuple[str, ...]:
-        return tuple(c for c in self.cameras if c not in self.disabled_cameras)
+        self.check_shared()
 
     @property
     def action_head_tokens(self) -> int:

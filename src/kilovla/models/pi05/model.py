@@ -38,8 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kilovla.errors import KilovlaError
-from kilovla.models.attention import BACKENDS, VarlenSpec, additive, attend_dense, attend_varlen, prefix_lm_mask, resolve_backend
+from kilovla.models.attention import VarlenSpec, additive, attend_dense, attend_varlen, prefix_lm_mask, resolve_backend
 from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix, padded_prefix
+from kilovla.models.family import CameraSlots
 from kilovla.models.language import Decoder, DecoderConfig
 from kilovla.models.layers import sincos_time_embedding
 from kilovla.models.vision import ViTConfig, VisionTower
@@ -53,7 +54,7 @@ def flow_time(beta: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Pi05Config:
+class Pi05Config(CameraSlots):
     vision: ViTConfig = field(default_factory=ViTConfig)
     lm: DecoderConfig = field(default_factory=DecoderConfig)
     expert: DecoderConfig = field(default_factory=lambda: DecoderConfig(width=1024, mlp_dim=4096, vocab_size=0))
@@ -73,17 +74,7 @@ class Pi05Config:
         shared = ("heads", "kv_heads", "head_dim", "depth")
         if any(getattr(self.lm, a) != getattr(self.expert, a) for a in shared):
             raise KilovlaError(f"the LM and the action expert must share {shared} (they attend together)")
-        if self.language_padding not in ("max_length", "longest"):
-            raise KilovlaError(f"language_padding must be max_length or longest, not {self.language_padding!r}")
-        unknown = [c for c in self.disabled_cameras if c not in self.cameras]
-        if unknown:
-            raise KilovlaError(f"disabled cameras {unknown} are not among the model's cameras {list(self.cameras)}")
-        if self.attention_backend not in BACKENDS:
-            raise KilovlaError(f"attention_backend must be one of {BACKENDS}, not {self.attention_backend!r}")
-
-    @property
-    def enabled_cameras(self) -> tuple[str, ...]:
-        return tuple(c for c in self.cameras if c not in self.disabled_cameras)
+        self.check_shared()
 
     @property
     def suffix_extra(self) -> int:

@@ -43,8 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kilovla.errors import KilovlaError
-from kilovla.models.attention import BACKENDS, additive, prefix_lm_mask, resolve_backend
+from kilovla.models.attention import additive, prefix_lm_mask, resolve_backend
 from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight, pack_prefix, padded_prefix
+from kilovla.models.family import CameraSlots
 from kilovla.models.language import DecoderConfig, SelfAttentionProjections
 from kilovla.models.layers import SwiGLU, apply_rope, sincos_time_embedding
 from kilovla.models.smolvla.attention import DenseAttention, PackedAttention
@@ -66,7 +67,7 @@ def expert_mlp_dim(width: int, multiple_of: int = 256) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SmolVLAConfig:
+class SmolVLAConfig(CameraSlots):
     vision: ViTConfig = field(default_factory=lambda: ViTConfig(image_size=512, patch_size=16, width=768, depth=12,
                                                                 heads=12, mlp_dim=3072))
     scale_factor: int = 4  # pixel shuffle: tokens per camera = (image / patch / scale)^2
@@ -105,19 +106,9 @@ class SmolVLAConfig:
         if not 1 <= self.num_vlm_layers <= self.text.depth:
             raise KilovlaError(f"num_vlm_layers must lie in [1, text.depth={self.text.depth}], "
                                f"not {self.num_vlm_layers}")
-        if self.language_padding not in ("max_length", "longest"):
-            raise KilovlaError(f"language_padding must be max_length or longest, not {self.language_padding!r}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise KilovlaError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, not {self.loss_reduction!r}")
-        unknown = [c for c in self.disabled_cameras if c not in self.cameras]
-        if unknown:
-            raise KilovlaError(f"disabled cameras {unknown} are not among the model's cameras {list(self.cameras)}")
-        if self.attention_backend not in BACKENDS:
-            raise KilovlaError(f"attention_backend must be one of {BACKENDS}, not {self.attention_backend!r}")
-
-    @property
-    def enabled_cameras(self) -> tuple[str, ...]:
-        return tuple(c for c in self.cameras if c not in self.disabled_cameras)
+        self.check_shared()
 
     @property
     def camera_tokens(self) -> int:

@@ -303,20 +303,14 @@ def check_resumed_settings(folder: Path, cfg) -> None:
         trained with optim.lr=3e-4, resumed with --optim.lr=1e-4 -> KilovlaError "... optim.lr=0.0001
         (the checkpoint's: 0.0003) ... --policy.init_from=..."
     """
-    import yaml
-
     from kilovla.config import to_dict
     from kilovla.train.config import named
     from kilovla.train.optim import OptimConfig, _lr_lambda
 
     check_same_model(folder, cfg.policy.preset)  # another model's optimizer settings are beside the point
-    path = Path(folder) / "config.yaml"
-    if not path.is_file():
+    saved = _trained_config(folder)
+    if saved is None:
         return
-    try:
-        saved = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise KilovlaError(f"{path}: not a training config: {e}") from None
     theirs, mine = saved.get("optim") or {}, to_dict(cfg.optim)
     differ = [f"optim.{k}={mine[k]!r} (the checkpoint's: {theirs[k]!r})"
               for k in FIXED_BY_OPTIMIZER if k in theirs and theirs[k] != mine[k]]
@@ -344,15 +338,8 @@ def with_resumed_start(folder: Path, cfg):
     it, the run's config.yaml was rewritten with `init_from: null` and its next policy.json lost the record
     of its start (and the demonstration seeds the start brings). A start that is gone since stays unset,
     said in one warning (the weights continue from the checkpoint either way)."""
-    import yaml
-
-    path = Path(folder) / "config.yaml"
-    if cfg.policy.init_from or not path.is_file():
-        return cfg
-    try:
-        started = ((yaml.safe_load(path.read_text()) or {}).get("policy") or {}).get("init_from")
-    except yaml.YAMLError as e:
-        raise KilovlaError(f"{path}: not a training config: {e}") from None
+    saved = None if cfg.policy.init_from else _trained_config(folder)
+    started = ((saved or {}).get("policy") or {}).get("init_from")
     if not started:
         return cfg
     if not Path(started).expanduser().exists():
@@ -360,6 +347,19 @@ def with_resumed_start(folder: Path, cfg):
                     "name its start", folder, started)
         return cfg
     return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, init_from=started))
+
+
+def _trained_config(folder: Path) -> dict | None:
+    """The config.yaml the checkpoint in `folder` was trained with, as a mapping (None: it has none)."""
+    import yaml
+
+    path = Path(folder) / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise KilovlaError(f"{path}: not a training config: {e}") from None
 
 
 def _same_path(a: str, b: str | None) -> bool:

@@ -49,7 +49,7 @@ class PolicyDefaults:
     tokenizer: str = "byte"  # byte, paligemma (SentencePiece), qwen3 (tokenizer.json + Eagle template)
     normalization: str = "quantile"  # quantile (pi0.5), mean_std (pi0), min_max (GR00T)
     state_in_prompt: bool = False
-    image_resize: str = "stretch"  # or pad (openpi's resize_with_pad)
+    image_resize: str = "stretch"  # or pad (openpi's resize_with_pad), pad_top_left (LeRobot SmolVLA's)
     augmentation: ImageAugmentation = field(default_factory=ImageAugmentation)
     freeze_vision: bool = False
     freeze_vlm: bool = False  # GR00T: the whole Eagle backbone (tune_llm=False, tune_visual=False)

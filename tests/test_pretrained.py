@@ -152,6 +152,24 @@ def test_resize_with_pad_matches_openpi(shape):
     assert (ref == 0).all(-1).sum() == (ours == 0).all(0).sum().item() > 0  # the same black bars
 
 
+def test_lerobot_smolvla_pads_at_the_top_and_left():
+    """A 2 x 4 image in a 4 x 4 square: LeRobot's SmolVLA puts it in the bottom rows, openpi centres it; a
+    tall one sits in the right columns. Downscaling is LeRobot's plain bilinear (no antialiasing)."""
+    from kilovla.models.images import RESIZE_MODES, resize_images
+    wide = (torch.arange(8.0) + 1).reshape(1, 1, 2, 4).expand(1, 3, 2, 4) / 8
+    out = resize_images(wide, 4, "pad_top_left")
+    assert (out[0, :, :2] == 0).all() and torch.equal(out[0, :, 2:], wide[0])
+    assert (out[0, :, 0] == 0).all() and torch.equal(resize_images(wide, 4, "pad")[0, :, 1:3], wide[0])
+    tall = wide.transpose(2, 3)
+    out = resize_images(tall, 4, "pad_top_left")
+    assert (out[0, :, :, :2] == 0).all() and torch.equal(out[0, :, :, 2:], tall[0])
+    big = torch.rand(1, 3, 8, 16, generator=torch.Generator().manual_seed(0))
+    out = resize_images(big, 4, "pad_top_left")
+    plain = torch.nn.functional.interpolate(big, size=(2, 4), mode="bilinear", align_corners=False)
+    assert (out[0, :, :2] == 0).all() and torch.equal(out[:, :, 2:], plain)
+    assert "pad_top_left" in RESIZE_MODES
+
+
 def _images(n=2, size=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.rand(n, 3, size, size, generator=g)

@@ -273,6 +273,23 @@ def test_the_family_answers_for_smolvla():
     assert "vlm_with_expert.vlm.model.text_model.layers.3.mlp.down_proj" in fp8 and not any("vision" in n for n in fp8)
 
 
+def test_the_token_plan_counts_the_rows_the_model_builds():
+    """A padded row is the plan's fixed count: 4 tokens per camera after the pixel shuffle, not the
+    vision tower's 16; pi0's and GR00T's cameras still count their tower's tokens."""
+    from kilovla.models.processor import PolicyMeta
+    from kilovla.train.build import token_layout
+    model = _model()
+    cfg, batch = model.config, _batch(model.config)
+    layout = token_layout(cfg, PolicyMeta(preset="smolvla-tiny", camera_map={f"observation.images.{c}": c
+                                                                             for c in cfg.cameras}))
+    with torch.no_grad():
+        prefix = model._padded_layout(batch, cfg.chunk_size)[0].shape[1]
+    assert layout.tokens_per_camera == 4 and layout.fixed_tokens(len(cfg.cameras)) == prefix + cfg.chunk_size
+    for name in ("pi0-tiny", "groot-tiny"):
+        other = preset(name)
+        assert token_layout(other, PolicyMeta(preset=name)).tokens_per_camera == other.vision.tokens
+
+
 def test_bad_shapes_are_refused_in_one_line():
     with pytest.raises(KilovlaError, match="num_vlm_layers must lie in"):
         preset("smolvla-tiny", num_vlm_layers=9)

@@ -10,7 +10,8 @@ What a family answers, by who asks:
 
 - building: `config_class`, `model_class`, `presets` (name -> config) and `recipes` (name ->
   `PolicyDefaults`), read by models/presets.py;
-- the data and the processor: `chunk_length`, `action_tokens` (the suffix the token plan counts),
+- the data and the processor: `chunk_length`, `camera_tokens` (one camera's image tokens) and
+  `action_tokens` (the rest of the row past language: the suffix and any state token) that the token plan counts,
   `vocab_size`, `image_token_id`, `pooled_width` (the residual's features);
 - writing a config: `overrides` (`ModelSettings`, a caller's family-neutral wishes such as the demo's
   chunk length and camera count -> that family's config overrides);
@@ -49,7 +50,7 @@ class PolicyDefaults:
     tokenizer: str = "byte"  # byte, paligemma (SentencePiece), qwen3 (tokenizer.json + Eagle template)
     normalization: str = "quantile"  # quantile (pi0.5), mean_std (pi0), min_max (GR00T)
     state_in_prompt: bool = False
-    image_resize: str = "stretch"  # or pad (openpi's resize_with_pad)
+    image_resize: str = "stretch"  # or pad (openpi's resize_with_pad), pad_top_left (LeRobot SmolVLA's)
     augmentation: ImageAugmentation = field(default_factory=ImageAugmentation)
     freeze_vision: bool = False
     freeze_vlm: bool = False  # GR00T: the whole Eagle backbone (tune_llm=False, tune_visual=False)
@@ -146,6 +147,7 @@ class Family:
     recipes: Mapping[str, PolicyDefaults]
     chunk_length: Callable[[object], int]
     overrides: Callable[[object, ModelSettings], dict]  # (the preset's config, settings) -> config overrides
+    camera_tokens: Callable[[object], int]  # image tokens one camera adds to a row
     action_tokens: Callable[[object], int]
     vocab_size: Callable[[object], int]
     image_token_id: Callable[[object], int | None]

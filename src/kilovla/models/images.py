@@ -6,6 +6,8 @@ Resizing (`resize_images`), chosen per policy:
   GR00T's Eagle processor does this (it also stretches to 224 x 224).
 - ``pad``: openpi's ``resize_with_pad`` - scale to fit, keep the aspect ratio, centre, pad with
   black. Matches openpi_client's PIL version to within a grey level.
+- ``pad_top_left``: LeRobot's SmolVLA ``resize_with_pad`` - the same fit, the padding all at the top
+  and left (the image in the bottom-right corner), bilinear without antialiasing as LeRobot's.
 
 Augmentation (`ImageAugmentation`, training batches only), values of the published recipes:
 
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 from kilovla.errors import KilovlaError
 
-RESIZE_MODES = ("stretch", "pad")
+RESIZE_MODES = ("stretch", "pad", "pad_top_left")
 
 
 def resize_images(images: torch.Tensor, size: int, mode: str = "stretch") -> torch.Tensor:
@@ -45,20 +47,24 @@ def resize_images(images: torch.Tensor, size: int, mode: str = "stretch") -> tor
         return images
     if mode == "stretch":
         return F.interpolate(images, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    return resize_with_pad(images, size, size)
+    return resize_with_pad(images, size, size, top_left=mode == "pad_top_left")
 
 
-def resize_with_pad(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
+def resize_with_pad(images: torch.Tensor, height: int, width: int, top_left: bool = False) -> torch.Tensor:
     """openpi_client's `resize_with_pad`: fit inside (height, width) keeping the aspect ratio, centred,
-    zero padding. (N, 3, H, W) -> (N, 3, height, width)."""
+    zero padding. (N, 3, H, W) -> (N, 3, height, width). `top_left`: LeRobot's SmolVLA version, all
+    the padding at the top and left, no antialiasing."""
     h, w = images.shape[-2:]
     if (h, w) == (height, width):
         return images
     ratio = max(w / width, h / height)
     rh, rw = int(h / ratio), int(w / ratio)
-    resized = F.interpolate(images, size=(rh, rw), mode="bilinear", antialias=True, align_corners=False)
+    resized = F.interpolate(images, size=(rh, rw), mode="bilinear", antialias=not top_left, align_corners=False)
     out = images.new_zeros(*images.shape[:-2], height, width)
-    top, left = max(0, int((height - rh) / 2)), max(0, int((width - rw) / 2))
+    if top_left:
+        top, left = height - rh, width - rw
+    else:
+        top, left = max(0, int((height - rh) / 2)), max(0, int((width - rw) / 2))
     out[..., top: top + rh, left: left + rw] = resized
     return out
 

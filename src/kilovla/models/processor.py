@@ -45,7 +45,7 @@ class PolicyMeta:
     n_action_steps: int | None = field(default=None, metadata={"min": 1})
     embodiment_id: int = field(default=0, metadata={"min": 0})  # GR00T: which per-embodiment encoders to use
     tokenizer: str = "byte"  # or a path: absolute, or relative to the policy folder
-    image_resize: str = "stretch"  # or "pad" (openpi's resize_with_pad)
+    image_resize: str = "stretch"  # or "pad" (openpi's resize_with_pad), "pad_top_left" (LeRobot SmolVLA's)
     augmentation: dict = field(default_factory=dict)  # ImageAugmentation fields; empty: none
     init_from: dict | None = None  # {"path", "layout"} of the checkpoint training started from
     # [H, W] of the training data's camera frames (eval renders at it)

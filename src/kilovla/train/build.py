@@ -254,10 +254,11 @@ def build_processor(cfg: TrainConfig, model_cfg, meta: PolicyMeta) -> Processor:
 
 def token_layout(model_cfg, meta: PolicyMeta) -> TokenLayout:
     """How many tokens the model spends on a sample, as the plan counts them."""
-    return TokenLayout(tokens_per_camera=model_cfg.vision.tokens, cameras=tuple(meta.camera_map),
+    fam = family_of(model_cfg)
+    return TokenLayout(tokens_per_camera=fam.camera_tokens(model_cfg), cameras=tuple(meta.camera_map),
                        max_language_tokens=model_cfg.max_language_tokens,
                        state_tokens=4 * meta.state_dim if meta.state_in_prompt else 0,
-                       action_horizon=family_of(model_cfg).action_tokens(model_cfg))
+                       action_horizon=fam.action_tokens(model_cfg))
 
 
 def build_data(cfg: TrainConfig, model_cfg, meta: PolicyMeta, processor: Processor,

@@ -49,7 +49,7 @@ class PolicyConfig:
     init_from: str | None = None  # a checkpoint to fine-tune: policy folder, openpi, LeRobot or Isaac-GR00T
     random_init: bool = False  # allow a fine-tuning preset (pi05-base, groot-n15...) to start from random weights
     tokenizer: str | None = None  # "byte" or a path; unset: the preset's kind, found next to init_from
-    image_resize: str | None = None  # stretch, pad
+    image_resize: str | None = None  # stretch, pad, pad_top_left
     augmentation: dict | None = None  # ImageAugmentation fields ({} turns the preset's off)
     lora: LoraSettings = field(default_factory=LoraSettings)  # --policy.lora.rank=16: LoRA adapters (models/lora.py)
 

@@ -38,6 +38,7 @@ def freeze_groups(model) -> dict:
 FAMILY = Family(
     name="groot", title="GR00T", config_class=GrootConfig, model_class=GrootModel, presets=PRESETS, recipes=RECIPES,
     chunk_length=lambda cfg: cfg.action_horizon, overrides=overrides,
+    camera_tokens=lambda cfg: cfg.vision.tokens,
     action_tokens=lambda cfg: cfg.action_head_tokens,
     vocab_size=lambda cfg: cfg.llm.vocab_size,
     image_token_id=lambda cfg: cfg.image_token_id,

@@ -51,6 +51,7 @@ def freeze_groups(model) -> dict:
 FAMILY = Family(
     name="pi05", title="pi0/pi0.5", config_class=Pi05Config, model_class=Pi05Model, presets=PRESETS, recipes=RECIPES,
     chunk_length=lambda cfg: cfg.chunk_size, overrides=overrides,
+    camera_tokens=lambda cfg: cfg.vision.tokens,
     action_tokens=lambda cfg: cfg.chunk_size + cfg.suffix_extra,
     vocab_size=lambda cfg: cfg.lm.vocab_size,
     image_token_id=lambda cfg: None,

@@ -27,5 +27,6 @@ PRESETS = {
 
 RECIPES = {
     "smolvla-tiny": PolicyDefaults(),
-    "smolvla-base": PolicyDefaults(normalization="mean_std", freeze_vision=True, freeze_vlm=True, needs_weights=True),
+    "smolvla-base": PolicyDefaults(normalization="mean_std", image_resize="pad_top_left", freeze_vision=True,
+                                   freeze_vlm=True, needs_weights=True),
 }

@@ -37,7 +37,8 @@ def freeze_groups(model) -> dict:
 FAMILY = Family(
     name="smolvla", title="SmolVLA", config_class=SmolVLAConfig, model_class=SmolVLAModel, presets=PRESETS,
     recipes=RECIPES, chunk_length=lambda cfg: cfg.chunk_size, overrides=overrides,
-    action_tokens=lambda cfg: cfg.chunk_size,
+    camera_tokens=lambda cfg: cfg.camera_tokens,  # after the connector's pixel shuffle
+    action_tokens=lambda cfg: cfg.chunk_size + 1,  # the prefix's state token counted here
     vocab_size=lambda cfg: cfg.text.vocab_size,
     image_token_id=lambda cfg: None,
     pooled_width=lambda cfg: 2 * cfg.text.kv_heads * cfg.text.head_dim,  # the last layer's keys and values

@@ -330,6 +330,18 @@ class VideoEncoder:
             self._container.mux(packet)
         self._container.close()
 
+    def __enter__(self) -> VideoEncoder:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # closing a broken encoder must not hide the original error
+            self._container.close()
+        except Exception:
+            pass
+
 
 def probe_video(path: str | Path) -> dict:
     """Codec, size, fps, frame count and duration of an mp4's first video stream."""
@@ -366,7 +378,7 @@ def concat_videos(inputs: list[str | Path], output: str | Path) -> list[float]:
     with av.open(str(inputs[0])) as first:
         template = first.streams.video[0]
         out = av.open(str(output), "w")
-        out_stream = out.add_stream_from_template(template)
+        out_stream = out.add_stream_from_template(template, opaque=True)
     offset_s = 0.0
     try:
         for path in inputs:

@@ -5,6 +5,11 @@ writes the same files LeRobot writes: same keys, path templates and parquet sche
 hold many episodes (AV1 or H.264, a keyframe every 2 frames), per-episode stats in
 meta/episodes and aggregated stats with q01..q99 in meta/stats.json.
 
+Each camera's episode is encoded alone into a staged segment, and a camera's segments are joined into
+its file without re-encoding when the file is full or at `finalize()`, as LeRobot does. So at most one
+encoder is alive in the process at any time: SVT-AV1 instances share global state, and a process
+holding several (one per camera, as this writer once did) can hang inside the encoder.
+
 Everything goes to a hidden temporary folder beside `root`; `finalize()` renames it into place, so
 a crash or an error never leaves a half-written dataset at `root`::
 
@@ -178,7 +183,9 @@ class DatasetWriter:
         self._data_file = (0, 0)
         self._data_parts: list[pa.Table] = []
         self._data_bytes = 0
-        self._video: dict[str, dict] = {k: {"file": (0, 0), "encoder": None} for k in self.video_keys}
+        # Per camera: its current file, the segments staged for it, their bytes and frames.
+        self._video: dict[str, dict] = {k: {"file": (0, 0), "segments": [], "bytes": 0, "frames": 0}
+                                        for k in self.video_keys}
         self._finalized = False
 
     # -- recording --------------------------------------------------------------------------------
@@ -285,23 +292,36 @@ class DatasetWriter:
 
     def _encode_episode(self, key: str, video: np.ndarray) -> dict[str, Any]:
         state = self._video[key]
-        enc = state["encoder"]
-        if enc is not None and enc.frames and enc.bytes_written >= self.video_limit:
-            enc.close()
+        if state["segments"] and state["bytes"] >= self.video_limit:
+            self._join_segments(key)
             state["file"] = self._next_file(*state["file"])
-            enc = None
-        if enc is None:
-            chunk, file = state["file"]
-            path = self._tmp / DEFAULT_VIDEO_PATH.format(video_key=key, chunk_index=chunk, file_index=file)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            h, w, _ = self.features[key]["shape"]
-            enc = state["encoder"] = VideoEncoder(path, w, h, self.fps, self.video_codec, self.crf, self.gop)
-        start = enc.frames / self.fps
-        for frame in video:
-            enc.add(frame)
+        path = self._tmp / "segments" / f"{key}-{len(self.episodes):09d}.mp4"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        h, w, _ = self.features[key]["shape"]
+        with VideoEncoder(path, w, h, self.fps, self.video_codec, self.crf, self.gop) as enc:
+            for frame in video:
+                enc.add(frame)
+        start = state["frames"] / self.fps
+        state["segments"].append(path)
+        state["bytes"] += enc.bytes_written
+        state["frames"] += len(video)
         chunk, file = state["file"]
         return {f"videos/{key}/chunk_index": chunk, f"videos/{key}/file_index": file,
-                f"videos/{key}/from_timestamp": start, f"videos/{key}/to_timestamp": enc.frames / self.fps}
+                f"videos/{key}/from_timestamp": start, f"videos/{key}/to_timestamp": state["frames"] / self.fps}
+
+    def _join_segments(self, key: str) -> None:
+        """Remux camera `key`'s staged segments into its current file."""
+        state = self._video[key]
+        chunk, file = state["file"]
+        out = self._tmp / DEFAULT_VIDEO_PATH.format(video_key=key, chunk_index=chunk, file_index=file)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if len(state["segments"]) == 1:
+            os.replace(state["segments"][0], out)
+        else:
+            concat_videos(state["segments"], out)
+            for segment in state["segments"]:
+                segment.unlink()
+        state.update(segments=[], bytes=0, frames=0)
 
     # -- finishing --------------------------------------------------------------------------------
     def finalize(self) -> Path:
@@ -315,9 +335,10 @@ class DatasetWriter:
             raise KilovlaError(f"{self.root}: no episodes were saved; nothing written")
         try:
             self._flush_data()
-            for state in self._video.values():
-                if state["encoder"] is not None:
-                    state["encoder"].close()
+            for key in self.video_keys:
+                if self._video[key]["segments"]:
+                    self._join_segments(key)
+            shutil.rmtree(self._tmp / "segments", ignore_errors=True)
             write_meta(self._tmp, fps=self.fps, robot_type=self.robot_type, features=self.features,
                        tasks=list(self.tasks), episodes=self.episodes, episode_stats=self.episode_stats,
                        chunks_size=self.chunks_size, data_mb=self.data_limit // 2**20,
@@ -331,13 +352,6 @@ class DatasetWriter:
 
     def abort(self) -> None:
         """Drop everything written so far; `root` is left untouched."""
-        for state in self._video.values():
-            if state["encoder"] is not None:
-                try:
-                    state["encoder"].close()
-                except Exception:  # closing a broken encoder must not hide the original error
-                    pass
-                state["encoder"] = None
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> DatasetWriter:

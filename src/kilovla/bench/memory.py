@@ -9,11 +9,13 @@ AdamW step. Peak: `ru_maxrss` on the CPU, `torch.cuda.max_memory_allocated` on a
 - full: every parameter trainable. Where its bound (parameters x 16 bytes: fp32 weights, gradients,
   two AdamW moments) exceeds 80 % of this machine's memory it is not run; the row gives the bound,
   marked computed.
-- expert_only: pi0.5 with its VLM frozen (the action expert and projections train).
+- expert_only: pi0.5 with its VLM frozen (the action expert and projections train); smolvla-base
+  the same way, LeRobot's default for SmolVLA (its VLM and vision frozen, `state_proj` trained).
 - lora: rank 16 adapters through peft on the family's default targets (models/lora.py), all else frozen.
 
 Rows (DESIGN.md names): train_peak_mb_pi05_3b, train_peak_mb_groot_n15_3b (baseline full, ours LoRA),
-train_peak_mb_pi05_3b_expert_only, train_step_s_pi05_3b_lora (ours only). The JSON's extra holds every
+train_peak_mb_pi05_3b_expert_only, train_peak_mb_smolvla_base_expert_only, train_step_s_pi05_3b_lora
+(ours only). The JSON's extra holds every
 run (peak, step time, trainable parameters, base weight bytes) and the target check
 (LoRA peak <= 1.25 x the base weights' bytes, and below the expert-only peak).
 """
@@ -36,8 +38,8 @@ LORA_RANK = 16
 QUICK_LORA_RANK = 2  # the tiny presets are narrower than 16
 LANGUAGE_TOKENS = 48
 RUNS = (("pi05-3b", "full"), ("pi05-3b", "expert_only"), ("pi05-3b", "lora"),
-        ("groot-n15-3b", "full"), ("groot-n15-3b", "lora"))
-QUICK_PRESETS = {"pi05-3b": "pi05-tiny", "groot-n15-3b": "groot-tiny"}
+        ("groot-n15-3b", "full"), ("groot-n15-3b", "lora"), ("smolvla-base", "expert_only"))
+QUICK_PRESETS = {"pi05-3b": "pi05-tiny", "groot-n15-3b": "groot-tiny", "smolvla-base": "smolvla-tiny"}
 
 
 def _batch(cfg, device):
@@ -159,6 +161,12 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, console=None)
                     higher_is_better=False,
                     note=f"VLM frozen, {runs[('pi05-3b', 'expert_only')]['trainable'] / 1e6:.0f} M trainable; "
                          f"{how(runs[('pi05-3b', 'expert_only')])}"),
+        Row.compare("train_peak_mb_smolvla_base_expert_only", "MiB", None, peak("smolvla-base", "expert_only"),
+                    higher_is_better=False,
+                    note=f"LeRobot's SmolVLA recipe: VLM and vision frozen, "
+                         f"{runs[('smolvla-base', 'expert_only')]['trainable'] / 1e6:.0f} M of "
+                         f"{runs[('smolvla-base', 'expert_only')]['parameters'] / 1e6:.0f} M trainable, batch 1; "
+                         f"{how(runs[('smolvla-base', 'expert_only')])}"),
         Row.compare("train_step_s_pi05_3b_lora", "s", None, p_lora["step_s"], higher_is_better=False,
                     note=f"one forward + backward + AdamW step, batch 1, {p_lora['device']}"),
     ]

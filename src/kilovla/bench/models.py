@@ -1,4 +1,4 @@
-"""`kilovla bench packing` and `kilovla bench pruning`: training-step throughput of pi0.5.
+"""`kilovla bench packing` and `kilovla bench pruning`: training-step throughput of pi0.5 (and SmolVLA).
 
 The batch follows pi0.5 on LIBERO as openpi feeds it: 3 camera slots x 256 tokens (224 px, patch
 14) with the third camera blank, language padded to 200 tokens (real prompts 8-48 tokens), action
@@ -9,7 +9,9 @@ packed path uses the `auto` attention backend.
 - packing: baseline = the padded path (fixed shapes); ours = packing + varlen attention (no padding,
   no blank camera). limit = padded tokens / real tokens, the most packing can save. Rows
   `attention_backend_<name>` compare the exact varlen backends that train on this device against the
-  per-segment loop; the fastest on CPU is `models.attention.CPU_AUTO`.
+  per-segment loop; the fastest on CPU is `models.attention.CPU_AUTO`. Row `train_samples_per_s_smolvla`:
+  the same comparison for SmolVLA at its LIBERO layout as LeRobot feeds it (2 cameras x 64 tokens after
+  the pixel shuffle, language padded to 48, one state token, chunk 50), at a CPU width (`BENCH_SMOLVLA`).
 - pruning: baseline = blank camera masked + 200-token language (openpi); ours = blank camera pruned
   before the ViT + per-batch (dynamic) language padding, both in the padded path.
 
@@ -28,8 +30,10 @@ import torch
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 from kilovla.models.attention import resolve_backend
 from kilovla.models.batch import PaddedBatch
+from kilovla.models.family import family_of
 from kilovla.models.language import DecoderConfig
 from kilovla.models.pi05 import Pi05Config, Pi05Model
+from kilovla.models.smolvla import SmolVLAConfig, SmolVLAModel
 from kilovla.models.tokenize import BYTE_VOCAB_SIZE, ByteTokenizer, tokenize_batch
 from kilovla.models.vision import ViTConfig
 from kilovla.train.metrics import peak_flops
@@ -40,10 +44,18 @@ BENCH_CPU = Pi05Config(
     expert=DecoderConfig(width=64, depth=3, heads=2, kv_heads=1, head_dim=32, mlp_dim=128, vocab_size=0),
     chunk_size=50, max_action_dim=8, max_state_dim=8, max_language_tokens=200,
 )
+BENCH_SMOLVLA = SmolVLAConfig(
+    vision=ViTConfig(image_size=128, patch_size=4, width=64, depth=2, heads=2, mlp_dim=128), scale_factor=4,
+    text=DecoderConfig(width=128, depth=4, heads=4, kv_heads=2, head_dim=32, mlp_dim=256, vocab_size=BYTE_VOCAB_SIZE),
+    num_vlm_layers=4, chunk_size=50, max_action_dim=8, max_state_dim=8, max_language_tokens=48,
+    cameras=("image", "wrist_image"),
+)
 WORDS = "pick up the black bowl on the cookie box and place it on the plate near the stove drawer".split()
 
 
-def libero_batch(cfg: Pi05Config, batch_size: int, seed: int) -> PaddedBatch:
+def libero_batch(cfg, batch_size: int, seed: int) -> PaddedBatch:
+    """Prompts of 8-48 byte tokens padded to the model's limit, horizons 10 to the chunk, the first two
+    camera slots present (a third, as pi0.5 has, blank and masked)."""
     rng = np.random.default_rng(seed)
     prompts = []
     for _ in range(batch_size):
@@ -55,8 +67,8 @@ def libero_batch(cfg: Pi05Config, batch_size: int, seed: int) -> PaddedBatch:
     tokens, mask = torch.nn.functional.pad(tokens, (0, pad)), torch.nn.functional.pad(mask, (0, pad))
     horizons = torch.as_tensor(rng.integers(10, cfg.chunk_size + 1, batch_size))
     g = torch.Generator().manual_seed(seed)
-    image_masks = torch.ones(batch_size, 3, dtype=torch.bool)
-    image_masks[:, 2] = False  # LIBERO has no right wrist camera: openpi feeds a blank one, masked
+    image_masks = torch.ones(batch_size, len(cfg.cameras), dtype=torch.bool)
+    image_masks[:, 2:] = False  # LIBERO has no right wrist camera: openpi feeds a blank one, masked
     s = cfg.vision.image_size
     return PaddedBatch(
         images=torch.rand(batch_size, 3, 3, s, s, generator=g), image_masks=image_masks, camera_names=cfg.cameras,
@@ -65,11 +77,14 @@ def libero_batch(cfg: Pi05Config, batch_size: int, seed: int) -> PaddedBatch:
         horizon_mask=torch.arange(cfg.chunk_size)[None] < horizons[:, None])
 
 
-def token_counts(cfg: Pi05Config, batch: PaddedBatch) -> tuple[int, int]:
-    """(tokens the padded path processes, real tokens) in the LM + expert streams."""
-    p = cfg.vision.tokens
-    padded = batch.batch_size * (len(cfg.cameras) * p + cfg.max_language_tokens + cfg.chunk_size)
-    real = int(batch.image_masks.sum()) * p + int(batch.token_mask.sum()) + int(batch.horizon_mask.sum())
+def token_counts(cfg, batch: PaddedBatch) -> tuple[int, int]:
+    """(tokens the padded path processes, real tokens) in the LM + expert streams, counted as the
+    family's token plan counts them (a state token with the action tokens)."""
+    fam = family_of(cfg)
+    p, rest = fam.camera_tokens(cfg), fam.action_tokens(cfg) - cfg.chunk_size
+    padded = batch.batch_size * (len(cfg.cameras) * p + cfg.max_language_tokens + cfg.chunk_size + rest)
+    real = (int(batch.image_masks.sum()) * p + int(batch.token_mask.sum()) + int(batch.horizon_mask.sum())
+            + batch.batch_size * rest)
     return padded, real
 
 
@@ -116,10 +131,10 @@ def _compare(model, opt, batches, base: dict, ours: dict, repeats: int, autocast
     return result["base"], result["ours"]
 
 
-def _setup(quick: bool, device: str):
+def _setup(quick: bool, device: str, model_class=Pi05Model, config=BENCH_CPU):
     torch.manual_seed(0)
     cuda = device == "cuda"
-    model = Pi05Model(dataclasses.replace(BENCH_CPU, attention_backend="auto")).to(device)
+    model = model_class(dataclasses.replace(config, attention_backend="auto")).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch_size = 4 if quick else 8
     batches = [libero_batch(model.config, batch_size, seed).to(device) for seed in range(2 if quick else 3)]
@@ -130,6 +145,20 @@ def _setup(quick: bool, device: str):
 def _mfu(model, batch, samples_per_s: float) -> float | None:
     peak = peak_flops(batch.images.device)
     return None if peak is None else _model_flops(model, batch) / batch.batch_size * samples_per_s / peak
+
+
+def _smolvla_packing(quick: bool, device: str) -> tuple[Row, dict]:
+    """SmolVLA padded vs packed at its LIBERO layout, in the same process as the pi0.5 rows."""
+    model, opt, batches, autocast = _setup(quick, device, SmolVLAModel, BENCH_SMOLVLA)
+    padded, real = map(sum, zip(*(token_counts(model.config, b) for b in batches)))
+    base, ours = _compare(model, opt, batches, {"packing": False}, {"packing": True}, 1 if quick else 3, autocast)
+    cfg = model.config
+    row = Row.compare("train_samples_per_s_smolvla", "samples/s", base, ours, higher_is_better=True,
+                      limit=round(padded / real, 3),
+                      note=f"SmolVLA LIBERO layout (2x{family_of(cfg).camera_tokens(cfg)} img tokens; lang<=48; "
+                           f"1 state token; horizon 10-50 of 50), {device}; fixed padding vs packing + varlen; "
+                           f"limit = padded/real tokens")
+    return row, {"padded_tokens": padded, "real_tokens": real, "fraction_of_ideal": (ours / base) / (padded / real)}
 
 
 def _backends_to_compare(device: str) -> list[str]:
@@ -168,9 +197,11 @@ def run_packing(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, devic
     if device != "cuda":
         rows.append(Row.compare("attention_backend_flex", "samples/s", speeds["sdpa_segments"], None,
                                 higher_is_better=True, note="flex_attention has no backward on CPU: cannot train"))
+    smolvla_row, smolvla = _smolvla_packing(quick, device)
+    rows.append(smolvla_row)
     extra = {"padded_tokens": padded, "real_tokens": real, "ideal_ratio": padded / real,
              "fraction_of_ideal": (ours / base) / (padded / real), "device": device, "attention_backend": backend,
-             "backend_samples_per_s": speeds}
+             "backend_samples_per_s": speeds, "smolvla": smolvla}
     return write_suite("packing", rows, quick=quick, out_dir=out_dir, extra=extra, console=console)
 
 

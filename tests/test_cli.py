@@ -194,6 +194,16 @@ def test_demo_refuses_an_output_path_that_is_a_file(tmp_path, capsys):
     assert (tmp_path / "report").read_text() == "mine"
 
 
+@pytest.mark.parametrize("command", [["bench", "data", "--quick"], ["bench", "packing", "--quick"],
+                                     ["data", "bench", "--quick", "--dataset.root=DATA"]])
+def test_bench_refuses_an_output_path_that_is_a_file_before_any_work(tmp_path, capsys, command, tiny_root):
+    (tmp_path / "results").write_text("mine")
+    command = [str(tiny_root) if c == "--dataset.root=DATA" else c for c in command]
+    assert main([*command, f"--output_dir={tmp_path / 'results'}"]) == 2
+    assert "results: exists and is not a folder" in capsys.readouterr().err
+    assert (tmp_path / "results").read_text() == "mine"
+
+
 def test_demo_refuses_to_evaluate_on_demonstration_seeds(tmp_path):
     from kilovla.demo import QUICK, evaluate_both
     from kilovla.eval.closed_loop import episode_seeds

@@ -154,9 +154,11 @@ def cmd_data_cache(args) -> int:
 def cmd_data_bench(args) -> int:
     from kilovla.bench import data as data_bench
     from kilovla.bench.common import suite_started
+    from kilovla.folders import check_output_folder
     from kilovla.progress import Heartbeat
 
     cfg = args.cfg  # cli_config.DataBenchCommand
+    check_output_folder(cfg.output_dir, "--output_dir")
     suite_started("data")
     with Heartbeat("data bench"):
         path = data_bench.run(quick=cfg.quick, out_dir=cfg.output_dir, dataset=cfg.dataset.root,
@@ -180,11 +182,13 @@ def cmd_bench(args) -> int:
     from kilovla.bench import scaling as scaling_bench
     from kilovla.bench import serve as serve_bench
     from kilovla.cli_config import check_bench_keys
+    from kilovla.folders import check_output_folder
 
     cfg = args.cfg  # cli_config.BenchCommand
     check_bench_keys(args)
     if args.suite == "table":
         return cmd_bench_table(cfg)
+    check_output_folder(cfg.output_dir, "--output_dir")
     common = dict(quick=cfg.quick, out_dir=cfg.output_dir)
     runners = {
         "data": lambda: data_bench.run(**common, world_size=cfg.world_size),

@@ -167,13 +167,19 @@ def check_parent(dst: str | Path, flag: str = "") -> None:
         raise KilovlaError(f"{flag + ' ' if flag else ''}{dst}: cannot create it: {existing} is a file, not a folder")
 
 
+def check_output_folder(folder: str | Path, flag: str) -> None:
+    """Refuse (KilovlaError) an output `folder` that is a file or has a file on its path, before any work."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise KilovlaError(f"{flag} {folder}: exists and is not a folder")
+    check_parent(folder, flag)
+
+
 def check_new_evaluation(folder: str | Path, flag: str = "--out") -> None:
     """Refuse (KilovlaError) a `folder` that is a file or already holds an evaluation, so that a
     second evaluation never overwrites the first's report or mixes its videos in."""
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise KilovlaError(f"{flag} {folder}: exists and is not a folder")
-    check_parent(folder, flag)  # a file on the path: refused now, not after every episode has run
+    check_output_folder(folder, flag)  # refused now, not after every episode has run
     other = next(((kind, m) for kind in (DATASET, RUN, DEMO) for m in kind.marker
                   if m not in EVALUATION.entries and (folder / m).exists()), None)
     if folder.is_dir() and other is not None:  # a dataset's videos/ is not an evaluation's

@@ -334,6 +334,10 @@ def test_a_prefix_of_a_key_is_not_taken_for_the_key(capsys):
     (["bench", "rl", "--policy.path=a", "--policy", "b"], "--policy.path=a and --policy b"),
     (["rl", "--policy.path=a", "--policy", "b"], "--policy.path=a and --policy b"),
     (["train", "--policy.path=a", "--policy.init_from=b"], "--policy.path=a and --policy.init_from=b"),
+    # one spelling typed twice: the last no longer wins silently
+    (["eval", "--eval.n_episodes=2", "--eval.n_episodes=3"], "--eval.n_episodes=2 and --eval.n_episodes=3"),
+    (["train", "--steps=3", "--optim.lr=1e-4", "--steps=4"], "--steps=3 and --steps=4"),
+    (["rl", "--rl.sac.batch_size=8", "--rl.sac.batch_size=16"], "--rl.sac.batch_size=8 and --rl.sac.batch_size=16"),
 ])
 def test_two_spellings_of_one_key_with_two_values_are_refused(capsys, argv, spellings):
     assert main(argv) == 2
@@ -365,6 +369,12 @@ def test_a_value_outside_the_choices_is_one_line_and_exit_2(capsys, argv, line):
     assert e.value.code == 2 and capsys.readouterr().err.strip() == line
 
 
+def _unless_given(defaults: list[str], argv: list[str]) -> list[str]:
+    """A test's default `--key=value`s less the keys its argv sets (a key given twice is refused)."""
+    keys = {a.split("=")[0] for a in argv}
+    return [d for d in defaults if d.split("=")[0] not in keys]
+
+
 @pytest.mark.parametrize("flag, said", [
     ("--eval.n_episodes=0", "--eval.n_episodes=0: must be >= 1"),
     ("--env.task=reach-v9", "unknown metaworld task(s) ['reach-v9']"),
@@ -373,7 +383,8 @@ def test_a_value_outside_the_choices_is_one_line_and_exit_2(capsys, argv, line):
 ])
 def test_eval_refuses_before_it_announces_a_folder(tmp_path, monkeypatch, capsys, flag, said):
     monkeypatch.chdir(tmp_path)
-    assert main(["eval", "--policy.path=scripted", "--env.task=reach-v3", "--eval.n_episodes=1", flag]) == 2
+    assert main(["eval", "--policy.path=scripted", *_unless_given(["--env.task=reach-v3", "--eval.n_episodes=1"],
+                                                                  [flag]), flag]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"error: {said}") and len(err.splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
@@ -387,7 +398,8 @@ def test_eval_refuses_before_it_announces_a_folder(tmp_path, monkeypatch, capsys
 ])
 def test_collect_refuses_before_it_announces(tmp_path, monkeypatch, capsys, argv, said):
     monkeypatch.chdir(tmp_path)
-    assert main(["collect", "--env.task=reach-v3", "--collect.n_episodes=1", "--output_dir=d", *argv]) == 2
+    assert main(["collect", *_unless_given(["--env.task=reach-v3", "--collect.n_episodes=1"], argv),
+                 "--output_dir=d", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines()[-1].startswith(said) and "starting" not in err
     assert list(tmp_path.iterdir()) == []
@@ -474,7 +486,7 @@ def test_a_number_below_its_fields_least_is_one_line_and_writes_nothing(tmp_path
     small = {"eval": ["--env.task=reach-v3", "--eval.n_episodes=1", "--env.max_steps=2", "--env.resolution=16"],
              "collect": ["--env.task=reach-v3", "--collect.n_episodes=1", "--env.max_steps=2", "--env.resolution=16"]}
     # (small runs: without the check, the command would run and write)
-    assert main([*argv[:1], *small.get(argv[0], []), *argv[1:]]) == 2
+    assert main([*argv[:1], *_unless_given(small.get(argv[0], []), argv[1:]), *argv[1:]]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == line
     assert list(tmp_path.iterdir()) == []
 

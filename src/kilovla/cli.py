@@ -348,6 +348,9 @@ def cmd_rl(args) -> int:
         from kilovla.rl.config import RLConfig
 
         raise _unknown(RLConfig, misspelt[0][2:].split("=")[0], also=("policy.path",))
+    from kilovla.cli_config import given_once
+
+    given_once(args.overrides)
     overrides = list(args.overrides)
     if args.mode:
         overrides.append(f"--mode={args.mode}")

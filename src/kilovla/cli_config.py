@@ -480,8 +480,14 @@ def _hint_name(hint) -> str:
 
 
 def _note(namespace, dest: str, option_string: str, shown: str, value) -> None:
-    """Remember what each spelling of `dest` gave (`check_spellings` refuses two that disagree)."""
-    namespace.__dict__.setdefault("_spelt", {}).setdefault(dest, {})[option_string] = (shown, value)
+    """Remember what each spelling of `dest` gave, each time it was given (`check_spellings` refuses two
+    values of one key, also the same flag typed twice)."""
+    given = namespace.__dict__.setdefault("_spelt", {}).setdefault(dest, {})
+    name, n = option_string, 1
+    while name in given:
+        n += 1
+        name = f"{option_string}#{n}"
+    given[name] = (shown, value)
 
 
 def _plain(value):
@@ -676,18 +682,26 @@ def train_overrides(overrides: list[str]) -> list[str]:
     from kilovla.train.config import TrainConfig
 
     keys = _all_keys(TrainConfig)
-    out, spelt = [], {}
+    out = []
     for item in overrides:
         key, sep, value = item.removeprefix("--").partition("=")
         known = key in keys or key in TRAIN_KEYS or any(k.startswith(key + ".") for k in keys)
         if not known and not _dict_key(TrainConfig, key):  # did-you-mean that knows policy.path too
             raise _unknown(TrainConfig, key, also=tuple(TRAIN_KEYS))
-        if key in TRAIN_KEYS or key in TRAIN_KEYS.values():
-            spelt.setdefault(TRAIN_KEYS.get(key, key), []).append((item, value))
         out.append(f"--{TRAIN_KEYS[key]}{sep}{value}" if key in TRAIN_KEYS else item)
+    given_once(overrides, TRAIN_KEYS)
+    return out
+
+
+def given_once(overrides: list[str], renamed: dict[str, str] | None = None) -> None:
+    """`--key=value` overrides: one key given twice (or by two spellings, `renamed`: spelling -> key) with
+    two values is refused in one line, not the last silently winning."""
+    spelt: dict[str, list] = {}
+    for item in overrides:
+        key, _, value = item.removeprefix("--").partition("=")
+        spelt.setdefault((renamed or {}).get(key, key), []).append((item, value))
     for given in spelt.values():
         one_value(given)
-    return out
 
 
 @functools.cache  # fields_help asks once per field; the source is read once per class

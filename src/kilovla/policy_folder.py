@@ -5,7 +5,7 @@
     ema.safetensors       the weights' moving average (a run with `ema_decay`)
     policy.json           `PolicyMeta`: preset + config overrides, camera mapping, state keys, dims, stats,
                           tokenizer, image processing, where training started from (`init_from`), the
-                          preset's model `family` (written since 2026-12; an older folder lacks it), and in
+                          preset's model `family` (an older folder lacks it), and in
                           a `kilovla quantize` folder its `quantization_config` (FP8 layers, quant/fp8.py)
     adapter.safetensors   a LoRA run's intermediate checkpoints: its adapters instead of model.safetensors;
                           policy.json `lora` names their base (models/lora.py), rebuilt and checked on load

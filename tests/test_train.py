@@ -244,7 +244,7 @@ def test_in_training_closed_loop_evaluation_is_logged(reach_demos, tmp_path, cap
     ("--parallel.strategy=fsdpx", "error: --parallel.strategy must be one of ddp, fsdp, not 'fsdpx'"),
     ("--policy.normalization=minmax", "error: --policy.normalization must be one of quantile, mean_std, min_max, "
                                       "not 'minmax'"),
-    ("--policy.image_resize=crop", "error: --policy.image_resize must be one of stretch, pad, not 'crop'"),
+    ("--policy.image_resize=crop", "error: --policy.image_resize must be one of stretch, pad, pad_top_left, not 'crop'"),
     ("--policy.stats=mine", "error: --policy.stats must be one of recompute, dataset, not 'mine'"),
 ])
 def test_bad_batch_precision_or_strategy_is_one_line_exit_2(dataset, tmp_path, flag, message):

@@ -89,3 +89,60 @@ def test_every_familys_config_checks_its_shared_fields(name, override, message):
 
     with pytest.raises(KilovlaError, match=re.escape(message)):
         preset(name, **override)
+
+
+def _optim(*flags):
+    from kilovla.train.config import TrainConfig, with_init_model
+
+    return with_init_model(load_config(TrainConfig, None, list(flags))).optim
+
+
+def test_smolvla_base_trains_with_lerobots_optimizer_by_default():
+    """LeRobot v0.4.4 SmolVLAConfig: AdamW 1e-4, betas (0.9, 0.95), weight decay 1e-10, clip 10, 1000 warmup
+    steps, cosine to 2.5e-6."""
+    optim = _optim("--policy.preset=smolvla-base")
+    assert (optim.lr, tuple(optim.betas), optim.weight_decay, optim.clip_grad_norm) == (1e-4, (0.9, 0.95), 1e-10, 10.0)
+    assert optim.warmup_steps == 1000 and optim.lr * optim.min_lr_ratio == pytest.approx(2.5e-6)
+
+
+def test_a_runs_own_optimizer_settings_win_over_the_presets_recipe():
+    optim = _optim("--policy.preset=smolvla-base", "--optim.lr=3e-4", "--optim.warmup_steps=10")
+    assert (optim.lr, optim.warmup_steps, optim.weight_decay) == (3e-4, 10, 1e-10)  # the rest: the recipe's
+
+
+@pytest.mark.parametrize("name", ["pi05-tiny", "groot-tiny", "smolvla-tiny"])
+def test_a_preset_without_an_optimizer_recipe_takes_optimconfigs_defaults(name):
+    import dataclasses
+
+    from kilovla.train.optim import OptimConfig
+
+    assert dataclasses.asdict(_optim(f"--policy.preset={name}")) == dataclasses.asdict(OptimConfig())
+
+
+def test_filled_optimizer_settings_survive_config_yaml_and_a_second_fill():
+    """config.yaml holds the filled settings; a resumed run compares them with its own (checkpoint.py)."""
+    import yaml
+
+    from kilovla.config import dump_yaml, from_dict
+    from kilovla.train.config import TrainConfig, with_init_model
+
+    cfg = with_init_model(load_config(TrainConfig, None, ["--policy.preset=smolvla-base", "--optim.lr=2e-4"]))
+    again = from_dict(TrainConfig, yaml.safe_load(dump_yaml(cfg)))
+    assert with_init_model(again).optim == cfg.optim == with_init_model(cfg).optim
+
+
+def test_optim_settings_leave_every_optimconfig_field_unset():
+    import dataclasses
+
+    from kilovla.train.optim import OptimConfig, OptimSettings
+
+    assert [f.name for f in dataclasses.fields(OptimSettings)] == [f.name for f in dataclasses.fields(OptimConfig)]
+    assert all(v is None for v in dataclasses.asdict(OptimSettings()).values())
+
+
+def test_every_recipes_optimizer_settings_are_optimconfig_fields():
+    from kilovla.models.presets import POLICY_DEFAULTS
+    from kilovla.train.optim import OptimConfig
+
+    for name, recipe in POLICY_DEFAULTS.items():
+        OptimConfig(**recipe.optim)  # a misspelt key: TypeError naming it

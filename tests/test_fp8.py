@@ -168,6 +168,20 @@ def test_groot_default_takes_the_llm_layers_and_the_dit():
     assert not any(k in n for n in chosen for k in ("vision_model", "vl_self_attention", "norm1", "proj_out", "mlp1"))
 
 
+def test_smolvla_default_takes_the_text_decoder_and_the_expert():
+    """The family spec's scope: the 16 kept SmolLM2 layers and the expert's, never the SigLIP tower; scope
+    "all" adds the connector, the token table and the action / state projections."""
+    model = build_model("smolvla-base", device="meta")
+    chosen = set(select_layers(model))
+    stacks = ("vlm_with_expert.vlm.model.text_model.layers", "vlm_with_expert.lm_expert.layers")
+    assert chosen == {f"{stack}.{i}.{p}" for stack in stacks for i in range(16) for p in PROJECTIONS}
+    wide = set(select_layers(model, scope="all"))
+    assert wide - chosen == {"vlm_with_expert.vlm.model.connector.modality_projection.proj",
+                             "vlm_with_expert.vlm.model.text_model.embed_tokens", "state_proj", "action_in_proj",
+                             "action_out_proj", "action_time_mlp_in", "action_time_mlp_out"}
+    assert not any("vision_model" in n for n in wide)
+
+
 def test_selection_by_regex():
     model = build_model("pi05-tiny")
     assert select_layers(model, include=r"mlp\.down_proj$") == [
@@ -541,6 +555,25 @@ def test_a_quantized_policy_runs_in_closed_loop(tmp_path):
                  "--resolution", "32", "--max-steps", "12", "--videos", "0", "--out", str(tmp_path / "ev")]) == 0
     report = json.loads((tmp_path / "ev" / "report.json").read_text())
     assert report["per_task"]["reach-v3"]["episodes"] == 1
+
+
+def test_kilovla_quantize_of_a_smolvla_folder_acts_like_the_original(reach_policy, reach_demos, tmp_path):
+    from kilovla.cli import main
+
+    source = reach_policy("--policy.preset=smolvla-tiny")
+    assert main(["quantize", str(source), "--out", str(tmp_path / "q"), "--latency-repeats", "1"]) == 0
+    fields = json.loads((tmp_path / "q" / "policy.json").read_text())
+    assert fields["family"] == "smolvla" and fields["quantization_config"]["scope"] == "default"
+    assert set(fields["quantization_config"]["modules"]) == set(select_layers(build_model("smolvla-tiny", device="meta")))
+    original, quantized = load_policy_folder(source), load_policy_folder(tmp_path / "q")
+    assert sum(isinstance(m, Fp8BlockLinear) for m in quantized.model.modules()) == 56  # 2 x 4 layers x 7
+    ds = LeRobotDataset(reach_demos)
+    rows = ds.get_batch(np.arange(0, len(ds), 8))
+    torch.manual_seed(0)
+    a = original.select_action(rows)
+    torch.manual_seed(0)
+    b = quantized.select_action(rows)
+    assert a.shape == b.shape and sqnr_db(torch.from_numpy(a), torch.from_numpy(b)) > 20
 
 
 @pytest.mark.parametrize("n, k, m", [(384, 1280, 3), (256, 512, 1), (2048, 256, 130)])

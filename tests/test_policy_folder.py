@@ -144,3 +144,25 @@ def test_a_saved_policy_loads_back_the_same(tmp_path):
         torch.testing.assert_close(loaded.model.state_dict()[k], v, msg=k)
     with pytest.raises(KilovlaError, match="ema.safetensors: missing; only runs with ema_decay"):
         PolicyFolder.open(tmp_path / "p").load(ema=True)
+
+
+@pytest.mark.parametrize("name, family", [("pi05-tiny", "pi05"), ("pi0-tiny", "pi05"), ("groot-tiny", "groot"),
+                                          ("smolvla-tiny", "smolvla")])
+def test_policy_json_records_the_presets_family(tmp_path, name, family):
+    write_policy_json(tmp_path, PolicyMeta(preset=name, action_dim=4))
+    assert json.loads((tmp_path / POLICY_JSON).read_text())["family"] == family
+    assert PolicyFolder.open(tmp_path).family == family
+
+
+def test_a_folder_written_before_the_family_was_recorded_still_names_it():
+    assert "family" not in json.loads((LEGACY_DEMO / POLICY_JSON).read_text())
+    assert PolicyFolder.open(LEGACY_DEMO).family == "pi05"
+
+
+def test_a_family_that_contradicts_the_preset_is_refused(tmp_path):
+    write_policy_json(tmp_path, PolicyMeta(preset="smolvla-tiny", action_dim=4))
+    fields = json.loads((tmp_path / POLICY_JSON).read_text())
+    (tmp_path / POLICY_JSON).write_text(json.dumps({**fields, "family": "groot"}))
+    with pytest.raises(KilovlaError, match="not a policy description: key 'family': 'groot', but preset "
+                                           "'smolvla-tiny' is a 'smolvla' model$"):
+        PolicyFolder.open(tmp_path)

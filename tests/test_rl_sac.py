@@ -21,6 +21,14 @@ def policy_dir(reach_policy):
                         "--policy.state_keys=[observation.state, observation.environment_state]")
 
 
+@pytest.fixture(scope="module")
+def smolvla_dir(reach_policy):
+    """policy_dir's run with smolvla-tiny."""
+    return reach_policy("--steps=2", "--checkpoint.every=2", "--policy.preset=smolvla-tiny",
+                        "--policy.overrides={chunk_size: 4, max_state_dim: 48}",
+                        "--policy.state_keys=[observation.state, observation.environment_state]")
+
+
 def _learner(policy_dir, segments_per_step, seed=0, **sac):
     """A residual agent of the folder (4 executed actions, the env state privileged) and its SAC learner."""
     from kilovla.rl.sac import SACConfig, SACLearner, load_residual_agent
@@ -39,7 +47,7 @@ def _obs(n, seed=0):
             "task": ["reach the red goal"] * n}
 
 
-@pytest.mark.parametrize("preset", ["pi0-tiny", "groot-tiny"])
+@pytest.mark.parametrize("preset", ["pi0-tiny", "groot-tiny", "smolvla-tiny"])
 def test_a_fresh_residual_returns_the_base_chunk_exactly(preset):
     from kilovla.models.presets import build_model
     from kilovla.models.processor import PolicyMeta, Processor
@@ -161,9 +169,11 @@ def test_the_update_moves_the_residual_toward_higher_reward_and_not_at_lr_0(poli
     assert stats[-1]["critic_loss"] < stats[1]["critic_loss"]
 
 
-def test_an_rl_folder_round_trips_through_the_checkpoint_and_every_loader(policy_dir, tmp_path):
+@pytest.mark.parametrize("base", ["policy_dir", "smolvla_dir"])
+def test_an_rl_folder_round_trips_through_the_checkpoint_and_every_loader(base, request, tmp_path):
     """The learner's state as the runner writes it: a policy folder (base + residual) that the policy API
-    loads with the residual applied, and a learner.pt + replay.safetensors that resume it exactly."""
+    loads with the residual applied, and a learner.pt + replay.safetensors that resume it exactly; for a
+    pi0.5 base and a SmolVLA one."""
     from kilovla.models.checkpoints import read_safetensors
     from kilovla.policy_folder import load_policy_folder
     from kilovla.safe_load import load_torch
@@ -171,6 +181,7 @@ def test_an_rl_folder_round_trips_through_the_checkpoint_and_every_loader(policy
     torch.manual_seed(0)
     # a bound and a std that are nobody's default: a loader that falls back to a default acts differently
     sac = dict(warmup_transitions=16, batch_size=16, utd=1.0, critic_warmup_updates=4, res_scale=0.55, init_std=0.45)
+    policy_dir = request.getfixturevalue(base)
     agent, learner = _learner(policy_dir, 20, **sac)
     rng = np.random.default_rng(0)
     learner.consume(_bandit_segments(agent, 20, rng, 0.25))

@@ -34,6 +34,22 @@ def engine(policy_dir):
     return PolicyEngine.load(policy_dir, device="cpu")
 
 
+@pytest.fixture(scope="module")
+def smolvla_dir(reach_policy):
+    """The same 2-step run with smolvla-tiny (chunks of 4, the scene and wrist cameras in its two slots)."""
+    return reach_policy("--policy.preset=smolvla-tiny")
+
+
+@pytest.fixture(scope="module", params=["pi05-tiny", "smolvla-tiny"])
+def family_engine(request):
+    """The engine of each family whose spec says it supports RTC (GR00T does not)."""
+    from kilovla.serve.engine import PolicyEngine
+
+    if request.param == "pi05-tiny":
+        return request.getfixturevalue("engine")
+    return PolicyEngine.load(request.getfixturevalue("smolvla_dir"), device="cpu")
+
+
 def _obs(rng, size=32, task="reach the goal"):
     return {"observation.images.scene": rng.integers(0, 255, (size, size, 3), dtype=np.uint8),
             "observation.images.wrist": rng.integers(0, 255, (size, size, 3), dtype=np.uint8),
@@ -305,14 +321,15 @@ def test_sigterm_answers_what_is_in_flight_then_exits(policy_dir):
 
 
 # -- real-time chunking ----------------------------------------------------------------------------
-def test_rtc_with_zero_weights_samples_exactly_as_without(engine):
+def test_rtc_with_zero_weights_samples_exactly_as_without(family_engine):
     import torch
 
     from kilovla.models.rtc import prefix_weights, sample_actions_rtc
 
     np.testing.assert_allclose(prefix_weights(6, 1, 4, 5), [1, 2 / 3, 1 / 3, 0, 0, 0], atol=1e-6)
     assert prefix_weights(6, 2, 6, 3, "zeros").tolist() == [1, 1, 0, 0, 0, 0]
-    rng = np.random.default_rng(9)
+    rng, engine = np.random.default_rng(9), family_engine
+    assert engine.supports_rtc
     obs = to_policy_observation(_obs(rng), engine.inputs())
     data = {k: np.stack([v]) for k, v in obs.items() if k != "task"} | {"task": [obs["task"]]}
     batch = engine.processor.observation_batch(data)
@@ -323,13 +340,13 @@ def test_rtc_with_zero_weights_samples_exactly_as_without(engine):
     torch.testing.assert_close(sample_actions_rtc(engine.model, batch, noise, zeros, zeros), plain, rtol=0, atol=0)
 
 
-def test_rtc_continues_the_given_prefix_and_shrinks_the_jump_at_the_junction(engine):
+def test_rtc_continues_the_given_prefix_and_shrinks_the_jump_at_the_junction(family_engine):
     """The robot executed 1 action of chunk A and sends the other 3 as the prefix; 2 more execute
     while the next chunk is computed (inference_delay 2). With RTC the new chunk's first 2 actions
     follow the prefix, and the step from the last frozen action to the new chunk's next is smaller."""
     from kilovla.serve.engine import Request, Rtc
 
-    rng = np.random.default_rng(10)
+    rng, engine = np.random.default_rng(10), family_engine
     inputs = engine.inputs()
     first, second = (to_policy_observation(_obs(rng), inputs) for _ in range(2))
     [chunk], _ = engine.infer([Request(first, seed=1)])
@@ -380,6 +397,43 @@ def test_a_served_policy_acts_as_the_local_one(server, policy_dir):
     theirs = served.select_action(batch)  # three connections: the server may batch them
     np.testing.assert_allclose(theirs, mine, atol=1e-5)
     served.close()
+
+
+def test_a_served_smolvla_policy_acts_as_the_local_one_and_kilovla_eval_runs_it(smolvla_dir, tmp_path):
+    """`kilovla serve` (a process: the batched server) of a SmolVLA folder, and `kilovla eval` of it, local
+    and through the server: the same actions, the same episodes."""
+    import json
+
+    import torch
+
+    from kilovla.cli import main
+    from kilovla.eval.closed_loop import load_policy
+
+    s = ServerProcess(smolvla_dir, "--max-wait-ms", "20")
+    try:
+        local, served = load_policy(smolvla_dir), load_policy(f"ws://127.0.0.1:{s.port}")
+        assert served.cameras == local.cameras and served.action_dim == local.action_dim == 4
+        rng = np.random.default_rng(13)
+        batch = {"observation.images.scene": rng.integers(0, 255, (2, 32, 32, 3), dtype=np.uint8),
+                 "observation.images.wrist": rng.integers(0, 255, (2, 32, 32, 3), dtype=np.uint8),
+                 "observation.state": rng.standard_normal((2, 4)).astype(np.float32), "task": ["reach"] * 2}
+        torch.manual_seed(3)
+        mine = local.select_action(batch)
+        torch.manual_seed(3)
+        np.testing.assert_allclose(served.select_action(batch), mine, atol=1e-5)
+        served.close()
+        args = ["--tasks", "reach-v3", "--episodes", "1", "--batch-size", "1", "--max-steps", "6", "--videos", "0"]
+        for name, policy in (("local", str(smolvla_dir)), ("served", f"ws://127.0.0.1:{s.port}")):
+            torch.manual_seed(0)
+            assert main(["eval", "--policy", policy, "--out", str(tmp_path / name), *args]) == 0
+    finally:
+        code, _ = s.stop()
+    assert code == 0
+    local, served = (json.loads((tmp_path / d / "report.json").read_text())["per_task"]["reach-v3"]
+                     for d in ("local", "served"))
+    assert (served["successes"], served["mean_steps"], served["seeds"]) == \
+        (local["successes"], local["mean_steps"], local["seeds"])
+    assert local["mean_steps"] == 6  # 6 steps of a 2-step policy: no success ends it early
 
 
 @pytest.mark.slow

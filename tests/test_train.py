@@ -244,7 +244,7 @@ def test_in_training_closed_loop_evaluation_is_logged(reach_demos, tmp_path, cap
     ("--parallel.strategy=fsdpx", "error: --parallel.strategy must be one of ddp, fsdp, not 'fsdpx'"),
     ("--policy.normalization=minmax", "error: --policy.normalization must be one of quantile, mean_std, min_max, "
                                       "not 'minmax'"),
-    ("--policy.image_resize=crop", "error: --policy.image_resize must be one of stretch, pad, not 'crop'"),
+    ("--policy.image_resize=crop", "error: --policy.image_resize must be one of stretch, pad, pad_top_left, not 'crop'"),
     ("--policy.stats=mine", "error: --policy.stats must be one of recompute, dataset, not 'mine'"),
 ])
 def test_bad_batch_precision_or_strategy_is_one_line_exit_2(dataset, tmp_path, flag, message):
@@ -354,11 +354,15 @@ def test_a_resumed_run_reports_its_rate_over_wall_time(dataset, tmp_path):
     assert summary["step_samples_per_s"] > summary["samples_per_s"]
 
 
-def test_padding_counts_padded_tokens_and_the_unused_budget_apart(dataset, tmp_path):
+@pytest.mark.parametrize("family", ["pi05-tiny", "smolvla-tiny"])
+def test_padding_counts_padded_tokens_and_the_unused_budget_apart(dataset, tmp_path, family):
+    """The lake's token plan (the family's camera, language and action tokens per sample) is what the model
+    computes: a packed row holds no padding."""
     def run(name, packing):
         return train(load_config(TrainConfig, None, [
             f"--run_dir={tmp_path / name}", f"--dataset.roots=[{dataset}]", "--steps=2", "--batch.global_batch_size=4",
-            "--batch.token_budget=100000", "--progress=false", f"--policy.overrides={{packing: {packing}}}"]))
+            "--batch.token_budget=100000", "--progress=false", f"--policy.overrides={{packing: {packing}}}",
+            f"--policy.preset={family}"]))
 
     packed, padded = run("packed", "true"), run("padded", "false")
     policy = json.loads((tmp_path / "packed" / "checkpoints" / "step_000002" / "policy.json").read_text())
@@ -367,6 +371,25 @@ def test_padding_counts_padded_tokens_and_the_unused_budget_apart(dataset, tmp_p
     assert padded["padding_fraction"] > 0.1  # language padded to max_language_tokens
     # 4 samples fill a small part of a 100k-token budget: unused budget, not padding
     assert packed["budget_unused_fraction"] > 0.9 and padded["budget_unused_fraction"] > 0.9
+
+
+def test_smolvla_trains_on_a_weighted_lake_of_two_datasets_from_its_index(dataset, tmp_path):
+    from kilovla.data.lake_index import default_index_path
+    from kilovla.data.lerobot import LeRobotDataset
+    from kilovla.data.synthetic import make_synthetic_dataset
+
+    second = make_synthetic_dataset(tmp_path / "second", episodes=2, frames=(12, 16), resolution=(32, 32), seed=7)
+    summary = train(load_config(TrainConfig, None, [
+        f"--run_dir={tmp_path / 'run'}", f"--dataset.roots=[{dataset}, {second}]", "--dataset.weights=[1, 0.5]",
+        "--steps=3", "--batch.global_batch_size=8", "--batch.token_budget=400", "--progress=false",
+        "--log_sample_ids=true", "--policy.preset=smolvla-tiny", "--policy.overrides={packing: true}"]))
+    first = len(LeRobotDataset(dataset))
+    ids = [i for r in _metrics(tmp_path / "run") if r["kind"] == "train" for i in r["sample_ids"]]
+    assert len(ids) == 24 and any(i < first for i in ids) and any(i >= first for i in ids)  # both datasets drawn
+    assert default_index_path([str(dataset), str(second)]).with_suffix(".json").is_file()  # from the lake index
+    assert summary["padding_fraction"] == 0.0  # the plan's token counts are what the model computes
+    assert json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "policy.json").read_text())["family"] == \
+        "smolvla"
 
 
 @pytest.mark.parametrize("flag", ["--run_dir=", "--policy.path=", "--dataset.index=", "--policy.tokenizer="])

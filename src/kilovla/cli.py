@@ -537,8 +537,10 @@ def _train_rl_parsers(sub) -> None:
 def _train_settings() -> str:
     from kilovla.cli_config import TRAIN_KEYS, fields_help
     from kilovla.train.config import TrainConfig
+    from kilovla.train.optim import OptimSettings
 
-    return fields_help(TrainConfig, shown=TRAIN_KEYS)
+    shown = TrainConfig(optim=OptimSettings().filled({}))  # unset optim fields as OptimConfig's defaults
+    return fields_help(TrainConfig, shown=TRAIN_KEYS, defaults=shown)
 
 
 def _rl_settings() -> str:

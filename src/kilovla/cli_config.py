@@ -723,12 +723,13 @@ def _comments(cls) -> dict[str, str]:
     return found
 
 
-def fields_help(cls, shown: dict[str, str] | None = None, skip: tuple[str, ...] = ()) -> str:
+def fields_help(cls, shown: dict[str, str] | None = None, skip: tuple[str, ...] = (), defaults=None) -> str:
     """`--help`'s listing of a config dataclass's dotted keys per section, with type, default and the field's
-    comment; `shown`: key -> how the command spells it, `skip`: keys the command takes as its own flags."""
+    comment; `shown`: key -> how the command spells it, `skip`: keys the command takes as its own flags,
+    `defaults`: the instance whose values are shown (default `cls()`)."""
     spelling = {key: flag for flag, key in (shown or {}).items()}
     groups: dict[str, list[str]] = {}
-    for key, hint, default, meta in _fields(cls, cls()):
+    for key, hint, default, meta in _fields(cls, cls() if defaults is None else defaults):
         if key in skip:
             continue
         *path, name = key.split(".")

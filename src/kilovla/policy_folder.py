@@ -4,7 +4,8 @@
                           (torch.distributed.checkpoint shards) instead
     ema.safetensors       the weights' moving average (a run with `ema_decay`)
     policy.json           `PolicyMeta`: preset + config overrides, camera mapping, state keys, dims, stats,
-                          tokenizer, image processing, where training started from (`init_from`), and in
+                          tokenizer, image processing, where training started from (`init_from`), the
+                          preset's model `family` (an older folder lacks it), and in
                           a `kilovla quantize` folder its `quantization_config` (FP8 layers, quant/fp8.py)
     adapter.safetensors   a LoRA run's intermediate checkpoints: its adapters instead of model.safetensors;
                           policy.json `lora` names their base (models/lora.py), rebuilt and checked on load
@@ -40,11 +41,12 @@ import numpy as np
 import torch
 
 from kilovla.errors import KilovlaError
-from kilovla.models.family import chunk_length
-from kilovla.models.presets import build_model, preset
+from kilovla.models.family import chunk_length, family_of
+from kilovla.models.presets import PRESETS, build_model, preset
 from kilovla.models.processor import PolicyMeta
 
 POLICY_JSON = "policy.json"
+FAMILY_KEY = "family"  # policy.json's record of the preset's family (models/family.py), beside PolicyMeta's fields
 EMA_FILE = "ema.safetensors"
 STATE_DIR = "state"  # an FSDP checkpoint's shards (train/checkpoint.py)
 RL_STATE = "rl_state.json"
@@ -149,6 +151,21 @@ def _fits(value, hint, least: int | None) -> bool:
     return True
 
 
+def preset_family(name: str) -> str:
+    """The family name of preset `name` ("pi0-tiny" -> "pi05")."""
+    return family_of(preset(name)).name
+
+
+def _family_problem(recorded, preset_name: str) -> str | None:
+    """What is wrong with policy.json's `family` beside its preset; None when it is absent (an older folder) or fits."""
+    if recorded is None or preset_name not in PRESETS:  # an unknown preset is named where the model is built
+        return None
+    own = preset_family(preset_name)
+    if recorded != own:
+        return f"key {FAMILY_KEY!r}: {recorded!r}, but preset {preset_name!r} is a {own!r} model"
+    return None
+
+
 def meta_problem(fields: dict) -> str | None:
     """What keeps policy.json's `fields` from being a PolicyMeta, checked against its annotations and each
     field's "min" (a missing or unknown key, a value of the wrong type or range); None when they fit."""
@@ -194,9 +211,10 @@ class PolicyFolder:
             raise KilovlaError(f"{where}: not a policy description: expected a JSON object, found a "
                                f"{type(fields).__name__}")
         quantization = fields.pop("quantization_config", None)
+        recorded_family = fields.pop(FAMILY_KEY, None)
         if fields.get("overrides", {}) is None:  # earlier versions wrote null for no overrides
             fields["overrides"] = {}
-        problem = meta_problem(fields)
+        problem = meta_problem(fields) or _family_problem(recorded_family, fields["preset"])
         if problem:
             raise KilovlaError(f"{where}: not a policy description: {problem}")
         return cls(path, PolicyMeta(**fields), quantization, frozenset(fields))
@@ -210,6 +228,12 @@ class PolicyFolder:
     @property
     def where(self) -> str:
         return str(self.path / POLICY_JSON)
+
+    @property
+    def family(self) -> str:
+        """The model family of the folder's preset ("pi05", "groot", "smolvla"): what policy.json records, and
+        for a folder written before it did, the preset's."""
+        return preset_family(self.meta.preset)
 
     def check_weights(self, flag: str | None = None) -> None:
         """Refuse a folder without weights: model.safetensors (or its shards), an FSDP run's `state/` or a LoRA
@@ -354,6 +378,9 @@ def write_policy_json(folder: str | Path, meta: PolicyMeta | dict, quantization:
     fields as a dict) plus a quantized folder's `quantization_config`."""
     folder = Path(folder)
     fields = dataclasses.asdict(meta) if dataclasses.is_dataclass(meta) else dict(meta)
+    fields.pop(FAMILY_KEY, None)  # a dict read from another policy.json: recomputed, never copied
+    name = fields.pop("preset")
+    fields = {"preset": name, FAMILY_KEY: preset_family(name), **fields}
     if quantization is not None:
         fields["quantization_config"] = quantization
     tmp = folder / f".{POLICY_JSON}.{uuid.uuid4().hex[:8]}"

@@ -58,6 +58,9 @@ class PolicyDefaults:
     # A recipe for fine-tuning published weights: training it from random weights is refused unless
     # asked for (--policy.random_init=true), since a random 3B model is never what such a run wants.
     needs_weights: bool = False
+    # the optimizer settings (train/optim.py OptimConfig fields) a run takes unless it sets them (--optim.lr=...);
+    # empty: OptimConfig's defaults
+    optim: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

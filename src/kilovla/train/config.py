@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kilovla.errors import KilovlaError
 from kilovla.eval.settings import EvalSettings
 from kilovla.models.lora import LoraSettings
-from kilovla.train.optim import OptimConfig
+from kilovla.train.optim import OptimSettings
 
 
 @dataclass
@@ -110,7 +110,8 @@ class TrainConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    # unset fields: the preset's recipe (PolicyDefaults.optim), else OptimConfig's (filled by with_init_model)
+    optim: OptimSettings = field(default_factory=OptimSettings)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -170,7 +171,8 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
     (the model its weights fit), under the ones the run sets that it lacks, and the policy interface
     (INTERFACE: state keys, cameras, ...) for the fields the run leaves unset; a value the run sets that
     differs from the folder's is refused in one line. Without such a folder an unset preset is
-    DEFAULT_PRESET. Applying it twice changes nothing.
+    DEFAULT_PRESET. The optimizer settings the run leaves unset are then that preset's recipe's
+    (`with_optim_recipe`). Applying it twice changes nothing.
 
         init_from trained with preset pi05-tiny, overrides {chunk_size: 4}; the run sets {packing: true}
         -> preset pi05-tiny, overrides {chunk_size: 4, packing: true}
@@ -187,7 +189,8 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
         cfg = dataclasses.replace(cfg, policy=p)
     folder = PolicyFolder.find(p.init_from) if p.init_from else None
     if folder is None:
-        return cfg if p.preset else dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=DEFAULT_PRESET))
+        return with_optim_recipe(cfg if p.preset else
+                                 dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=DEFAULT_PRESET)))
     if folder.meta.residual is not None:  # training loads model.safetensors, the base: the actor would be lost
         raise KilovlaError(f"{folder.path}: an RL policy folder (policy.json has a residual actor), which supervised "
                            "training would drop: train from the policy folder its RL run started from")
@@ -209,8 +212,16 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
         elif mine != value and key not in ADJUSTABLE:
             raise KilovlaError(f"policy.{key}={mine!r} but {where} {key}={value!r}: drop policy.{key} (the folder's "
                                "is used) or start from other weights")
-    return dataclasses.replace(cfg, policy=dataclasses.replace(p, preset=preset, **brought,
-                                                               overrides=_merged(overrides, dict(p.overrides))))
+    return with_optim_recipe(dataclasses.replace(cfg, policy=dataclasses.replace(
+        p, preset=preset, **brought, overrides=_merged(overrides, dict(p.overrides)))))
+
+
+def with_optim_recipe(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its `optim` filled (OptimSettings.filled): the run's values, else the recipe of its preset
+    (PolicyDefaults.optim: smolvla-base's is LeRobot's), else OptimConfig's defaults. Filling twice changes nothing."""
+    from kilovla.models.presets import policy_defaults
+
+    return dataclasses.replace(cfg, optim=cfg.optim.filled(policy_defaults(cfg.policy.preset).optim))
 
 
 def check_start_exists(cfg: TrainConfig) -> None:

@@ -2,12 +2,16 @@
 
 `build_optimizer(model, OptimConfig, steps)`: AdamW over the trainable parameters with linear warmup
 and cosine decay to `lr * min_lr_ratio`; `clip_gradients(params, max_norm)`: the global gradient
-norm (over all ranks, sharded or not), clipped when max_norm > 0.
+norm (over all ranks, sharded or not), clipped when max_norm > 0. A supervised run's `optim:` section is
+an `OptimSettings` (every field unset until given), filled by the preset's recipe and then OptimConfig's
+defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +25,28 @@ class OptimConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     clip_grad_norm: float = 1.0  # <= 0: no clipping (the norm is still logged)
+
+
+@dataclass
+class OptimSettings(OptimConfig):
+    """OptimConfig's fields as a run gives them: None where unset. `filled(recipe)`, every field set, is what
+    the run trains with: the run's values, else the preset family's recipe (`PolicyDefaults.optim`), else
+    OptimConfig's defaults.
+
+        OptimSettings(lr=3e-4).filled({"lr": 1e-4, "weight_decay": 1e-10})
+        -> OptimSettings(lr=3e-4, weight_decay=1e-10, betas=(0.9, 0.95), warmup_steps=50, ...)
+    """
+
+    lr: float | None = None  # each optim.* unset: the preset's recipe (smolvla-base: LeRobot's), else the default shown
+    weight_decay: float | None = None
+    betas: tuple[float, float] | None = None
+    warmup_steps: int | None = None
+    min_lr_ratio: float | None = None
+    clip_grad_norm: float | None = None
+
+    def filled(self, recipe: Mapping[str, object]) -> OptimSettings:
+        given = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        return OptimSettings(**dataclasses.asdict(OptimConfig(**{**recipe, **given})))
 
 
 def _lr_lambda(cfg: OptimConfig, steps: int):

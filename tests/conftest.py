@@ -203,6 +203,12 @@ def train_args(dataset, run_dir, steps=4, family="pi05-tiny"):
     return args + (["--policy.overrides.chunk_size=4"] if family.startswith("pi0") else [])
 
 
+def unless_given(defaults: list[str], argv: list[str]) -> list[str]:
+    """A test's default `--key=value`s less the keys its own argv sets (a key given twice is refused)."""
+    keys = {a.split("=")[0] for a in argv}
+    return [d for d in defaults if d.split("=")[0] not in keys]
+
+
 def train_process(args, nproc=1, env=None, timeout=300):
     """`kilovla train` in a child process, under torchrun when nproc > 1."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}

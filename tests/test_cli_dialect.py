@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from conftest import unless_given
+
 from kilovla import cli
 from kilovla.cli import main
 from kilovla.cli_config import EvalCommand
@@ -369,12 +371,6 @@ def test_a_value_outside_the_choices_is_one_line_and_exit_2(capsys, argv, line):
     assert e.value.code == 2 and capsys.readouterr().err.strip() == line
 
 
-def _unless_given(defaults: list[str], argv: list[str]) -> list[str]:
-    """A test's default `--key=value`s less the keys its argv sets (a key given twice is refused)."""
-    keys = {a.split("=")[0] for a in argv}
-    return [d for d in defaults if d.split("=")[0] not in keys]
-
-
 @pytest.mark.parametrize("flag, said", [
     ("--eval.n_episodes=0", "--eval.n_episodes=0: must be >= 1"),
     ("--env.task=reach-v9", "unknown metaworld task(s) ['reach-v9']"),
@@ -383,7 +379,7 @@ def _unless_given(defaults: list[str], argv: list[str]) -> list[str]:
 ])
 def test_eval_refuses_before_it_announces_a_folder(tmp_path, monkeypatch, capsys, flag, said):
     monkeypatch.chdir(tmp_path)
-    assert main(["eval", "--policy.path=scripted", *_unless_given(["--env.task=reach-v3", "--eval.n_episodes=1"],
+    assert main(["eval", "--policy.path=scripted", *unless_given(["--env.task=reach-v3", "--eval.n_episodes=1"],
                                                                   [flag]), flag]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"error: {said}") and len(err.splitlines()) == 1
@@ -398,7 +394,7 @@ def test_eval_refuses_before_it_announces_a_folder(tmp_path, monkeypatch, capsys
 ])
 def test_collect_refuses_before_it_announces(tmp_path, monkeypatch, capsys, argv, said):
     monkeypatch.chdir(tmp_path)
-    assert main(["collect", *_unless_given(["--env.task=reach-v3", "--collect.n_episodes=1"], argv),
+    assert main(["collect", *unless_given(["--env.task=reach-v3", "--collect.n_episodes=1"], argv),
                  "--output_dir=d", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines()[-1].startswith(said) and "starting" not in err
@@ -486,7 +482,7 @@ def test_a_number_below_its_fields_least_is_one_line_and_writes_nothing(tmp_path
     small = {"eval": ["--env.task=reach-v3", "--eval.n_episodes=1", "--env.max_steps=2", "--env.resolution=16"],
              "collect": ["--env.task=reach-v3", "--collect.n_episodes=1", "--env.max_steps=2", "--env.resolution=16"]}
     # (small runs: without the check, the command would run and write)
-    assert main([*argv[:1], *_unless_given(small.get(argv[0], []), argv[1:]), *argv[1:]]) == 2
+    assert main([*argv[:1], *unless_given(small.get(argv[0], []), argv[1:]), *argv[1:]]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == line
     assert list(tmp_path.iterdir()) == []
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import train_args as _args, train_process as _run, trained_with_gradients as _trained
+from conftest import train_args as _args, train_process as _run, trained_with_gradients as _trained, unless_given
 from kilovla.cli import main
 from kilovla.config import load_config
 from kilovla.errors import KilovlaError
@@ -248,7 +248,7 @@ def test_in_training_closed_loop_evaluation_is_logged(reach_demos, tmp_path, cap
     ("--policy.stats=mine", "error: --policy.stats must be one of recompute, dataset, not 'mine'"),
 ])
 def test_bad_batch_precision_or_strategy_is_one_line_exit_2(dataset, tmp_path, flag, message):
-    proc = _run([*_args(dataset, tmp_path / "bad"), flag])
+    proc = _run([*unless_given(_args(dataset, tmp_path / "bad"), [flag]), flag])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [message]
     assert not (tmp_path / "bad").exists()
@@ -396,7 +396,7 @@ def test_smolvla_trains_on_a_weighted_lake_of_two_datasets_from_its_index(datase
 def test_an_empty_path_is_refused_and_nothing_is_written(dataset, tmp_path, monkeypatch, capsys, flag):
     """`--run_dir=` trained into the current folder; an empty init_from trained from random weights."""
     monkeypatch.chdir(tmp_path)
-    argv = [*_args(dataset, tmp_path / "run", steps=1), flag]
+    argv = [*unless_given(_args(dataset, tmp_path / "run", steps=1), [flag]), flag]
     assert main(["train", *argv]) == 2
     assert capsys.readouterr().err.strip().endswith(f"{flag[:-1]} is empty: give a path"
                                                     + ("" if flag == "--run_dir=" else " or leave it unset"))

@@ -5,7 +5,8 @@
 - ``smolvla-base``: ``lerobot/smolvla_base``'s shapes (SigLIP-B/16 at 512 px, pixel shuffle x4 -> 64
   tokens per camera, SmolLM2 text 960 wide, 15 / 5 heads of 64, MLP 2560, vocab 49280, the first
   16 of 32 layers kept, a 720-wide expert, chunk 50, dims 32, 48 prompt tokens); LeRobot's recipe:
-  the VLM and vision frozen (the expert and `state_proj` train), mean/std normalisation.
+  the VLM and vision frozen (the expert and `state_proj` train), mean/std normalisation, SmolVLM2's
+  tokenizer (a local tokenizer.json) with LeRobot's prompt (models/tokenize.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,6 @@ PRESETS = {
 
 RECIPES = {
     "smolvla-tiny": PolicyDefaults(),
-    "smolvla-base": PolicyDefaults(normalization="mean_std", image_resize="pad_top_left", freeze_vision=True,
+    "smolvla-base": PolicyDefaults(tokenizer="smolvlm2", normalization="mean_std", image_resize="pad_top_left", freeze_vision=True,
                                    freeze_vlm=True, needs_weights=True),
 }

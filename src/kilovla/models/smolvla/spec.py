@@ -58,4 +58,5 @@ FAMILY = Family(
                 tied="vlm_with_expert.vlm.lm_head.weight", unused=_NORMALIZERS,
                 rename=lambda key, name: key, own_prefixes=("vlm_with_expert.",)),
     supports_rtc=True,
+    tokenizer_kind="smolvlm2",
 )

@@ -120,3 +120,27 @@ def test_smolvla_refuses_a_sentencepiece_tokenizer(tmp_path):
     (tmp_path / "sp.model").write_bytes(buf.getvalue())
     with pytest.raises(KilovlaError, match="smolvla-tiny reads a smolvlm2 tokenizer .*not the paligemma tokenizer"):
         _processor(tmp_path / "sp.model")
+
+
+# -- LeRobot's normalizer buffers beside the weights (LeRobot < 0.4) -------------------------------------
+NORMALIZER_KEYS = {
+    "plain": ("normalize_inputs.buffer_observation_state.mean", "normalize_targets.buffer_action.std",
+              "unnormalize_outputs.buffer_action.mean"),
+    "per_robot": ("normalize_inputs.so100_buffer_observation_state.mean",  # lerobot/smolvla_base before 0.4
+                  "normalize_inputs.so100-red_buffer_observation_state.std", "normalize_targets.so100_buffer_action.std",
+                  "unnormalize_outputs.so100-blue_buffer_action.mean"),
+}
+
+
+@pytest.mark.parametrize("name", ["smolvla-tiny", "pi0-tiny"])
+@pytest.mark.parametrize("buffers", sorted(NORMALIZER_KEYS))
+def test_auto_layout_reads_a_lerobot_file_with_normalizer_buffers_as_lerobot(tmp_path, name, buffers):
+    source = build_model(name, seed=3)
+    state = {f"model.{k}": v for k, v in source.state_dict().items()}
+    state.update({k: torch.arange(4.0) for k in NORMALIZER_KEYS[buffers]})
+    save_safetensors(state, tmp_path / "model.safetensors")
+    ckpt = Checkpoint.open(tmp_path)
+    assert ckpt.layout == "lerobot"
+    target = build_model(name, seed=7)
+    assert load_checkpoint(target, tmp_path) == "lerobot"
+    assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))

@@ -129,9 +129,9 @@ class KeyMap:
 
     embed: str  # the token table's key
     tied: str  # the tied LM head that stands in for a missing token table, dropped otherwise
-    unused: re.Pattern  # stored keys dropped as never used
     rename: Callable[[str, str], str | None]  # (key, checkpoint name) -> kilovla key; None: dropped
     own_prefixes: tuple[str, ...]  # key prefixes only this family's checkpoints have
+    unused: re.Pattern = re.compile(r"(?!)")  # stored keys dropped as never used (default: none)
     layouts: tuple[str, ...] = ()  # published layouts (checkpoints.LAYOUTS) of this family alone
     native_layout: str | None = None  # the layout an unprefixed file with `own_prefixes` keys is read as
 

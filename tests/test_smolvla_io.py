@@ -241,6 +241,13 @@ def test_convert_policy_gives_the_actions_of_the_same_weights_and_stats(tmp_path
     expected = _actions(_reference(src, tokenizer_json, stats), obs)
     assert expected.shape == (2, 8, ACTION_DIM) and np.abs(expected).max() > 0.1
     np.testing.assert_allclose(_actions(converted, obs), expected, rtol=1e-6, atol=1e-6)
+    from kilovla.serve.engine import PolicyEngine, Request
+    from kilovla.serve.protocol import to_policy_observation
+
+    engine = PolicyEngine.load(dst, device="cpu")  # what `kilovla serve --policy.path=DST` runs
+    one = {k: v[0] for k, v in obs.items()}
+    [served], _ = engine.infer([Request(to_policy_observation(one, engine.inputs()), seed=0)])
+    assert served.shape[-1] == ACTION_DIM and np.isfinite(served).all()
 
 
 def test_convert_policy_takes_the_stats_of_the_chosen_robot(tmp_path, tokenizer_json):

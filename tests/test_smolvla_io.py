@@ -300,3 +300,19 @@ def test_eval_of_an_unconverted_lerobot_folder_says_how_to_convert_it(tmp_path, 
     write_lerobot_folder(src)
     assert main(["eval", f"--policy.path={src}", "--eval.n_episodes=1"]) == 2
     assert f"kilovla convert-policy {src} NEW_FOLDER" in capsys.readouterr().err
+
+
+def test_convert_policy_refuses_a_state_without_stats_rather_than_leaving_it_unnormalised(tmp_path, tokenizer_json):
+    """lerobot/smolvla_base's migrated files keep action stats per robot and none for the state: LeRobot then
+    skips the state's normalisation silently; kilovla stops, naming the file and the stats it lacks."""
+    from kilovla.lerobot_policy import convert_lerobot_policy
+
+    src = tmp_path / "smolvla_base"
+    src.mkdir()
+    stats = write_lerobot_folder(src, robots=("so100",))
+    stats_file = src / "policy_preprocessor_step_5_normalizer_processor.safetensors"
+    save_safetensors({k: v for k, v in stats.items() if ".action." in k}, stats_file)
+    with pytest.raises(KilovlaError, match=rf"^{stats_file}: no so100\.buffer\.observation\.state\.mean, "
+                                           r"so100\.buffer\.observation\.state\.std \(mean_std normalisation"):
+        convert_lerobot_policy(src, tmp_path / "out", tokenizer_json, "smolvla-tiny")
+    assert not (tmp_path / "out").exists()

@@ -183,13 +183,13 @@ def _robot_prefix(tensors: dict, feature: str, robot: str | None, path: Path) ->
     """"" for plain keys ("action.mean"), else "<robot>.buffer." of the keys stored per robot
     ("so100.buffer.action.mean", lerobot/smolvla_base): `robot`, or the only one there is."""
     robots = sorted({k.split(".buffer.", 1)[0] for k in tensors if ".buffer." in k})
-    if robot is None and any(k.startswith(f"{feature}.") for k in tensors):
-        return ""
-    if robot is None and len(robots) == 1:
-        robot = robots[0]
     if robot is None:
-        raise KilovlaError(f"{path}: stats are kept per robot ({', '.join(robots) or 'none for ' + feature}); "
-                           "choose one with --policy.robot=NAME")
+        if not robots or any(k.startswith(f"{feature}.") for k in tensors):
+            return ""  # plain keys (read_stats names any that are missing)
+        if len(robots) > 1:
+            raise KilovlaError(f"{path}: stats are kept per robot ({', '.join(robots)}); choose one with "
+                               "--policy.robot=NAME")
+        robot = robots[0]
     if robot not in robots:
         raise KilovlaError(f"{path}: --policy.robot={robot}: no such robot; it has {', '.join(robots) or 'none'}")
     return f"{robot}.buffer."

@@ -441,6 +441,16 @@ def cmd_serve(args) -> int:
                cuda_graphs=sv.cuda_graphs)
 
 
+def cmd_convert_policy(args) -> int:
+    from kilovla.lerobot_policy import convert_lerobot_policy
+
+    cfg = args.cfg  # cli_config.ConvertPolicyCommand
+    p = cfg.policy
+    out = convert_lerobot_policy(p.path, cfg.output_dir, tokenizer=p.tokenizer, preset_name=p.preset, robot=p.robot)
+    print(f"converted {p.path} (LeRobot SmolVLA) -> {out} (policy folder: kilovla eval / serve --policy.path={out})")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from kilovla.demo import run_demo
 
@@ -569,6 +579,16 @@ def _serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _convert_policy_parser(sub) -> None:
+    from kilovla.cli_config import CONVERT_POLICY_POSITIONAL, ConvertPolicyCommand, add_config_flags
+
+    p = sub.add_parser("convert-policy", allow_abbrev=False, help="a LeRobot SmolVLA policy folder -> a kilovla "
+                       "policy folder (for eval, serve, train)", description="kilovla convert-policy SRC DST "
+                       "[--policy.tokenizer=PATH] [--policy.preset=NAME] [--policy.robot=NAME]")
+    add_config_flags(p, ConvertPolicyCommand, positional=CONVERT_POLICY_POSITIONAL)
+    p.set_defaults(func=cmd_convert_policy)
+
+
 def _demo_parser(sub) -> None:
     from kilovla.cli_config import DEMO_ALIASES, DemoCommand, add_config_flags
 
@@ -626,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
     _collect_parser(sub)
     _eval_parser(sub)
     _serve_parser(sub)
+    _convert_policy_parser(sub)
     _demo_parser(sub)
     return parser
 

@@ -209,6 +209,30 @@ SERVE_ALIASES = {
                                                            "precision")},
 }
 @dataclass
+class ConvertPolicySection:
+    path: str | None = _f(None, "the LeRobot SmolVLA policy folder: config.json, model.safetensors, "
+                          "policy_preprocessor.json / policy_postprocessor.json and their normalizer stats",
+                          path=True, required=True)
+    tokenizer: str | None = _f(None, "SmolVLM2's tokenizer.json or its folder (default: looked for in policy.path)",
+                               path=True)
+    preset: str | None = _f(None, "the kilovla preset with the VLM's shapes (default: from config.json's "
+                            "vlm_model_name: smolvla-base for HuggingFaceTB/SmolVLM2-500M-Video-Instruct)")
+    robot: str | None = _f(None, "the robot whose stats to take where the stats file keeps them per robot "
+                           "(so100 of so100.buffer.action.mean; default: the only one)")
+
+
+@dataclass
+class ConvertPolicyCommand:
+    """`kilovla convert-policy`: a LeRobot SmolVLA folder -> a kilovla policy folder (lerobot_policy.py)."""
+
+    policy: ConvertPolicySection = _f(ConvertPolicySection(), "")
+    output_dir: str | None = _f(None, "the new kilovla policy folder (must not exist)", path=True, required=True)
+
+
+CONVERT_POLICY_POSITIONAL = (("src", "policy.path"), ("dst", "output_dir"))
+
+
+@dataclass
 class DemoPolicySection:
     preset: str | None = _f(None, "the model preset (default: the recipe's, pi0-tiny)")
     overrides: dict = _f({}, "model config overrides merged into the recipe's for the preset (pi0-tiny's: a wide "

@@ -6,7 +6,10 @@ The published layouts map onto them (`detect_layout`, `map_keys`):
 
 - ``kilovla``: ``kilovla train`` / ``policy_folder.save_policy``; kilovla's keys, model.safetensors + policy.json.
 - ``openpi``: openpi's JAX -> PyTorch converter; unprefixed keys, bf16 by default, config.json.
-- ``lerobot``: LeRobot's pi0 / pi05 policies; every key prefixed ``model.``, config.json.
+- ``lerobot``: LeRobot's pi0 / pi05 / SmolVLA policies; every key prefixed ``model.``, config.json. Files
+  of LeRobot before 0.4 also hold the normalisation buffers (`LEROBOT_NORMALIZERS`: ``normalize_inputs.
+  buffer_observation_state.mean``, or per robot ``normalize_inputs.so100_buffer_observation_state.mean``),
+  unprefixed: they do not count against the prefix and are dropped (policy.json keeps the stats).
 - ``lerobot-groot``: LeRobot's GR00T policy; every key prefixed ``_groot_model.``.
 - ``groot``: Isaac-GR00T's ``save_pretrained`` (``nvidia/GR00T-N1.5-3B``); unprefixed, sharded,
   backbone bf16, config.json + experiment_cfg/metadata.json.
@@ -54,6 +57,8 @@ from kilovla.models.family import family as family_spec  # `family` names a chec
 
 LAYOUTS = ("kilovla", "openpi", "lerobot", "lerobot-groot", "groot")
 _PREFIX = {"lerobot": "model.", "lerobot-groot": "_groot_model."}
+# LeRobot < 0.4's normalisation modules inside the policy: their buffers sit beside the "model." weights
+LEROBOT_NORMALIZERS = re.compile(r"(normalize_inputs|normalize_targets|unnormalize_outputs)\.")
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -195,8 +200,9 @@ def detect_layout(keys: Iterable[str], folder: Path | None = None) -> str:
     keys = list(keys)
     if folder is not None and (folder / "policy.json").is_file():
         return "kilovla"
+    weights = [k for k in keys if not LEROBOT_NORMALIZERS.match(k)]
     for layout, prefix in _PREFIX.items():
-        if keys and all(k.startswith(prefix) for k in keys):
+        if weights and all(k.startswith(prefix) for k in weights):
             return layout
     for fam in families():  # an unprefixed file of a family with a layout of its own (Isaac-GR00T's)
         if fam.keys.native_layout and any(k.startswith(fam.keys.own_prefixes) for k in keys):
@@ -219,6 +225,9 @@ def map_keys(stored: Iterable[str], layout: str, family: str) -> tuple[dict[str,
     dropped: list[str] = []
     tied = None
     for src in stored:
+        if layout == "lerobot" and LEROBOT_NORMALIZERS.match(src):
+            dropped.append(src)
+            continue
         key = src.removeprefix(prefix) if prefix and src.startswith(prefix) else src
         if key == keys.tied:
             tied = src

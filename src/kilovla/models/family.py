@@ -12,7 +12,8 @@ What a family answers, by who asks:
   `PolicyDefaults`), read by models/presets.py;
 - the data and the processor: `chunk_length`, `camera_tokens` (one camera's image tokens) and
   `action_tokens` (the rest of the row past language: the suffix and any state token) that the token plan counts,
-  `vocab_size`, `image_token_id`, `pooled_width` (the residual's features);
+  `vocab_size`, `image_token_id`, `tokenizer_kind` (how a tokenizer file is read, and so the prompt format),
+  `pooled_width` (the residual's features);
 - writing a config: `overrides` (`ModelSettings`, a caller's family-neutral wishes such as the demo's
   chunk length and camera count -> that family's config overrides);
 - training: `flow_time` (Beta(1.5, 1) draw -> t, the family's convention), `freeze_groups`,
@@ -47,7 +48,7 @@ FAMILY_MODULES = ("kilovla.models.pi05", "kilovla.models.groot", "kilovla.models
 class PolicyDefaults:
     """What a family's fine-tuning recipe sets outside the model config."""
 
-    tokenizer: str = "byte"  # byte, paligemma (SentencePiece), qwen3 (tokenizer.json + Eagle template)
+    tokenizer: str = "byte"  # byte, paligemma (SentencePiece), qwen3 (tokenizer.json + Eagle template), smolvlm2
     normalization: str = "quantile"  # quantile (pi0.5), mean_std (pi0), min_max (GR00T)
     state_in_prompt: bool = False
     image_resize: str = "stretch"  # or pad (openpi's resize_with_pad), pad_top_left (LeRobot SmolVLA's)
@@ -131,9 +132,9 @@ class KeyMap:
 
     embed: str  # the token table's key
     tied: str  # the tied LM head that stands in for a missing token table, dropped otherwise
-    unused: re.Pattern  # stored keys dropped as never used
     rename: Callable[[str, str], str | None]  # (key, checkpoint name) -> kilovla key; None: dropped
     own_prefixes: tuple[str, ...]  # key prefixes only this family's checkpoints have
+    unused: re.Pattern = re.compile(r"(?!)")  # stored keys dropped as never used (default: none)
     layouts: tuple[str, ...] = ()  # published layouts (checkpoints.LAYOUTS) of this family alone
     native_layout: str | None = None  # the layout an unprefixed file with `own_prefixes` keys is read as
 
@@ -172,6 +173,9 @@ class Family:
     checkpoint_name: Callable[[object], str]  # a config's
     keys: KeyMap
     supports_rtc: bool
+    # how a tokenizer file is read (models/tokenize.py load_tokenizer), and so which prompt the processor builds:
+    # "smolvlm2" (SmolVLA's); None: by the file (a .model: PaliGemma's, else Qwen3's)
+    tokenizer_kind: str | None = None
 
     def build(self, config) -> nn.Module:
         return self.model_class(config)

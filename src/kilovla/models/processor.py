@@ -9,8 +9,9 @@ inference (`observation_batch(obs)` from env observations), so both see identica
 - state: the `state_keys` features concatenated, normalised with the dataset stats (q01/q99 ->
   [-1, 1] for pi0.5, mean/std for pi0, min/max -> [-1, 1] for GR00T), zero-padded to max_state_dim;
 - language: the family's prompt (`models/tokenize.py`): openpi's pi0 / pi0.5 format (the discretised
-  state in the text when `state_in_prompt`) or GR00T's Eagle chat template with image placeholders,
-  tokenised with the policy's tokenizer ("byte", or a path to a real one);
+  state in the text when `state_in_prompt`), GR00T's Eagle chat template with image placeholders, or
+  LeRobot SmolVLA's (task + "\\n") with SmolVLM2's tokenizer, tokenised with the policy's tokenizer
+  ("byte", or a path to a real one);
 - actions (training): normalised, zero-padded to max_action_dim, `action_dim_mask` marks real dims.
 """
 
@@ -27,7 +28,7 @@ from kilovla.models.batch import PaddedBatch
 from kilovla.models.family import chunk_length, family_of, vocab_size
 from kilovla.models.images import RESIZE_MODES, ImageAugmentation, resize_images
 from kilovla.models.tokenize import (EAGLE_IMAGE_TOKEN, PAD, eagle_prompt_ids, load_tokenizer, openpi_prompt_ids,
-                                     pad_prompts, truncate)
+                                     pad_prompts, smolvla_prompt_ids, truncate)
 
 
 @dataclass
@@ -106,7 +107,7 @@ class Processor:
         spec = meta.tokenizer
         if spec != "byte" and root is not None and not Path(spec).is_absolute():
             spec = str(Path(root) / spec)
-        self.tokenizer = load_tokenizer(spec)
+        self.tokenizer = load_tokenizer(spec, family_of(model_config).tokenizer_kind)
         self.augmentation = ImageAugmentation.from_dict(meta.augmentation)
         if meta.image_resize not in RESIZE_MODES:
             raise KilovlaError(f"image_resize must be one of {RESIZE_MODES}, not {meta.image_resize!r}")
@@ -119,6 +120,10 @@ class Processor:
         if tok.vocab_size > vocab:
             raise KilovlaError(f"the {tok.kind} tokenizer {getattr(tok, 'path', '') or ''} has {tok.vocab_size} "
                                f"tokens, the model's embedding {vocab}")
+        wanted = family_of(cfg).tokenizer_kind
+        if wanted is not None and tok.kind not in ("byte", wanted):
+            raise KilovlaError(f"{self.meta.preset} reads a {wanted} tokenizer (a tokenizer.json), not the {tok.kind} "
+                               f"tokenizer {tok.path}")
         if self.image_token_id is None:
             return
         if tok.kind != "qwen3":
@@ -136,6 +141,8 @@ class Processor:
             n = len(self.meta.camera_map)
             ids = eagle_prompt_ids(self.tokenizer, task, n, self.cfg.vision.tokens, self.image_token_id)
             return ids, n * self.cfg.vision.tokens
+        if self.tokenizer.kind == "smolvlm2":
+            return smolvla_prompt_ids(self.tokenizer, task, self.cfg.max_language_tokens), 0
         return openpi_prompt_ids(self.tokenizer, task, state if self.meta.state_in_prompt else None), 0
 
     def token_count(self, task: str) -> int:

@@ -8,6 +8,8 @@ Which tokenizer:
   ``*.model`` file.
 - `QwenTokenizer`: Qwen3's byte-level BPE (GR00T N1.5's Eagle backbone), from a ``tokenizer.json``
   or from the ``vocab.json`` + ``merges.txt`` (+ added tokens) that Isaac-GR00T ships.
+- `SmolVLM2Tokenizer`: SmolVLM2's GPT-2-style BPE (SmolVLA; vocab 49280), from the ``tokenizer.json`` of
+  ``HuggingFaceTB/SmolVLM2-500M-Video-Instruct`` (or a folder holding it), read with `tokenizers`.
 
 Nothing is ever downloaded: `find_tokenizer` looks at ``--policy.tokenizer`` first, then next to the
 checkpoint a run starts from, and says what it looked for when nothing is there.
@@ -24,6 +26,13 @@ Prompt formats, exactly as the families build them:
 
   (one line here; no line breaks in between). The model puts each camera's features where its
   ``<IMG_CONTEXT>`` run is (`GrootConfig.image_token_id`).
+- SmolVLA (LeRobot's processor: `SmolVLANewLineProcessor`, then `TokenizerProcessorStep`): the task as
+  given (not cleaned), "\\n" appended unless it ends with one, encoded with the tokenizer's own special
+  tokens (its tokenizer.json post-processor, as transformers' ``add_special_tokens=True``: no BOS unless
+  the file adds one), cut at the end to ``tokenizer_max_length`` (48) as the tokenizer truncates, right
+  padded (to 48 with ``language_padding="max_length"``, ``lerobot/smolvla_base``'s ``pad_language_to``)::
+
+      "pick up the cube" -> encode("pick up the cube\\n") -> ids[:48], then padding to 48
 
 Prompts longer than the model's language budget are cut at the end, as openpi does, with one warning
 per process that gives the counts.
@@ -46,7 +55,7 @@ log = logging.getLogger(__name__)
 
 PAD, BOS = 0, 1
 BYTE_VOCAB_SIZE = 258  # pad, bos, 256 bytes
-TOKENIZER_KINDS = ("byte", "paligemma", "qwen3")
+TOKENIZER_KINDS = ("byte", "paligemma", "qwen3", "smolvlm2")
 
 
 class Tokenizer(Protocol):
@@ -108,12 +117,13 @@ class QwenTokenizer:
     """
 
     kind = "qwen3"
+    title = "a Qwen"
 
     def __init__(self, path: str | Path):
         try:
             import tokenizers
         except ImportError:
-            raise KilovlaError("a Qwen tokenizer needs `pip install tokenizers`") from None
+            raise KilovlaError(f"{self.title} tokenizer needs `pip install tokenizers`") from None
         path = Path(path)
         if path.is_dir() and (path / "tokenizer.json").is_file():
             path = path / "tokenizer.json"
@@ -128,7 +138,7 @@ class QwenTokenizer:
         except KilovlaError:
             raise
         except Exception as e:  # tokenizers reports a malformed file as a plain Exception
-            raise KilovlaError(f"{path}: not a Qwen tokenizer: {e}") from None
+            raise KilovlaError(f"{path}: not {self.title} tokenizer: {e}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
@@ -142,6 +152,29 @@ class QwenTokenizer:
         if i is None:
             raise KilovlaError(f"{self.path}: the tokenizer has no {token!r} token (not an Eagle/Qwen3 tokenizer?)")
         return i
+
+
+class SmolVLM2Tokenizer(QwenTokenizer):
+    """SmolVLM2's tokenizer (SmolVLA's VLM): `path` a ``tokenizer.json`` or a folder holding one. `encode`
+    adds what the file's post-processor adds (`bos`: transformers' ``add_special_tokens``)."""
+
+    kind = "smolvlm2"
+    title = "a SmolVLM2"
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        self._cut: dict = {}  # max_length -> a copy that truncates as transformers' `truncation=True` does
+
+    def encode(self, text: str, bos: bool = True, max_length: int | None = None) -> list[int]:
+        if max_length is None:
+            return self._tok.encode(text, add_special_tokens=bos).ids
+        if max_length not in self._cut:
+            from tokenizers import Tokenizer
+
+            cut = Tokenizer.from_str(self._tok.to_str())
+            cut.enable_truncation(max_length, direction="right")
+            self._cut[max_length] = cut
+        return self._cut[max_length].encode(text, add_special_tokens=bos).ids
 
 
 def _qwen_from_vocab_merges(folder: Path):
@@ -177,8 +210,9 @@ def _qwen_from_vocab_merges(folder: Path):
     return tok
 
 
-def load_tokenizer(spec: str | Path) -> ByteTokenizer | SentencePieceTokenizer | QwenTokenizer:
-    """"byte", a SentencePiece ``.model`` file, or a Qwen ``tokenizer.json`` / tokenizer folder."""
+def load_tokenizer(spec: str | Path, kind: str | None = None) -> Tokenizer:
+    """"byte", a SentencePiece ``.model`` file, or a ``tokenizer.json`` / tokenizer folder, read as `kind`
+    ("smolvlm2", the family's `Family.tokenizer_kind`) or else as Qwen's."""
     if str(spec) == "byte":
         return ByteTokenizer()
     path = Path(spec)
@@ -186,7 +220,7 @@ def load_tokenizer(spec: str | Path) -> ByteTokenizer | SentencePieceTokenizer |
         raise KilovlaError(f"{path}: tokenizer not found")
     if path.is_file() and path.suffix == ".model":
         return SentencePieceTokenizer(path)
-    return QwenTokenizer(path)
+    return SmolVLM2Tokenizer(path) if kind == "smolvlm2" else QwenTokenizer(path)
 
 
 # Where a published checkpoint or its user keeps the tokenizer, relative to the checkpoint folder.
@@ -194,17 +228,21 @@ _CANDIDATES = {
     "paligemma": ("paligemma_tokenizer.model", "tokenizer.model", "tokenizer/paligemma_tokenizer.model",
                   "tokenizer/tokenizer.model", "assets/paligemma_tokenizer.model"),
     "qwen3": ("tokenizer.json", "tokenizer/tokenizer.json", "eagle2_hg_model", "tokenizer"),
+    "smolvlm2": ("tokenizer.json", "tokenizer/tokenizer.json", "tokenizer"),
 }
+_WHAT = {"paligemma": "PaliGemma's SentencePiece model (paligemma_tokenizer.model)",
+         "qwen3": "Qwen3's tokenizer.json (or Isaac-GR00T's eagle2_hg_model folder)",
+         "smolvlm2": "SmolVLM2's tokenizer.json (of HuggingFaceTB/SmolVLM2-500M-Video-Instruct)"}
 
 
 def find_tokenizer(kind: str, explicit: str | None, near: list[Path] = (), preset: str = "",
-                   recorded: Callable[[], str | None] | None = None) -> str:
+                   recorded: Callable[[], str | None] | None = None, near_flag: str = "--policy.init_from") -> str:
     """The tokenizer a policy uses, as "byte" or an absolute path.
 
     `explicit` (``--policy.tokenizer``) wins; else, for a family that needs one, the tokenizer the kilovla
     policy folder training starts from names (`recorded()`, kilovla.policy_folder), else a ``kind``
-    tokenizer is looked for in the folders `near` (the checkpoint training starts from); a family that
-    needs one and finds none stops here.
+    tokenizer is looked for in the folders `near` (the checkpoint training starts from, given by
+    `near_flag`); a family that needs one and finds none stops here.
     """
     if kind not in TOKENIZER_KINDS:
         raise KilovlaError(f"tokenizer kind must be one of {TOKENIZER_KINDS}, not {kind!r}")
@@ -230,11 +268,9 @@ def find_tokenizer(kind: str, explicit: str | None, near: list[Path] = (), prese
             if candidate.is_file() or (candidate.is_dir() and ((candidate / "tokenizer.json").is_file()
                                                                 or (candidate / "vocab.json").is_file())):
                 return str(candidate.resolve())
-    what = "PaliGemma's SentencePiece model (paligemma_tokenizer.model)" if kind == "paligemma" else \
-        "Qwen3's tokenizer.json (or Isaac-GR00T's eagle2_hg_model folder)"
     where = f"; looked for {', '.join(looked)}" if looked else ""
-    raise KilovlaError(f"{preset or 'this policy'} needs {what}: pass --policy.tokenizer=PATH or put it next to "
-                       f"the checkpoint in --policy.init_from (nothing is downloaded){where}")
+    raise KilovlaError(f"{preset or 'this policy'} needs {_WHAT[kind]}: pass --policy.tokenizer=PATH or put it next "
+                       f"to the checkpoint in {near_flag} (nothing is downloaded){where}")
 
 
 # -- prompts -----------------------------------------------------------------------------------------
@@ -280,6 +316,17 @@ def eagle_prompt_ids(tokenizer, task: str, n_images: int, tokens_per_image: int,
         ids += tokenizer.encode(head + f"<image {k}><img>", bos=False) + [image_token_id] * tokens_per_image
         head = "</img>"
     return ids + tokenizer.encode((head if n_images else EAGLE_SYSTEM) + task + EAGLE_END, bos=False)
+
+
+def smolvla_prompt_ids(tokenizer: SmolVLM2Tokenizer, task: str, max_length: int) -> list[int]:
+    """LeRobot SmolVLA's prompt (module docstring): task + "\\n", the tokenizer's special tokens, cut to
+    `max_length` by the tokenizer (what it adds kept); a cut is reported as `truncate` reports it."""
+    prompt = task if task.endswith("\n") else task + "\n"
+    ids = tokenizer.encode(prompt)
+    if len(ids) <= max_length:
+        return ids
+    truncate(ids, max_length)  # the one warning of the process
+    return tokenizer.encode(prompt, max_length=max_length)
 
 
 _warned_truncation = False

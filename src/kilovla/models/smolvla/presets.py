@@ -5,7 +5,8 @@
 - ``smolvla-base``: ``lerobot/smolvla_base``'s shapes (SigLIP-B/16 at 512 px, pixel shuffle x4 -> 64
   tokens per camera, SmolLM2 text 960 wide, 15 / 5 heads of 64, MLP 2560, vocab 49280, the first
   16 of 32 layers kept, a 720-wide expert, chunk 50, dims 32, 48 prompt tokens); LeRobot's recipe:
-  the VLM and vision frozen (the expert and `state_proj` train), mean/std normalisation, and its
+  the VLM and vision frozen (the expert and `state_proj` train), mean/std normalisation, SmolVLM2's
+  tokenizer (a local tokenizer.json) with LeRobot's prompt (models/tokenize.py), and its
   optimizer (SmolVLAConfig's, LeRobot v0.4.4): AdamW lr 1e-4, betas (0.9, 0.95), weight decay 1e-10
   (eps 1e-8, torch's default), gradients clipped at norm 10, 1000 warmup steps, cosine decay to 2.5e-6.
   LeRobot decays over a fixed 30 000 steps (a shorter run scales warmup and decay to fit it); kilovla's
@@ -35,6 +36,6 @@ LEROBOT_OPTIM = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 1e-10, "clip_
 
 RECIPES = {
     "smolvla-tiny": PolicyDefaults(),
-    "smolvla-base": PolicyDefaults(normalization="mean_std", image_resize="pad_top_left", freeze_vision=True,
-                                   freeze_vlm=True, needs_weights=True, optim=LEROBOT_OPTIM),
+    "smolvla-base": PolicyDefaults(tokenizer="smolvlm2", normalization="mean_std", image_resize="pad_top_left",
+                                   freeze_vision=True, freeze_vlm=True, needs_weights=True, optim=LEROBOT_OPTIM),
 }

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 from kilovla.models.family import Family, KeyMap, ModelSettings
 from kilovla.models.smolvla import parallelize
 from kilovla.models.smolvla.model import SmolVLAConfig, SmolVLAModel, flow_time
@@ -13,7 +11,6 @@ _PROJ = r"self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
 _TEXT = rf"vlm_with_expert\.vlm\.model\.text_model\.layers\.\d+\.({_PROJ})"
 _EXPERT = rf"vlm_with_expert\.lm_expert\.layers\.\d+\.({_PROJ})"
 _VISION = r"vlm_with_expert\.vlm\.model\.vision_model\.encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
-_NORMALIZERS = re.compile(r"(normalize_inputs|normalize_targets|unnormalize_outputs)\.")
 _HEADS = r"(state_proj|action_in_proj|action_out_proj|action_time_mlp_in|action_time_mlp_out)"
 
 
@@ -51,11 +48,12 @@ FAMILY = Family(
     vision_tower=r"^vlm_with_expert\.vlm\.model\.vision_model\.",
     checkpoint_names=("smolvla",),
     checkpoint_name=lambda cfg: "smolvla",
-    # lerobot/smolvla_base: LeRobot's layout ("model." prefix). The VLM's lm_head is never used: as `tied` it
-    # is dropped beside the embedding the checkpoint always holds. Pre-0.4 LeRobot files also hold their
-    # normalisation buffers (the stats, which policy.json keeps instead): dropped.
+    # lerobot/smolvla_base: LeRobot's layout ("model." prefix; pre-0.4 normalisation buffers are dropped by
+    # checkpoints.map_keys). The VLM's lm_head is never used: as `tied` it is dropped beside the embedding the
+    # checkpoint always holds.
     keys=KeyMap(embed="vlm_with_expert.vlm.model.text_model.embed_tokens.weight",
-                tied="vlm_with_expert.vlm.lm_head.weight", unused=_NORMALIZERS,
+                tied="vlm_with_expert.vlm.lm_head.weight",
                 rename=lambda key, name: key, own_prefixes=("vlm_with_expert.",)),
     supports_rtc=True,
+    tokenizer_kind="smolvlm2",
 )

@@ -1,0 +1,175 @@
+"""The mixture-of-experts action expert (models/moe.py): routing, losses, equivalences, folders."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_pi05 import _batch
+
+from kilovla.errors import KilovlaError
+from kilovla.models.moe import MoEConfig, MoEMLP, Routing, dispatch, route, router_losses, training_loss
+from kilovla.models.presets import build_model, preset
+
+EXPERT_MLP = "paligemma_with_expert.gemma_expert.model.layers.{}.mlp."
+MOE = {"num_experts": 4, "top_k": 2}
+
+
+def _inputs(batch, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return {"noise": torch.randn(batch.actions.shape, generator=g), "time": torch.rand(batch.batch_size, generator=g)}
+
+
+def _loss_and_grads(model, batch, packing: bool, objective=training_loss):
+    model.config = dataclasses.replace(model.config, packing=packing)
+    model.zero_grad(set_to_none=True)
+    out = model(batch, **_inputs(batch))
+    objective(out).backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# -- routing, hand-computed ---------------------------------------------------------------------------------
+def test_route_picks_the_top_k_and_renormalises_their_weights():
+    logits = torch.tensor([[2.0, 0.0, 1.0], [0.0, 0.0, 3.0]])
+    probs, experts, weights = route(logits, 2)
+    assert experts.tolist() == [[0, 2], [2, 0]]
+    p = logits.softmax(-1)
+    torch.testing.assert_close(weights[0], p[0, [0, 2]] / p[0, [0, 2]].sum())
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+
+
+def test_dispatch_groups_by_expert_and_drops_past_capacity_in_token_order():
+    experts = torch.tensor([[1, 0], [1, 2], [1, 0]])  # assignments 0..5, token = a // 2
+    d = dispatch(experts, 3)
+    assert d.assignment.tolist() == [1, 5, 0, 2, 4, 3] and d.counts.tolist() == [2, 3, 1]
+    capped = dispatch(experts, 3, capacity=2)
+    assert capped.assignment.tolist() == [1, 5, 0, 2, 3]  # expert 1's third token (assignment 4) dropped
+    assert capped.counts.tolist() == [2, 2, 1] and capped.load.tolist() == [2, 3, 1]
+
+
+def test_router_losses_follow_switch_and_st_moe():
+    logits = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.5, 0.5]])
+    probs = logits.softmax(-1)
+    load = torch.tensor([1, 2])
+    aux, z = router_losses(logits, probs, load)
+    torch.testing.assert_close(aux, 2 * (1 / 3 * probs[:, 0].mean() + 2 / 3 * probs[:, 1].mean()))
+    torch.testing.assert_close(z, (torch.logsumexp(logits, -1) ** 2).mean())
+    balanced, _ = router_losses(torch.zeros(4, 2), torch.full((4, 2), 0.5), torch.tensor([2, 2]))
+    assert float(balanced) == pytest.approx(1.0)
+
+
+def test_dropless_moe_equals_a_per_token_reference():
+    torch.manual_seed(0)
+    mlp = MoEMLP(8, 16, MoEConfig(num_experts=3, top_k=2, shared_experts=1))
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        out = mlp(x)
+        flat = x.reshape(-1, 8)
+        _, experts, weights = route(mlp.router(flat), 2)
+        ref = torch.stack([sum(w * mlp.experts.expert(int(e), t[None])[0] for e, w in zip(es, ws))
+                           + mlp.shared.expert(0, t[None])[0] for t, es, ws in zip(flat, experts, weights)])
+    torch.testing.assert_close(out.reshape(-1, 8), ref, atol=1e-6, rtol=1e-5)
+
+
+def test_tokens_left_out_of_the_routing_are_neither_computed_nor_counted():
+    torch.manual_seed(0)
+    mlp = MoEMLP(8, 16, MoEConfig(num_experts=2, top_k=1))
+    x, valid = torch.randn(2, 4, 8), torch.tensor([[True, True, False, False], [True, False, False, False]])
+    routing = Routing(valid=valid)
+    out = mlp(x, routing)
+    assert float(out[~valid].detach().abs().sum()) == 0.0
+    assert int(routing.stats[0].load.sum()) == 3
+    torch.testing.assert_close(out[valid], mlp(x[valid]))
+
+
+def test_the_training_objective_adds_the_regularizer_once_per_sample():
+    out = {"per_sample": torch.tensor([1.0, 2.0, 3.0]), "moe_regularizer": torch.tensor(0.5)}
+    assert float(training_loss(out)) == pytest.approx(6.0 + 3 * 0.5)
+    assert float(training_loss({"per_sample": torch.tensor([1.0, 2.0])})) == 3.0
+
+
+# -- the model ------------------------------------------------------------------------------------------------
+def test_an_e1_k1_moe_is_the_dense_model_weight_for_weight_and_loss_for_loss():
+    dense = build_model("pi05-tiny", seed=3)
+    moe = build_model("pi05-tiny", seed=3, moe={"num_experts": 1, "top_k": 1, "z_loss_coef": 0.0})
+    d, m = dense.state_dict(), moe.state_dict()
+    for key, value in d.items():
+        if ".mlp." in key and "gemma_expert" in key:
+            prefix, proj = key.rsplit(".mlp.", 1)
+            torch.testing.assert_close(m[f"{prefix}.mlp.experts.{proj.removesuffix('.weight')}"][0], value,
+                                       rtol=0, atol=0)
+        else:
+            assert torch.equal(m[key], value), key
+    batch = _batch(dense.config, horizons=[8, 3, 5])
+    for packing in (False, True):
+        out_d, grads_d = _loss_and_grads(dense, batch, packing)
+        out_m, grads_m = _loss_and_grads(moe, batch, packing)
+        torch.testing.assert_close(out_m["loss"], out_d["loss"], atol=1e-6, rtol=1e-6)
+        assert float(out_m["moe_aux_loss"]) == 1.0 and float(out_m["moe_dropped"]) == 0
+        for name, g in grads_d.items():
+            mine = grads_m.get(name) if name in grads_m else \
+                grads_m[name.replace(".mlp.", ".mlp.experts.").removesuffix(".weight")][0]
+            torch.testing.assert_close(mine, g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
+def test_packed_and_padded_paths_give_the_same_moe_losses_and_gradients(capacity_factor):
+    torch.manual_seed(0)
+    model = build_model("pi05-tiny", seed=1, moe={**MOE, "capacity_factor": capacity_factor, "shared_experts": 1})
+    batch = _batch(model.config, horizons=[8, 3, 5])
+    padded, grads_padded = _loss_and_grads(model, batch, packing=False)
+    packed, grads_packed = _loss_and_grads(model, batch, packing=True)
+    for key in ("loss", "moe_aux_loss", "moe_z_loss", "moe_load", "moe_dropped", "moe_assignments"):
+        torch.testing.assert_close(packed[key], padded[key], atol=1e-6, rtol=1e-5, msg=key)
+    # padding is never routed: 16 real suffix tokens x top 2 x 2 layers
+    assert int(padded["moe_assignments"]) == 16 * 2 * 2
+    assert (int(padded["moe_dropped"]) > 0) == (capacity_factor > 0)
+    assert grads_padded.keys() == grads_packed.keys()
+    for name in grads_padded:
+        torch.testing.assert_close(grads_packed[name], grads_padded[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_gradient_checkpointing_keeps_the_routing_losses_and_their_gradients():
+    model = build_model("pi05-tiny", seed=1, moe=MOE)
+    batch = _batch(model.config, horizons=[8, 3, 5])
+    runs = []
+    for recompute in (False, True):
+        model.gradient_checkpointing = recompute
+        runs.append(_loss_and_grads(model, batch, packing=True, objective=lambda o: o["moe_regularizer"]))
+    (a, ga), (b, gb) = runs
+    torch.testing.assert_close(a["moe_regularizer"], b["moe_regularizer"])
+    router = EXPERT_MLP.format(0) + "router.weight"
+    assert float(ga[router].abs().sum()) > 0
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_moe_outputs_average_the_losses_and_sum_the_counts_over_layers():
+    model = build_model("pi05-tiny", seed=1, moe=MOE)
+    out = model(_batch(model.config), **_inputs(_batch(model.config)))
+    assert out["moe_load"].shape == (4,) and int(out["moe_load"].sum()) == int(out["moe_assignments"])
+    cfg = model.config.moe
+    torch.testing.assert_close(out["moe_regularizer"],
+                               cfg.aux_loss_coef * out["moe_aux_loss"] + cfg.z_loss_coef * out["moe_z_loss"])
+    dense = build_model("pi05-tiny")(_batch(model.config), **_inputs(_batch(model.config)))
+    assert not any(k.startswith("moe") for k in dense)
+
+
+def test_bad_moe_settings_are_refused_in_one_line():
+    with pytest.raises(KilovlaError, match=r"policy.moe.top_k must be in \[1, num_experts=2\], not 3"):
+        preset("pi05-tiny", moe={"num_experts": 2, "top_k": 3})
+    with pytest.raises(KilovlaError, match="policy.moe.capacity_factor must be >= 0"):
+        preset("pi05-tiny", moe={"num_experts": 2, "capacity_factor": -1})
+
+
+def test_tp_and_pp_with_moe_are_refused_in_one_line():
+    from kilovla.train.pipeline import pp_problems
+    from kilovla.train.tensor_parallel import tp_problems
+
+    cfg = preset("pi05-tiny", moe=MOE)
+    assert tp_problems(cfg, 2) == ["parallel.tp=2 with policy.moe is not supported yet: the routed experts are not "
+                                   "split over tp ranks (expert parallelism is the mesh dimension meant for them); "
+                                   "drop one of them"]
+    assert pp_problems(cfg, 2) == ["parallel.pp=2 with policy.moe is not supported yet: drop one of them"]
+    assert tp_problems(preset("pi05-tiny"), 2) == [] and pp_problems(preset("pi05-tiny"), 2) == []

@@ -173,3 +173,75 @@ def test_tp_and_pp_with_moe_are_refused_in_one_line():
                                    "drop one of them"]
     assert pp_problems(cfg, 2) == ["parallel.pp=2 with policy.moe is not supported yet: drop one of them"]
     assert tp_problems(preset("pi05-tiny"), 2) == [] and pp_problems(preset("pi05-tiny"), 2) == []
+
+
+# -- training, policy folders -------------------------------------------------------------------------------
+def _train_moe(dataset, run, *extra):
+    from kilovla.config import load_config
+    from kilovla.train.metrics import read_metrics
+    from kilovla.train.trainer import TrainConfig, train
+
+    cfg = load_config(TrainConfig, None, [
+        f"--run_dir={run}", "--steps=2", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=8",
+        "--batch.token_budget=150", "--progress=false", "--policy.overrides={chunk_size: 4, packing: true}",
+        "--policy.moe.num_experts=4", "--policy.moe.top_k=2", "--optim.warmup_steps=0", *extra])
+    summary = train(cfg)
+    return summary["checkpoint"], read_metrics(run / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def moe_run(train_dataset, tmp_path_factory):
+    return _train_moe(train_dataset, tmp_path_factory.mktemp("moe") / "run")
+
+
+def test_metrics_log_the_flow_loss_with_the_routing_figures_beside_it(moe_run):
+    _, records = moe_run
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert r["moe/aux_loss"] >= 1.0 - 1e-6 and r["moe/z_loss"] > 0 and r["moe/dropped_fraction"] == 0.0
+        assert len(r["moe/load"]) == 4 and sum(r["moe/load"]) == pytest.approx(1.0)
+
+
+def test_the_routing_losses_train_but_are_not_in_the_logged_loss(moe_run, train_dataset, tmp_path):
+    """A huge aux coefficient leaves step 1's logged loss as it was (the flow-matching loss alone) and
+    changes step 2's (it was in the gradient)."""
+    _, plain = moe_run
+    _, heavy = _train_moe(train_dataset, tmp_path / "run", "--policy.moe.aux_loss_coef=1000")
+    assert heavy[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
+    assert heavy[0]["moe/aux_loss"] == pytest.approx(plain[0]["moe/aux_loss"], rel=1e-6)
+    assert heavy[1]["loss"] != pytest.approx(plain[1]["loss"], rel=1e-6)
+
+
+def test_a_trained_moe_folder_records_its_experts_and_loads_back_to_the_same_actions(moe_run):
+    from kilovla.models.checkpoints import read_safetensors
+    from kilovla.models.family import moe_of
+    from kilovla.policy_folder import PolicyFolder
+
+    checkpoint, _ = moe_run
+    folder = PolicyFolder.open(checkpoint)
+    assert folder.meta.overrides["moe"] == dataclasses.asdict(MoEConfig(num_experts=4, top_k=2))
+    policy = folder.load("cpu")
+    assert moe_of(policy.model) == MoEConfig(num_experts=4, top_k=2)
+    rebuilt = build_model(folder.meta.preset, **folder.meta.overrides)
+    rebuilt.load_state_dict(read_safetensors(checkpoint))
+    batch = _batch(policy.model.config)
+    noise = torch.randn(batch.batch_size, policy.model.config.chunk_size, policy.model.config.max_action_dim)
+    torch.testing.assert_close(policy.model.sample_actions(batch, noise=noise),
+                               rebuilt.eval().sample_actions(batch, noise=noise), rtol=0, atol=0)
+    again = PolicyFolder.open(checkpoint).load("cpu")
+    torch.testing.assert_close(again.model.sample_actions(batch, noise=noise),
+                               policy.model.sample_actions(batch, noise=noise), rtol=0, atol=0)
+
+
+def test_policy_moe_goes_into_the_model_overrides_and_a_family_without_moe_refuses_it():
+    from kilovla.config import load_config
+    from kilovla.train.config import TrainConfig, with_init_model
+
+    cfg = with_init_model(load_config(TrainConfig, None, ["--policy.moe.num_experts=4", "--policy.moe.top_k=1"]))
+    assert cfg.policy.overrides["moe"] == dataclasses.asdict(MoEConfig(num_experts=4, top_k=1))
+    assert cfg.policy.moe == MoEConfig() and with_init_model(cfg) == cfg
+    groot = load_config(TrainConfig, None, ["--policy.preset=groot-tiny", "--policy.moe.num_experts=4"])
+    with pytest.raises(KilovlaError, match=r"^policy.moe: GR00T \(groot-tiny\) has no mixture-of-experts option; "
+                                           r"the families with one: pi0/pi0.5$"):
+        with_init_model(groot)

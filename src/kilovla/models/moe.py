@@ -288,8 +288,8 @@ class MoEMeter:
             return
         n = float(len(out["per_sample"]))
         self.samples += n
-        self.aux += n * float(out["moe_aux_loss"])
-        self.z += n * float(out["moe_z_loss"])
+        self.aux += n * float(out["moe_aux_loss"].detach())
+        self.z += n * float(out["moe_z_loss"].detach())
         self.dropped += float(out["moe_dropped"])
         self.assignments += float(out["moe_assignments"])
         load = out["moe_load"].tolist()

@@ -176,13 +176,13 @@ def test_tp_and_pp_with_moe_are_refused_in_one_line():
 
 
 # -- training, policy folders -------------------------------------------------------------------------------
-def _train_moe(dataset, run, *extra):
+def _train_moe(dataset, run, *extra, steps=2):
     from kilovla.config import load_config
     from kilovla.train.metrics import read_metrics
     from kilovla.train.trainer import TrainConfig, train
 
     cfg = load_config(TrainConfig, None, [
-        f"--run_dir={run}", "--steps=2", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=8",
+        f"--run_dir={run}", f"--steps={steps}", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=8",
         "--batch.token_budget=150", "--progress=false", "--policy.overrides={chunk_size: 4, packing: true}",
         "--policy.moe.num_experts=4", "--policy.moe.top_k=2", "--optim.warmup_steps=0", *extra])
     summary = train(cfg)
@@ -245,3 +245,47 @@ def test_policy_moe_goes_into_the_model_overrides_and_a_family_without_moe_refus
     with pytest.raises(KilovlaError, match=r"^policy.moe: GR00T \(groot-tiny\) has no mixture-of-experts option; "
                                            r"the families with one: pi0/pi0.5$"):
         with_init_model(groot)
+
+
+# -- upcycling ------------------------------------------------------------------------------------------------
+def test_upcycling_starts_every_expert_as_the_dense_mlp_and_keeps_the_dense_output(tmp_path):
+    from kilovla.models.checkpoints import CheckpointError, load_weights, save_safetensors
+
+    dense = build_model("pi05-tiny", seed=2)
+    save_safetensors(dense.state_dict(), tmp_path / "model.safetensors")
+    cfg = {"num_experts": 3, "top_k": 2, "shared_experts": 1}
+    with pytest.raises(CheckpointError, match="missing keys: .*mlp.experts"):  # loading stays strict elsewhere
+        load_weights(build_model("pi05-tiny", device="meta", moe=cfg), tmp_path / "model.safetensors")
+    moe = build_model("pi05-tiny", device="meta", seed=2, moe=cfg)  # the router draws from the seed
+    ckpt = load_weights(moe, tmp_path / "model.safetensors", upcycle=True)
+    assert len(ckpt.fresh_routers) == 2
+    state, own = dense.state_dict(), build_model("pi05-tiny", seed=2, moe=cfg).state_dict()
+    for layer in range(2):
+        prefix = EXPERT_MLP.format(layer)
+        for group, n in (("experts", 3), ("shared", 1)):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                stack = moe.state_dict()[f"{prefix}{group}.{proj}"]
+                assert stack.shape[0] == n and all(torch.equal(e, state[f"{prefix}{proj}.weight"]) for e in stack)
+        assert torch.equal(moe.state_dict()[prefix + "router.weight"], own[prefix + "router.weight"])
+    # identical routed experts with weights summing to 1 compute the dense MLP (shared ones add theirs)
+    routed_only = build_model("pi05-tiny", device="meta", moe={"num_experts": 3, "top_k": 2})
+    load_weights(routed_only, tmp_path / "model.safetensors", upcycle=True)
+    batch = _batch(dense.config, horizons=[8, 3, 5])
+    with torch.no_grad():
+        torch.testing.assert_close(routed_only(batch, **_inputs(batch))["loss"], dense(batch, **_inputs(batch))["loss"],
+                                   atol=1e-6, rtol=1e-6)
+
+
+def test_a_dense_policy_folder_fine_tunes_into_an_moe_expert(train_dataset, tmp_path):
+    import json
+
+    from kilovla.config import load_config
+    from kilovla.train.trainer import TrainConfig, train
+
+    dense = train(load_config(TrainConfig, None, [
+        f"--run_dir={tmp_path / 'dense'}", "--steps=1", f"--dataset.roots=[{train_dataset}]",
+        "--batch.global_batch_size=4", "--progress=false", "--policy.overrides={chunk_size: 4}"]))["checkpoint"]
+    checkpoint, records = _train_moe(train_dataset, tmp_path / "moe", f"--policy.init_from={dense}", steps=1)
+    meta = json.loads((tmp_path / "moe" / "checkpoints" / "step_000001" / "policy.json").read_text())
+    assert meta["init_from"]["path"].endswith("step_000001") and meta["overrides"]["moe"]["num_experts"] == 4
+    assert meta["overrides"]["chunk_size"] == 4 and records[0]["moe/aux_loss"] > 0

@@ -305,3 +305,29 @@ class MoEMeter:
         return {"moe/aux_loss": total(self.aux) / max(samples, 1), "moe/z_loss": total(self.z) / max(samples, 1),
                 "moe/dropped_fraction": total(self.dropped) / max(assignments, 1),
                 "moe/load": [v / max(sum(load), 1) for v in load]}
+
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def upcycle_sources(model: nn.Module, mapping: dict[str, str]) -> tuple[dict[str, tuple[str, int]], list[str]]:
+    """Sparse upcycling from a dense checkpoint: for each MoE layer whose experts and router `mapping` (model key
+    -> stored key) lacks but whose dense MLP (``<layer>.mlp.{gate,up,down}_proj.weight``) it holds, every
+    routed and shared expert starts as that MLP. Returns {expert stack key: (dense model key, experts)} and
+    the MoE layers (module names) whose router starts from its own initialisation (`MoEMLP.reset_router`).
+
+        mapping has "...layers.0.mlp.gate_proj.weight", model has "...layers.0.mlp.experts.gate_proj" (4, H, W)
+        -> {"...layers.0.mlp.experts.gate_proj": ("...layers.0.mlp.gate_proj.weight", 4), ...}, ["...layers.0.mlp"]
+    """
+    sources, fresh = {}, []
+    for name, m in model.named_modules():
+        if not isinstance(m, MoEMLP):
+            continue
+        stacks = [("experts", m.experts)] + ([("shared", m.shared)] if m.shared is not None else [])
+        wanted = {f"{name}.{group}.{p}": (f"{name}.{p}.weight", len(experts.gate_proj))
+                  for group, experts in stacks for p in PROJECTIONS}
+        if (f"{name}.router.weight" not in mapping and not any(k in mapping for k in wanted)
+                and all(dense in mapping for dense, _ in wanted.values())):
+            sources.update(wanted)
+            fresh.append(name)
+    return sources, fresh

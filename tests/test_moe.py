@@ -289,3 +289,42 @@ def test_a_dense_policy_folder_fine_tunes_into_an_moe_expert(train_dataset, tmp_
     meta = json.loads((tmp_path / "moe" / "checkpoints" / "step_000001" / "policy.json").read_text())
     assert meta["init_from"]["path"].endswith("step_000001") and meta["overrides"]["moe"]["num_experts"] == 4
     assert meta["overrides"]["chunk_size"] == 4 and records[0]["moe/aux_loss"] > 0
+
+
+# -- adapters, FP8 --------------------------------------------------------------------------------------------
+def test_fp8_ptq_keeps_the_experts_in_bf16_and_says_so_in_the_report(moe_run, tmp_path):
+    from kilovla.models.moe import MoEMLP
+    from kilovla.policy_folder import load_policy_folder
+    from kilovla.quant.fp8 import Fp8BlockLinear, Fp8Config
+    from kilovla.quantize.folder import quantize_policy_folder
+    from kilovla.quantize.report import report_rows
+
+    checkpoint, _ = moe_run
+    report = quantize_policy_folder(checkpoint, tmp_path / "fp8", Fp8Config(), latency_repeats=1)
+    original, quantized = load_policy_folder(checkpoint), load_policy_folder(tmp_path / "fp8")
+    n = sum(p.numel() for m in original.model.modules() if isinstance(m, MoEMLP) for p in m.parameters())
+    assert report["moe_experts"] == {"quantized": False, "stored_as": "bfloat16", "params": n}
+    assert ("MoE experts", "", "bfloat16, not FP8",
+            f"{n} params of routed / shared experts and routers kept unquantized") in report_rows(report)
+    expert = [name for name in report["layers"] if "gemma_expert" in name]
+    assert expert and not any(".mlp" in name for name in expert)  # the action expert's attention only
+    assert any(isinstance(m, Fp8BlockLinear) for m in quantized.model.modules())
+    for key, value in original.model.state_dict().items():
+        if ".mlp.experts." in key or ".mlp.router." in key:
+            assert torch.equal(quantized.model.state_dict()[key], value.to(torch.bfloat16).float()), key
+
+
+def test_lora_leaves_the_experts_frozen_trains_them_in_full_when_named_and_refuses_them_as_targets():
+    from kilovla.models.lora import LoraSettings, apply_lora, merge_state
+
+    mlp = EXPERT_MLP.format(1).rstrip(".")
+    model = apply_lora(build_model("pi05-tiny", moe=MOE), LoraSettings(rank=2))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("gemma_expert" in n and "self_attn.q_proj.lora_A" in n for n in trainable)
+    assert not any(".mlp.experts." in n or ".mlp.router." in n for n in trainable)
+    full = apply_lora(build_model("pi05-tiny", moe=MOE), LoraSettings(rank=2, full=[mlp]))
+    assert {f"{mlp}.router.weight", f"{mlp}.experts.gate_proj"} <= {n for n, p in full.named_parameters() if p.requires_grad}
+    plain = build_model("pi05-tiny", moe=MOE).state_dict()
+    assert merge_state(model.state_dict(), LoraSettings(rank=2)).keys() == plain.keys()
+    with pytest.raises(KilovlaError, match=rf"names MoE experts or routers \({mlp}.experts\).*policy.lora.full=\[{mlp}\]"):
+        apply_lora(build_model("pi05-tiny", moe=MOE), LoraSettings(rank=2, targets=r".*layers\.1\.mlp\.experts"))

@@ -328,3 +328,15 @@ def test_lora_leaves_the_experts_frozen_trains_them_in_full_when_named_and_refus
     assert merge_state(model.state_dict(), LoraSettings(rank=2)).keys() == plain.keys()
     with pytest.raises(KilovlaError, match=rf"names MoE experts or routers \({mlp}.experts\).*policy.lora.full=\[{mlp}\]"):
         apply_lora(build_model("pi05-tiny", moe=MOE), LoraSettings(rank=2, targets=r".*layers\.1\.mlp\.experts"))
+
+
+def test_bench_moe_quick_writes_the_dense_vs_moe_row(tmp_path):
+    import json
+
+    from kilovla.bench.models import run_moe
+
+    result = json.loads(run_moe(quick=True, out_dir=tmp_path, device="cpu").read_text())
+    (row,) = result["rows"]
+    assert row["name"] == "train_samples_per_s_moe" and row["baseline"] > 0 and row["ours"] > 0
+    assert row["ratio"] == pytest.approx(row["ours"] / row["baseline"], rel=1e-2)
+    assert (result["expert_mlp"], result["dense_mlp"], result["top_k"]) == (256, 512, 2)

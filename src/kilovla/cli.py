@@ -196,6 +196,7 @@ def cmd_bench(args) -> int:
         "envs": lambda: envs_bench.run(**common),
         "packing": lambda: models_bench.run_packing(**common),
         "pruning": lambda: models_bench.run_pruning(**common),
+        "moe": lambda: models_bench.run_moe(**common),
         "scaling": lambda: scaling_bench.run(**common),
         "load": lambda: load_bench.run(**common),
         "memory": lambda: memory_bench.run(**common),

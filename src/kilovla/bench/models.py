@@ -1,4 +1,4 @@
-"""`kilovla bench packing` and `kilovla bench pruning`: training-step throughput of pi0.5 (and SmolVLA).
+"""`kilovla bench packing`, `pruning` and `moe`: training-step throughput of pi0.5 (and SmolVLA).
 
 The batch follows pi0.5 on LIBERO as openpi feeds it: 3 camera slots x 256 tokens (224 px, patch
 14) with the third camera blank, language padded to 200 tokens (real prompts 8-48 tokens), action
@@ -14,6 +14,10 @@ packed path uses the `auto` attention backend.
   the pixel shuffle, language padded to 48, one state token, chunk 50), at a CPU width (`BENCH_SMOLVLA`).
 - pruning: baseline = blank camera masked + 200-token language (openpi); ours = blank camera pruned
   before the ViT + per-batch (dynamic) language padding, both in the padded path.
+- moe: baseline = the dense action expert (MLP 2048) at pi05-base's expert width (1024); ours = an
+  E = 8, K = 2 MoE expert (expert MLP 1024: the same active FLOPs per token), both packed, on batches of
+  8 LIBERO-layout samples (`--quick`: width 256, 2 samples). The issue's bar: ours >= 1 / 1.3 of the
+  baseline's samples/s on CPU.
 
 Forward + backward + optimizer step, interleaved repeats, median samples/s.
 """
@@ -32,6 +36,7 @@ from kilovla.models.attention import resolve_backend
 from kilovla.models.batch import PaddedBatch
 from kilovla.models.family import family_of
 from kilovla.models.language import DecoderConfig
+from kilovla.models.moe import MoEConfig
 from kilovla.models.pi05 import Pi05Config, Pi05Model
 from kilovla.models.smolvla import SmolVLAConfig, SmolVLAModel
 from kilovla.models.tokenize import BYTE_VOCAB_SIZE, ByteTokenizer, tokenize_batch
@@ -103,7 +108,8 @@ def _model_flops(model: Pi05Model, batch: PaddedBatch) -> float:
 def _step_time(model, opt, batch, switches: dict) -> float:
     model.config = dataclasses.replace(model.config, **switches)
     t0 = time.perf_counter()
-    loss = model(batch)["loss"]
+    out = model(batch)
+    loss = out["loss"] + out["moe_regularizer"] if "moe_regularizer" in out else out["loss"]
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -223,3 +229,44 @@ def run_pruning(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, devic
                                 note=f"pi0.5 LIBERO layout, {device}; blank camera masked + 200-token language "
                                      f"vs {', '.join(f'{k}={v}' for k, v in switches.items())}"))
     return write_suite("pruning", rows, quick=quick, out_dir=out_dir, extra={"device": device}, console=console)
+
+
+def _moe_models(quick: bool, device: str) -> dict[str, tuple]:
+    """The dense and the E = 8, K = 2 expert at equal active FLOPs (one expert MLP is half the dense one),
+    each with its optimizer; the rest is BENCH_CPU's, packed."""
+    width = 256 if quick else 1024  # pi05-base's expert width
+    expert = dataclasses.replace(BENCH_CPU.expert, width=width, mlp_dim=2 * width)
+    dense = dataclasses.replace(BENCH_CPU, expert=expert, packing=True, attention_backend="auto")
+    models = {}
+    for name, cfg in (("dense", dense), ("moe", dataclasses.replace(dense, moe=MoEConfig(num_experts=8, top_k=2,
+                                                                                       expert_dim=width)))):
+        torch.manual_seed(0)
+        model = Pi05Model(cfg).to(device)
+        models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    return models
+
+
+def run_moe(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, device: str | None = None, console=None) -> Path:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    models = _moe_models(quick, device)
+    cfg = models["dense"][0].config
+    batches = [libero_batch(cfg, 2 if quick else 8, seed).to(device) for seed in range(1 if quick else 3)]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    with autocast:
+        for model, opt in models.values():  # warm-up
+            _step_time(model, opt, batches[0], {})
+        for _ in range(1 if quick else 3):  # interleaved, so both see the same machine load
+            for b in batches:
+                for name, (model, opt) in models.items():
+                    times[name].append(_step_time(model, opt, b, {}))
+    speed = {name: batches[0].batch_size / float(np.median(t)) for name, t in times.items()}
+    width = cfg.expert.width
+    rows = [Row.compare("train_samples_per_s_moe", "samples/s", speed["dense"], speed["moe"], higher_is_better=True,
+                        limit=1.0, note=f"pi0.5 LIBERO layout packed, {device}; action expert width {width}: dense MLP "
+                                        f"{2 * width} vs E=8, K=2 experts of MLP {width} (equal active FLOPs); "
+                                        "limit = dense speed; the issue's bar: ratio >= 1/1.3")]
+    extra = {"device": device, "expert_width": width, "dense_mlp": 2 * width, "expert_mlp": width,
+             "num_experts": 8, "top_k": 2, "samples": batches[0].batch_size,
+             "step_s": {name: float(np.median(t)) for name, t in times.items()}}
+    return write_suite("moe", rows, quick=quick, out_dir=out_dir, extra=extra, console=console)

@@ -138,6 +138,10 @@ class Checkpoint:
     tensors: dict[str, StoredTensor]
     layout: str = "openpi"
     dropped: list[str] = field(default_factory=list)
+    # upcycling a dense checkpoint into an MoE model (`plan_load(upcycle=True)`): expert stack key -> copies
+    # of the dense MLP weight it is read from, and the MoE layers whose router starts fresh
+    upcycled: dict[str, int] = field(default_factory=dict)
+    fresh_routers: list[str] = field(default_factory=list)
 
     @classmethod
     def open(cls, path: str | Path, layout: str = "auto") -> Checkpoint:
@@ -277,13 +281,28 @@ def check_fits(own: Mapping, state: Mapping, source: str, hint: str = "") -> Non
         raise CheckpointError(f"{source}: does not fit the model; " + "; ".join(parts) + hint)
 
 
-def plan_load(model: nn.Module, checkpoint: Checkpoint, source: str | None = None) -> dict[str, StoredTensor]:
-    """{model key: stored tensor}, checked against the model from the headers alone."""
+def plan_load(model: nn.Module, checkpoint: Checkpoint, source: str | None = None,
+              upcycle: bool = False) -> dict[str, StoredTensor]:
+    """{model key: stored tensor}, checked against the model from the headers alone. `upcycle`: an MoE
+    model's experts may start as a dense checkpoint's MLP (models/moe.py `upcycle_sources`), read once per
+    expert (`load_weights`), their routers freshly initialised."""
     family = model_family(model)
     mapping, checkpoint.dropped = map_keys(checkpoint.tensors, checkpoint.layout, family)
+    if upcycle:
+        from kilovla.models.moe import upcycle_sources
+
+        sources, checkpoint.fresh_routers = upcycle_sources(model, mapping)
+        checkpoint.upcycled = {key: copies for key, (_, copies) in sources.items()}
+        for key, (dense, _) in sources.items():
+            mapping[key] = mapping[dense]
+        for dense, _ in sources.values():
+            mapping.pop(dense, None)
     state = model.state_dict()
     own = {k: v.shape for k, v in state.items()}
-    stored = {k: checkpoint.tensors[s].shape for k, s in mapping.items()}
+    fresh = {f"{name}.router.weight" for name in checkpoint.fresh_routers}
+    own = {k: v for k, v in own.items() if k not in fresh}
+    stored = {k: (checkpoint.upcycled[k], *checkpoint.tensors[s].shape) if k in checkpoint.upcycled
+              else checkpoint.tensors[s].shape for k, s in mapping.items()}
     owner, mine = _checkpoint_family(checkpoint.layout, mapping), family_of(model)
     hint = ""
     if owner is not None and owner is not mine:
@@ -315,13 +334,14 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu", dtype: tor
 
 
 def load_weights(model: nn.Module, checkpoint: Checkpoint | str | Path, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, source: str | None = None, progress: bool = True) -> Checkpoint:
+                 dtype: torch.dtype | None = None, source: str | None = None, progress: bool = True,
+                 upcycle: bool = False) -> Checkpoint:
     """Strictly load a checkpoint into `model`, tensor by tensor, each cast to its parameter's dtype.
 
     A model on the meta device is materialised on `device` (default cpu) in `dtype` (default: as
-    built, float32) after the plan is checked, so a mismatch allocates nothing."""
+    built, float32) after the plan is checked, so a mismatch allocates nothing. `upcycle`: see `plan_load`."""
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
-    plan = plan_load(model, ckpt, source)
+    plan = plan_load(model, ckpt, source, upcycle)
     if any(t.is_meta for t in model.state_dict().values()):
         materialize(model, device or "cpu", dtype)
     state = model.state_dict()
@@ -333,8 +353,12 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint | str | Path, *, devic
         for path, items in by_file.items():
             with open(path, "rb", buffering=0) as f:
                 for key, t in sorted(items, key=lambda kt: kt[1].start):
-                    _read_into(f, t, state[key])
+                    for dest in state[key] if key in ckpt.upcycled else (state[key],):  # each expert its copy
+                        _read_into(f, t, dest)
                     advance(t.end - t.start)
+    modules = dict(model.named_modules())
+    for name in ckpt.fresh_routers:
+        modules[name].reset_router()
     return ckpt
 
 

@@ -22,7 +22,9 @@ What a family answers, by who asks:
   `tp_split` and `tp_parts`, `pp_depth` and `keep_stage`;
 - adapters and quantization: `lora_targets`, `fp8_layers` and `vision_tower` (regexes);
 - checkpoints: `checkpoint_name` (which key map: "pi05", "pi0", "groot") and `keys` (`KeyMap`);
-- serving: `supports_rtc`.
+- serving: `supports_rtc`;
+- a mixture-of-experts option (models/moe.py): `moe` (config -> its `MoEConfig`; None: the family has
+  none), read through `moe_of`.
 
 Adding a family: a folder models/<name>/ whose ``__init__`` calls `register(FAMILY)`, and its
 module in `FAMILY_MODULES` below; nothing else.
@@ -176,6 +178,7 @@ class Family:
     # how a tokenizer file is read (models/tokenize.py load_tokenizer), and so which prompt the processor builds:
     # "smolvlm2" (SmolVLA's); None: by the file (a .model: PaliGemma's, else Qwen3's)
     tokenizer_kind: str | None = None
+    moe: Callable[[object], object] | None = None  # config -> its MoEConfig; None: no MoE option
 
     def build(self, config) -> nn.Module:
         return self.model_class(config)
@@ -210,6 +213,17 @@ def family_of(obj) -> Family:
             return spec
     raise KilovlaError(f"{type(obj).__name__} is not a model or config of a registered family "
                        f"({', '.join(_FAMILIES)})")
+
+
+def moe_of(config):
+    """The MoEConfig of a model config (or a model) when its MoE is on, else None.
+
+        moe_of(preset("pi05-tiny", moe={"num_experts": 4})) -> MoEConfig(num_experts=4, top_k=2, ...)
+    """
+    config = getattr(config, "config", config)
+    fam = family_of(config)
+    moe = fam.moe(config) if fam.moe is not None else None
+    return moe if moe is not None and moe.enabled else None
 
 
 def chunk_length(config) -> int:

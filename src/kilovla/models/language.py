@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kilovla.models.layers import AdaRMSNorm, GatedMLP, RMSNorm, apply_rope, gated_residual
+from kilovla.models.moe import MoEConfig, MoEMLP, Routing
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,17 +38,19 @@ class SelfAttentionProjections(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, cond_dim: int | None = None):
+    """`moe` (enabled): routed experts in place of the MLP (models/moe.py); `layer` seeds their own draws."""
+
+    def __init__(self, cfg: DecoderConfig, cond_dim: int | None = None, moe: MoEConfig | None = None, layer: int = 0):
         super().__init__()
         self.cfg = cfg
         norm = (lambda: AdaRMSNorm(cfg.width, cond_dim)) if cond_dim else (lambda: RMSNorm(cfg.width))
         self.input_layernorm = norm()
         self.self_attn = SelfAttentionProjections(cfg)
         self.post_attention_layernorm = norm()
-        self.mlp = GatedMLP(cfg.width, cfg.mlp_dim)
+        self.mlp = MoEMLP(cfg.width, cfg.mlp_dim, moe, layer) if moe else GatedMLP(cfg.width, cfg.mlp_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cond: torch.Tensor | None, attend,
-                keys_only: bool = False) -> tuple[torch.Tensor, ...]:
+                keys_only: bool = False, routing: Routing | None = None) -> tuple[torch.Tensor, ...]:
         """norm -> q, k, v (RoPE at `positions`) -> `attend(q, k, v)` -> output projection, MLP, with
         adaRMS gates when `cond` is given. x (..., T, W).
 
@@ -55,7 +58,8 @@ class DecoderLayer(nn.Module):
         then whatever the attention call computed besides (in pi0, the other stream's layer runs
         inside it). Returns (x, *carry), so the carry is an output of this forward like x.
         keys_only: compute k and v only (q is None) and return x unchanged, for a stream nothing reads
-        after this layer except through its keys and values.
+        after this layer except through its keys and values. routing: what an MoE MLP routes and where it
+        records its statistics (ignored by a dense MLP).
         """
         cfg, attn = self.cfg, self.self_attn
         h, gate = self.input_layernorm(x, cond)
@@ -67,16 +71,18 @@ class DecoderLayer(nn.Module):
             return (x, *carry)
         x = gated_residual(x, attn.o_proj(out.flatten(-2)), gate)
         h, gate = self.post_attention_layernorm(x, cond)
-        return (gated_residual(x, self.mlp(h), gate), *carry)
+        y = self.mlp(h, routing) if isinstance(self.mlp, MoEMLP) else self.mlp(h)
+        return (gated_residual(x, y, gate), *carry)
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: DecoderConfig, cond_dim: int | None = None):
+    def __init__(self, cfg: DecoderConfig, cond_dim: int | None = None, moe: MoEConfig | None = None):
         super().__init__()
         self.cfg = cfg
         if cfg.vocab_size:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.width)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, cond_dim) for _ in range(cfg.depth))
+        moe = moe if moe is not None and moe.enabled else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cond_dim, moe, i) for i in range(cfg.depth))
         self.norm = AdaRMSNorm(cfg.width, cond_dim) if cond_dim else RMSNorm(cfg.width)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,9 @@ Per-family targets (`default_targets`, each family's `lora_targets`), as LeRobot
 model's and the action expert's attention (q, k, v, o) and MLP (gate, up, down) projections; GR00T:
 the DiT action head's attention (to_q, to_k, to_v, to_out) and feed-forward linears, with `llm` the
 Eagle LLM's q/k/v/o too. `vision` adds the vision tower's attention and MLP on either family.
+An MoE action expert's routed and shared experts and routers (models/moe.py: stacked weights, not
+linears) take no adapters: they stay frozen, or train in full when `full` names their MLP module
+(``...gemma_expert.model.layers.3.mlp``); a `targets` regex that names them is refused.
 
 The model keeps its own class (`peft.inject_adapter_in_model`, no PeftModel wrapper), so the trainer,
 FSDP2's per-layer units, gradient checkpointing and evaluation see the same modules as without LoRA;
@@ -94,6 +97,7 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
     # the prefix after that layer's keys and values) would get adapters without gradients: left alone.
     linear = [n for n, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and regex.fullmatch(n) and m.weight.requires_grad]
+    _refuse_stacked_targets(model, regex, pattern)
     if not linear:
         raise KilovlaError(f"policy.lora.targets {pattern!r} matches no linear layer of {type(model).__name__}")
     names = dict(model.named_modules())
@@ -110,6 +114,18 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
     for name in settings.full:
         names[name].requires_grad_(True)
     return model
+
+
+def _refuse_stacked_targets(model: torch.nn.Module, regex: re.Pattern, pattern: str) -> None:
+    """MoE experts and routers are stacked weights that peft's LoRA layers (linears) do not wrap here."""
+    from kilovla.models.moe import MoEMLP
+
+    moe = [n for n, m in model.named_modules() if isinstance(m, MoEMLP)]
+    named = [n for n, _ in model.named_modules() if regex.fullmatch(n) and any(n.startswith(f"{m}.") for m in moe)]
+    if named:
+        raise KilovlaError(f"policy.lora.targets {pattern!r} names MoE experts or routers ({named[0]}): kilovla "
+                           "puts no LoRA adapters on their stacked weights; leave them frozen, or train them in full "
+                           f"with policy.lora.full=[{named[0].rsplit('.', 1)[0]}]")
 
 
 def is_lora(model: torch.nn.Module) -> bool:

@@ -168,6 +168,15 @@ def _write_folder(folder: Path, policy, config: Fp8Config, layers: list[str]) ->
     return PolicyFolder.open(folder).quantization  # as it reads back (JSON lists, not tuples)
 
 
+def moe_experts_kept(model, dtype: str) -> dict:
+    """An MoE expert's routed and shared experts and routers (models/moe.py) stay unquantized, stored as the
+    other kept layers (`dtype`): no block-scaled grouped GEMM runs them here. {} without MoE."""
+    from kilovla.models.moe import MoEMLP
+
+    params = sum(p.numel() for m in model.modules() if isinstance(m, MoEMLP) for p in m.parameters())
+    return {"moe_experts": {"quantized": False, "stored_as": dtype, "params": params}} if params else {}
+
+
 def _latency_batch(policy, rows: list[dict] | None):
     """One observation: the first held-out sample, or a synthetic one (black frames, zero state)."""
     import numpy as np
@@ -192,6 +201,7 @@ def _report(source, out, folder, qconfig, baseline, quantized, config, weight_sq
     sizes.update(fp8_params=counts["fp8_params"], total_params=counts["total_params"])
     report = {"source": str(source), "out": str(out), "quantization_config": qconfig,
               "size": sizes, "layers": {n: {"weight_sqnr_db": s} for n, s in weight_sqnr.items()}}
+    report.update(moe_experts_kept(base_of(baseline.model), config.dtype))
     rows = None
     if dataset is not None:
         try:

@@ -195,6 +195,10 @@ def report_rows(report: dict) -> list[tuple[str, str, str, str]]:
     layers = report["layers"]
     rows.append(("min weight SQNR", "", f"{min(v['weight_sqnr_db'] for v in layers.values()):.1f} dB",
                  f"{len(layers)} FP8 layers"))
+    if "moe_experts" in report:
+        moe = report["moe_experts"]
+        rows.append(("MoE experts", "", f"{moe['stored_as']}, not FP8",
+                     f"{moe['params']} params of routed / shared experts and routers kept unquantized"))
     a = report.get("actions")
     if a:
         name, value = min_output_sqnr(report)

@@ -225,7 +225,7 @@ def plan_start(cfg: TrainConfig, model_cfg) -> ModelStart:
     if cfg.policy.init_from:
         init = open_init_checkpoint(cfg.policy.init_from)
         model = build_model(cfg.policy.preset, device="meta", **overrides)
-        plan_load(model, init)
+        plan_load(model, init, upcycle=True)  # an MoE model may start from a dense checkpoint's MLPs
         return ModelStart(model, init, {"path": str(init.path.resolve()), "layout": init.layout})
     return ModelStart()
 
@@ -233,8 +233,11 @@ def plan_start(cfg: TrainConfig, model_cfg) -> ModelStart:
 def build_weights(cfg: TrainConfig, start: ModelStart, world) -> torch.nn.Module:
     """The model with its starting weights, on the run's device."""
     if start.init is not None:  # materialised from the file tensor by tensor, in the model's (float32) dtype
-        load_weights(start.model, start.init, device=world.device, progress=cfg.progress and world.is_main)
+        load_weights(start.model, start.init, device=world.device, progress=cfg.progress and world.is_main, upcycle=True)
         log.info("initialised from %s (%s layout, stored %s)", start.init.path, start.init.layout, start.init.dtypes())
+        if start.init.fresh_routers:
+            log.info("upcycled: every expert of %d MoE layers starts as the dense checkpoint's MLP, routers fresh",
+                     len(start.init.fresh_routers))
         return start.model
     if start.record is not None:
         load_sharded(start.model, Path(start.record["path"]) / "state")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kilovla.errors import KilovlaError
 from kilovla.eval.settings import EvalSettings
 from kilovla.models.lora import LoraSettings
+from kilovla.models.moe import MoEConfig
 from kilovla.train.optim import OptimSettings
 
 
@@ -52,6 +53,9 @@ class PolicyConfig:
     image_resize: str | None = None  # stretch, pad, pad_top_left
     augmentation: dict | None = None  # ImageAugmentation fields ({} turns the preset's off)
     lora: LoraSettings = field(default_factory=LoraSettings)  # --policy.lora.rank=16: LoRA adapters (models/lora.py)
+    # --policy.moe.num_experts=8: routed experts in the action expert (models/moe.py); written into
+    # `overrides` (as `moe`) by with_init_model, so policy.json records it as the model's
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -183,6 +187,7 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
     from kilovla.folders import policy_folder
     from kilovla.policy_folder import PolicyFolder
 
+    cfg = _moe_in_overrides(cfg)
     p = cfg.policy
     if p.init_from:  # a run folder or its checkpoints/latest: the run's newest complete checkpoint, read once here
         p = dataclasses.replace(p, init_from=str(policy_folder(Path(p.init_from).expanduser())))
@@ -201,7 +206,7 @@ def with_init_model(cfg: TrainConfig) -> TrainConfig:
                            "is used) or start from weights of that preset")
     theirs, mine = _flat(overrides), _flat(dict(p.overrides))
     for key, value in mine.items():
-        if key in theirs and theirs[key] != value:
+        if key in theirs and theirs[key] != value and key not in TRAINING_OVERRIDES:
             raise KilovlaError(f"policy.overrides.{key}={value!r} but {where} {key}={theirs[key]!r}: drop the "
                                "override (the folder's is used) or start from other weights")
     brought = {}
@@ -222,6 +227,36 @@ def with_optim_recipe(cfg: TrainConfig) -> TrainConfig:
     from kilovla.models.presets import policy_defaults
 
     return dataclasses.replace(cfg, optim=cfg.optim.filled(policy_defaults(cfg.policy.preset).optim))
+
+
+# Model overrides that are training choices, not the weights' shape: a run may set others than its init_from's.
+TRAINING_OVERRIDES = ("moe.aux_loss_coef", "moe.z_loss_coef", "moe.capacity_factor")
+
+
+def _moe_in_overrides(cfg: TrainConfig) -> TrainConfig:
+    """`policy.moe` fields set (those unlike MoEConfig's defaults) moved into `policy.overrides.moe`, where the
+    model config and policy.json take them (all of MoEConfig's fields when num_experts is set, so a folder
+    does not depend on later defaults); a family without an MoE option refuses them in one line.
+
+        policy.moe.aux_loss_coef=0.1 -> policy.overrides {"moe": {"aux_loss_coef": 0.1}}
+        policy.moe.num_experts=8 -> policy.overrides {"moe": {"num_experts": 8, "top_k": 2, ...}}
+    """
+    from kilovla.models.family import families, family_of
+    from kilovla.models.presets import preset
+
+    p, default = cfg.policy, MoEConfig()
+    given = {f.name: getattr(p.moe, f.name) for f in dataclasses.fields(MoEConfig)
+             if getattr(p.moe, f.name) != getattr(default, f.name)}
+    if not given:
+        return cfg
+    if "num_experts" in given:
+        given = dataclasses.asdict(p.moe)
+    fam = family_of(preset(p.preset)) if p.preset else None
+    if fam is not None and fam.moe is None:
+        raise KilovlaError(f"policy.moe: {fam.title} ({p.preset}) has no mixture-of-experts option; the families "
+                           f"with one: {', '.join(f.title for f in families() if f.moe is not None)}")
+    overrides = _merged(dict(p.overrides), {"moe": given})
+    return dataclasses.replace(cfg, policy=dataclasses.replace(p, moe=default, overrides=overrides))
 
 
 def check_start_exists(cfg: TrainConfig) -> None:

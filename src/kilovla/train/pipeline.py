@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kilovla.errors import KilovlaError
-from kilovla.models.family import family_of
+from kilovla.models.family import family_of, moe_of
 
 
 def depth(model_cfg) -> int:
@@ -59,6 +59,8 @@ def stage_layers(model_cfg, pp: int, stage: int) -> range:
 
 def pp_problems(model_cfg, pp: int) -> list[str]:
     """What keeps a model config from `pp` stages, from the config alone (checked before any work)."""
+    if moe_of(model_cfg):  # the routing losses of a stage's layers would have to travel to the last stage
+        return [f"parallel.pp={pp} with policy.moe is not supported yet: drop one of them"]
     if depth(model_cfg) % pp:
         return [f"parallel.pp={pp} does not divide the model's {depth(model_cfg)} layers"]
     return []

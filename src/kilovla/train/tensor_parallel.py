@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kilovla.errors import KilovlaError
-from kilovla.models.family import family_of
+from kilovla.models.family import family_of, moe_of
 
 
 class _SumGradient(torch.autograd.Function):
@@ -64,6 +64,9 @@ def decoder_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
 def tp_problems(model_cfg, tp: int) -> list[str]:
     """What of a model config a tp degree does not divide (query heads, key/value heads that are
     neither divisible nor single, widths), from the config alone: checked before any work."""
+    if moe_of(model_cfg):
+        return [f"parallel.tp={tp} with policy.moe is not supported yet: the routed experts are not split over "
+                "tp ranks (expert parallelism is the mesh dimension meant for them); drop one of them"]
     problems = []
     for part, (heads, kv, mlp) in family_of(model_cfg).tp_parts(model_cfg).items():
         if heads % tp:

@@ -55,6 +55,7 @@ from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear
 from kilovla.models.batch import PaddedBatch
 from kilovla.models.family import chunk_length, family_of
+from kilovla.models.moe import MoEMeter, training_loss
 from kilovla.models.presets import build_model, policy_defaults, preset
 from kilovla.progress import StepProgress
 from kilovla.train import checkpoint as ckpt
@@ -125,6 +126,7 @@ class _Totals:
     capacity: float = 0.0  # rows x token budget
     data_wait: float = 0.0
     rows: int = 0
+    moe: MoEMeter = dataclasses.field(default_factory=MoEMeter)  # routing figures (an MoE expert's)
 
 
 class Trainer:
@@ -241,9 +243,10 @@ class Trainer:
         last = row["row"] == row["rows_in_step"] - 1
         with distributed.gradient_sync(self.step_model, sync=last), self.autocast:
             out = self.step_model(batch, noise=noise, time=t)
-            loss = out["per_sample"].sum() * scale
+            loss = training_loss(out) * scale  # the flow-matching loss (+ an MoE's routing losses)
             loss.backward()
         totals.loss += float(out["per_sample"].detach().sum())
+        totals.moe.add(out)
         self._count(row, batch, totals)
 
     def pipeline_forward_backward(self, rows: list[dict], totals: _Totals) -> None:
@@ -257,7 +260,7 @@ class Trainer:
                 out = self.model.forward_stage(batch, noise=noise, time=t, layers=self.stage_layers, receive=receive)
             if isinstance(out, dict):  # the last stage
                 totals.loss += float(out["per_sample"].detach().sum())
-                return out["per_sample"].sum() * scale
+                return training_loss(out) * scale
             return out
 
         self.schedule.run(len(rows), forward)
@@ -343,6 +346,7 @@ class Trainer:
                   "world_size": world.size, "tp": world.tp, "attention_backend": self.backend,
                   "samples": global_n, "tokens": tokens, "tensor_tokens": summed["tensor_tokens"],
                   "capacity": summed["capacity"]}
+        record.update(totals.moe.record(lambda v: distributed.all_reduce_sum(v, world, over="dp")))
         if (util := mfu(self.n_trainable, tokens / elapsed / world.size, world.device)) is not None:
             record["mfu"] = util
         if self.cfg.log_sample_ids:

@@ -43,6 +43,7 @@ from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weigh
 from kilovla.models.family import CameraSlots
 from kilovla.models.language import Decoder, DecoderConfig
 from kilovla.models.layers import sincos_time_embedding
+from kilovla.models.moe import MoEConfig, Routing, moe_outputs
 from kilovla.models.vision import ViTConfig, VisionTower
 
 OPENPI_CAMERAS = ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")
@@ -69,12 +70,14 @@ class Pi05Config(CameraSlots):
     packing: bool = False
     attention_backend: str = "auto"  # varlen kernel of the packed path (models/attention.py)
     num_inference_steps: int = 10
+    moe: MoEConfig = field(default_factory=MoEConfig)  # routed experts in the action expert's MLPs (models/moe.py)
 
     def __post_init__(self):
         shared = ("heads", "kv_heads", "head_dim", "depth")
         if any(getattr(self.lm, a) != getattr(self.expert, a) for a in shared):
             raise KilovlaError(f"the LM and the action expert must share {shared} (they attend together)")
         self.check_shared()
+        self.moe.check()
 
     @property
     def suffix_extra(self) -> int:
@@ -104,7 +107,7 @@ class _PaliGemma(nn.Module):
 class _Expert(nn.Module):
     def __init__(self, cfg: Pi05Config):
         super().__init__()
-        self.model = Decoder(cfg.expert, cond_dim=cfg.expert.width if cfg.pi05 else None)
+        self.model = Decoder(cfg.expert, cond_dim=cfg.expert.width if cfg.pi05 else None, moe=cfg.moe)
 
 
 class _PaliGemmaWithExpert(nn.Module):
@@ -116,11 +119,13 @@ class _PaliGemmaWithExpert(nn.Module):
 
 @dataclass
 class _Stream:
-    """One token stream of a forward pass: hidden states, RoPE positions, adaRMS condition."""
+    """One token stream of a forward pass: hidden states, RoPE positions, adaRMS condition, and (an MoE
+    expert's stream while training) what its MoE layers route: its real tokens, their statistics."""
 
     x: torch.Tensor
     positions: torch.Tensor
     cond: torch.Tensor | None = None
+    routing: Routing | None = None
 
 
 class Pi05Model(nn.Module):
@@ -195,7 +200,8 @@ class Pi05Model(nn.Module):
         """
         lp, ls = self.vlm.language_model.layers[i], self.expert.layers[i]
         if pre is None:  # the suffix alone, attending to cached prefix keys and values
-            (x_suf,) = ls(x_suf, suf.positions, suf.cond, lambda q, k, v: (attention(i, None, (q, k, v))[1],))
+            (x_suf,) = ls(x_suf, suf.positions, suf.cond, lambda q, k, v: (attention(i, None, (q, k, v))[1],),
+                          routing=suf.routing)
             return None, x_suf, None
 
         def attend_prefix(q, k, v):
@@ -206,7 +212,7 @@ class Pi05Model(nn.Module):
                 out_pre, out_suf = attention(i, (q, k, v), (qs, ks, vs))
                 return out_suf, out_pre
 
-            new_suf, out_pre = ls(x_suf, suf.positions, suf.cond, attend_both)
+            new_suf, out_pre = ls(x_suf, suf.positions, suf.cond, attend_both, routing=suf.routing)
             return out_pre, new_suf, k, v
 
         x_pre, x_suf, k, v = lp(x_pre, pre.positions, None, attend_prefix, keys_only=i == self.config.lm.depth - 1)
@@ -312,7 +318,8 @@ class Pi05Model(nn.Module):
         x_pre, mask, positions, n = self._padded_layout(batch, x_t.shape[1], embed)
         suffix, cond = self.embed_suffix(batch.state, x_t, t, embed)
         pre = _Stream(x_pre, positions[:, :n])
-        suf = _Stream(suffix, positions[:, n:], None if cond is None else cond[:, None])
+        routing = Routing(valid=self._padded_suffix_masks(batch, x_t.shape[1])[0]) if self.config.moe.enabled else None
+        suf = _Stream(suffix, positions[:, n:], None if cond is None else cond[:, None], routing)
         extra = self.config.suffix_extra
         return pre, suf, self._dense_attention(mask, n), lambda out: self.action_out_proj(out[:, extra:])
 
@@ -347,7 +354,8 @@ class Pi05Model(nn.Module):
         suf_pos = pre_len[suf_sample] + (torch.arange(len(x_suf), device=dev)
                                          - torch.repeat_interleave(suf_len.cumsum(0) - suf_len, suf_len))
         pre = _Stream(x_pre, pre_pos)
-        suf = _Stream(x_suf, suf_pos, None if cond is None else cond[suf_sample])
+        suf = _Stream(x_suf, suf_pos, None if cond is None else cond[suf_sample],
+                      Routing() if cfg.moe.enabled else None)  # no padding: every token is routed
         attention = self._varlen_attention(pre_len, suf_len, suf_slot, dev)
         is_action = suf_slot >= extra
 
@@ -406,7 +414,8 @@ class Pi05Model(nn.Module):
 
     def forward(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None,
                 time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Flow-matching loss. A PaddedBatch runs packed when config.packing is set."""
+        """Flow-matching loss. A PaddedBatch runs packed when config.packing is set. With MoE the dict also
+        holds the routing losses and counts (`moe_*`, models/moe.py `moe_outputs`)."""
         return self.forward_stage(batch, noise, time)
 
     def forward_stage(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None,
@@ -436,7 +445,10 @@ class Pi05Model(nn.Module):
         if layers.stop < depth:
             return x_pre, x_suf
         v_t = finish(self.expert.norm(x_suf, suf.cond)[0])
-        return flow_loss(v_t, u_t, loss_weight(batch, u_t))
+        out = flow_loss(v_t, u_t, loss_weight(batch, u_t))
+        if suf.routing is not None:  # the routing losses beside the flow-matching loss (models/moe.py)
+            out.update(moe_outputs(suf.routing.stats, self.config.moe))
+        return out
 
     # -- inference -------------------------------------------------------------------------------------
     def velocity_field(self, batch: PaddedBatch):

@@ -81,14 +81,17 @@ def test_decodes_per_sample_counts_each_gop_from_its_keyframe(tmp_path):
                     TokenLayout(tokens_per_camera=16, action_horizon=1))
     path = str(next(root.glob("videos/*/*/*.mp4")))
     key = _keyframe_of(path)
-    assert key.tolist() == (np.arange(len(key)) - np.arange(len(key)) % 2).tolist()  # the writer's gop=2
+    ds = lake.datasets[0]
+    starts = np.repeat(ds.meta.episodes.row_from, ds.meta.episodes.length)  # each episode's first frame in the file
+    within = np.arange(len(key)) - starts
+    keyframe = starts + within - within % 2  # the writer's gop=2, restarted at every episode
+    assert key.tolist() == keyframe.tolist()
     plan = GlobalBatchPlan.from_lake(lake, PlanConfig(seed=0, global_batch_size=len(lake), token_budget=4096))
     assert len(plan.rank_rows(0, 0, 1)) == 1  # one row asks for every frame in order: each decoded once
     assert decodes_per_sample(lake, plan.rank_rows(0, 0, 1)) == pytest.approx(1.0)
     rows = [np.array([g]) for g in range(len(lake))]  # one sample a request: random access
-    # expected, with keyframes at even frames: each row's distinct frames in order, a frame continuing its
-    # GOP after the previous one costs the gap, else it decodes from its keyframe
-    ds = lake.datasets[0]
+    # expected: each row's distinct frames in order, a frame continuing its GOP after the previous one costs
+    # the gap, else it decodes from its keyframe
     expected = 0
     for row in rows:
         frames = set()
@@ -100,7 +103,7 @@ def test_decodes_per_sample_counts_each_gop_from_its_keyframe(tmp_path):
             frames |= {max(t - 1, t - (rec - first)), t}  # t-1 clamps to the episode's first frame
         at = None
         for f in sorted(frames):
-            expected += f - at if at is not None and f - f % 2 == at - at % 2 else f % 2 + 1
+            expected += f - at if at is not None and keyframe[f] == keyframe[at] else f - keyframe[f] + 1
             at = f
     assert decodes_per_sample(lake, rows) == pytest.approx(expected / len(lake))
     assert 2 < decodes_per_sample(lake, rows) < 3

@@ -35,7 +35,10 @@ def _agent(args, port, job, *, host=True, nnodes="1:2", nproc=1, restarts=2, env
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
            f"--rdzv-id={job}", f"--rdzv-conf={conf}", "--monitor-interval=0.5", "-m", "kilovla", "train", *args]
-    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=subprocess.PIPE,
+    # the workers' own store per attempt: with the agent's, restarted ranks can read the previous attempt's
+    # addresses (pytorch/pytorch#135712)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -155,3 +158,24 @@ def test_the_step_deadline_follows_the_step_time_under_elastic_only(monkeypatch,
     assert elastic.step_deadline(None, [40.0, 50.0, 900.0]) == (500 if elastic_run else 1800)
     assert elastic.step_deadline(None, [2.0, 2.5]) == (300 if elastic_run else 1800)
     assert elastic.step_deadline(12.0, [40.0, 50.0]) == 12.0  # parallel.timeout_s, when set, wins
+
+
+@pytest.mark.slow  # ~40 s: the watchdogs' 10 s deadline and grace, then a restart
+def test_hung_ranks_end_by_their_watchdog_and_torchrun_restarts_the_group(train_dataset, reference, tmp_path):
+    """Both ranks stop answering at step 3 (no collective fails: only the watchdogs can end them); the
+    agent restarts the group, which resumes the step-2 checkpoint and finishes."""
+    run = tmp_path / "run"
+    agent = _agent([*_args(train_dataset, run), "--parallel.timeout_s=10"], _free_port(), "hung", nnodes="1",
+                   nproc=2, restarts=1, env={"KILOVLA_FAULT_HANG": "*:3"})
+    try:
+        out, _ = agent.communicate(timeout=240)
+    finally:
+        if agent.poll() is None:
+            _kill_node(agent)
+    assert agent.returncode == 0, out[-4000:]
+    assert "waited for step 3 past its deadline (10 s, parallel.timeout_s)" in out
+    records = _metrics(run)
+    assert [(r["kind"], r["step"]) for r in records] == [("train", 1), ("train", 2), ("restart", 2), ("train", 3),
+                                                         ("train", 4)]
+    assert (records[2]["world_size_before"], records[2]["world_size_after"]) == (2, 2)
+    assert [r["sample_ids"] for r in records if r["kind"] == "train"] == [r["sample_ids"] for r in _metrics(reference)]

@@ -21,6 +21,7 @@ records dropped (`MetricsLogger`), so every step appears once:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 from kilovla.data.writer import _atomic_write_text
 from kilovla.errors import KilovlaError
 
+log = logging.getLogger(__name__)
 FILE = "elastic.json"
 # Without parallel.timeout_s an elastic run's step deadline follows its own step time: a hung rank
 # ends (and torchrun restarts the group) after STEP_DEADLINE_FACTOR median steps, never sooner than
@@ -64,6 +66,17 @@ def restart_of(run_dir: Path) -> dict | None:
     mine = job_id()
     previous = recorded(run_dir) if mine is not None else None
     return previous if previous is not None and previous["run_id"] == mine else None
+
+
+def warn_shared_store(world_size: int) -> None:
+    """Say once (rank 0) when torchrun may restart this group through its shared rendezvous store: a
+    restarted group can read the previous attempt's addresses from it and fail to connect (gloo and
+    NCCL alike; pytorch/pytorch#135712), so every restart would fail until --max-restarts runs out."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and world_size > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        log.warning("torchrun shares its rendezvous store with the workers: a restarted group may fail to connect "
+                    "(pytorch/pytorch#135712); launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+                    "environment so that restarts work")
 
 
 def check_world(tp: int, pp: int, world_size: int, previous: dict | None) -> None:

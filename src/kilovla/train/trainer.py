@@ -97,6 +97,8 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
             check_dataset(entry.root, problems=entry.problems)
     world = distributed.init(cfg.parallel.timeout_s or elastic.UNMEASURED_DEADLINE_S, tp=cfg.parallel.tp,
                              pp=cfg.parallel.pp)
+    if world.is_main:
+        elastic.warn_shared_store(world.size)
     if folder is not None:  # before the run_dir and its config.yaml say otherwise
         ckpt.check_resumed_settings(folder, cfg)
     use = claim_run_dir(run_dir, resume, folder, main=world.is_main)
@@ -325,8 +327,8 @@ class Trainer:
             totals.data_wait += time.perf_counter() - t_wait
             if row["row"] == 0:
                 self.phase = f"step {row['step'] + 1}"
-                faults.step_begins(row["step"] + 1, row)
                 watchdog.arm(self.phase, elastic.step_deadline(cfg.parallel.timeout_s, self.step_times[-50:]))
+                faults.step_begins(row["step"] + 1, row)
             if self.schedule is None:
                 self.forward_backward(row, totals)
             else:  # a pipeline stage runs the step's rows together

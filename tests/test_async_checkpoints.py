@@ -71,11 +71,26 @@ def test_checkpoints_by_wall_time_beside_every_steps(train_dataset, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [f"step_00000{i}" for i in (1, 2, 3, 4)]
 
 
-def test_async_save_with_an_ema_is_refused_in_one_line(train_dataset, tmp_path):
-    proc = _run([*_args(train_dataset, tmp_path / "ema"), "--checkpoint.async_save=true", "--ema_decay=0.99"])
+def test_an_ema_resumes_from_an_async_checkpoint_exactly(train_dataset, tmp_path):
+    ema = ["--ema_decay=0.9"]
+    whole = _run([*_args(train_dataset, tmp_path / "whole"), *ema])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run = tmp_path / "async"
+    args = [*_args(train_dataset, run), *ema, "--checkpoint.async_save=true"]
+    assert _run(args, env={"KILOVLA_FAULT_AFTER_STEP": "3"}).returncode == -9
+    resumed = _run([*args, "--resume", "auto"])
+    assert resumed.returncode == 0 and "from step 2" in resumed.stdout, resumed.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(str(r / "checkpoints" / "step_000004" / "ema.safetensors")) for r in (tmp_path / "whole", run))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_async_save_with_lora_is_refused_in_one_line(train_dataset, tmp_path):
+    proc = _run([*_args(train_dataset, tmp_path / "lora"), "--checkpoint.async_save=true", "--policy.lora.rank=4"])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: checkpoint.async_save with ema_decay or policy.lora is not supported yet: save synchronously "
+        "error: checkpoint.async_save with policy.lora is not supported yet: save synchronously "
         "(checkpoint.async_save=false)"]
 
 

@@ -219,14 +219,16 @@ class PendingSave:
         return self.folder
 
 
-def save_async(folder: Path, *, model, optimizer, scheduler, world, trainer_state: dict, policy_meta: dict,
-               config_yaml: str, stats: dict, keep: int = 3, group=None, on_written=None) -> PendingSave:
+def save_async(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, trainer_state: dict,
+               policy_meta: dict, config_yaml: str, stats: dict, keep: int = 3, group=None,
+               on_written=None) -> PendingSave:
     """Start a checkpoint whose model and optimizer go to `state/` through DCP's async_save: every rank
     stages a copy of its tensors (in CPU memory) before this returns, and the files are written from
     the copy on a background thread over `group` (a gloo group of its own, so its collectives never
     interleave with the step's; None in one process), fsync'ed. Any model layout (one process, DDP,
-    FSDP, TP, PP) loads back through `load`'s `state/` path on any world size. Not for EMA or LoRA
-    runs (validate_config refuses them), nor for the last checkpoint, which `save` writes whole."""
+    FSDP, TP, PP) loads back through `load`'s `state/` path on any world size; an EMA goes there too
+    (as `ema`; only the last checkpoint, which `save` writes whole, has ema.safetensors). Not for
+    LoRA runs (validate_config refuses them)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -235,6 +237,8 @@ def save_async(folder: Path, *, model, optimizer, scheduler, world, trainer_stat
     try:
         tmp = _hidden(folder, world)
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        if ema is not None:
+            state["ema"] = ema
         future = dcp.async_save(state, checkpoint_id=str(tmp / STATE_DIR), process_group=group,
                                 no_dist=not torch.distributed.is_initialized())
         if world.is_main:
@@ -244,6 +248,12 @@ def save_async(folder: Path, *, model, optimizer, scheduler, world, trainer_stat
     except OSError as e:
         raise _write_failed(folder, tmp, world, e) from None
     return PendingSave(future, tmp, folder, world, keep, on_written)
+
+
+def _holds_ema(state_dir: Path) -> bool:
+    from kilovla.safe_load import read_dcp_metadata
+
+    return any(k.startswith("ema.") for k in read_dcp_metadata(state_dir / ".metadata").state_dict_metadata)
 
 
 def gathered_from_shards(state_dir: Path) -> dict[str, torch.Tensor]:
@@ -490,6 +500,8 @@ def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world, ada
     only = StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)
     if (folder / STATE_DIR).is_dir():
         state = {"model": get_model_state_dict(model, options=only), "optim": get_optimizer_state_dict(model, optimizer)}
+        if ema is not None and _holds_ema(folder / STATE_DIR):  # an asynchronous checkpoint's
+            state["ema"] = ema
         try:
             # One process (an FSDP run resumed without torchrun): say so, rather than DCP warning that it assumes it.
             load_dcp(state, folder / STATE_DIR, no_dist=not torch.distributed.is_initialized())

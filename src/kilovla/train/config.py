@@ -321,9 +321,9 @@ def _count_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"parallel.timeout_s must be > 0, not {cfg.parallel.timeout_s}")
     if cfg.checkpoint.every_minutes is not None and not cfg.checkpoint.every_minutes > 0:
         problems.append(f"checkpoint.every_minutes must be > 0 (or unset), not {cfg.checkpoint.every_minutes}")
-    if cfg.checkpoint.async_save and (cfg.ema_decay or cfg.policy.lora.enabled):
-        problems.append("checkpoint.async_save with ema_decay or policy.lora is not supported yet: save "
-                        "synchronously (checkpoint.async_save=false)")
+    if cfg.checkpoint.async_save and cfg.policy.lora.enabled:
+        problems.append("checkpoint.async_save with policy.lora is not supported yet: save synchronously "
+                        "(checkpoint.async_save=false)")
     weights = cfg.dataset.weights
     if weights is not None and (len(weights) != len(cfg.dataset.roots) or not all(w > 0 for w in weights)):
         problems.append(f"dataset.weights must be one positive number per dataset.roots entry "

@@ -245,7 +245,7 @@ class Trainer:
                      config_yaml=config_mod.dump_yaml(cfg), stats=self.metas[0].files.read_json("meta/stats.json"),
                      keep=cfg.checkpoint.keep, on_written=self.faults.in_checkpoint(self.step))
         if cfg.checkpoint.async_save and not final:
-            self.pending = ckpt.save_async(folder, **parts, group=self.save_group)
+            self.pending = ckpt.save_async(folder, **parts, ema=self.ema, group=self.save_group)
         else:
             ckpt.save(folder, **parts, ema=self.ema, full_weights=final, lora=self.lora)
         self.last_save = time.monotonic()

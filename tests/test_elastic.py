@@ -19,7 +19,8 @@ from kilovla.train.trainer import TrainConfig, train
 
 
 def _metrics(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    complete = (Path(run_dir) / "metrics.jsonl").read_text().split("\n")[:-1]  # not a row being appended
+    return [json.loads(line) for line in complete]
 
 
 def _free_port() -> int:

@@ -153,6 +153,7 @@ def cmd_data_cache(args) -> int:
 
 def cmd_data_bench(args) -> int:
     from kilovla.bench import data as data_bench
+    from kilovla.bench import elastic as elastic_bench
     from kilovla.bench.common import suite_started
     from kilovla.progress import Heartbeat
 
@@ -170,6 +171,7 @@ def cmd_data_bench(args) -> int:
 
 def cmd_bench(args) -> int:
     from kilovla.bench import data as data_bench
+    from kilovla.bench import elastic as elastic_bench
     from kilovla.bench import envs as envs_bench
     from kilovla.bench import fp8 as fp8_bench
     from kilovla.bench import lake as lake_bench
@@ -193,6 +195,7 @@ def cmd_bench(args) -> int:
         "packing": lambda: models_bench.run_packing(**common),
         "pruning": lambda: models_bench.run_pruning(**common),
         "scaling": lambda: scaling_bench.run(**common),
+        "elastic": lambda: elastic_bench.run(**common),
         "load": lambda: load_bench.run(**common),
         "memory": lambda: memory_bench.run(**common),
         "rl": lambda: rl_bench.run(**common, policy=cfg.policy.path, minutes=cfg.rl.minutes,

@@ -64,6 +64,7 @@ import logging
 import shutil
 import time
 import uuid
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -239,8 +240,10 @@ def save_async(folder: Path, *, model, optimizer, scheduler, ema: dict | None, w
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
         if ema is not None:
             state["ema"] = ema
-        future = dcp.async_save(state, checkpoint_id=str(tmp / STATE_DIR), process_group=group,
-                                no_dist=not torch.distributed.is_initialized())
+        alone = not torch.distributed.is_initialized()
+        if alone:  # DCP's thread warns that it assumes one process: it is one (a filter for every thread)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled.* save in a single process")
+        future = dcp.async_save(state, checkpoint_id=str(tmp / STATE_DIR), process_group=group, no_dist=alone)
         if world.is_main:
             _write_run_files(tmp, scheduler=scheduler, trainer_state=trainer_state,
                              sharded=distributed.is_sharded(model), policy_meta=policy_meta,

@@ -22,7 +22,9 @@ level of work, after torchtitan's `train.py`:
     trainer.train()                              # the loop: metrics, checkpoints, evaluation, faults
     trainer.state_dict() / load_state_dict()     # step and plan position (checkpoint.py holds the tensors)
 
-`train(cfg, resume)` checks the settings, the datasets and the run_dir before any of it.
+`train(cfg, resume)` checks the settings, the datasets and the run_dir before any of it. Under
+torchrun's elastic agent a restart of the same job resumes its newest checkpoint by itself
+(train/elastic.py).
 
 A NaN or inf stops the run at its step (KilovlaError naming the step and the term, exit 2): the
 global loss and gradient norm are checked before the optimizer step, on every rank alike, and the
@@ -38,6 +40,7 @@ import os
 import signal
 import statistics
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,7 +200,7 @@ class Trainer:
         self.save_group = distributed.side_group(world) if cfg.checkpoint.async_save else None
         self.last_save = time.monotonic()  # for checkpoint.every_minutes
         self.restart: tuple[dict, int] | None = None  # an elastic restart: the previous start's record, its last step
-        self.step_times: list[float] = []  # this start's step times, for the elastic step deadline
+        self.step_times: deque[float] = deque(maxlen=50)  # this start's last step times: the elastic step deadline
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -327,7 +330,7 @@ class Trainer:
             totals.data_wait += time.perf_counter() - t_wait
             if row["row"] == 0:
                 self.phase = f"step {row['step'] + 1}"
-                watchdog.arm(self.phase, elastic.step_deadline(cfg.parallel.timeout_s, self.step_times[-50:]))
+                watchdog.arm(self.phase, elastic.step_deadline(cfg.parallel.timeout_s, list(self.step_times)))
                 faults.step_begins(row["step"] + 1, row)
             if self.schedule is None:
                 self.forward_backward(row, totals)
@@ -426,7 +429,11 @@ class Trainer:
                                resume_step=self.step if self.resume_from is not None else None)
         if self.restart is not None:
             previous, last_logged = self.restart
-            logger.log(elastic.restart_record(previous, self.resume_from, world.size, last_logged))
+            record = elastic.restart_record(previous, self.resume_from, world.size, last_logged)
+            logger.log(record)
+            print(f"elastic restart of job {previous['run_id']}: from step {record['step']} on {world.size} rank(s) "
+                  f"(was {record['world_size_before']}), {record['steps_recomputed']} step(s) to recompute, "
+                  f"{record['seconds_lost']:.0f} s lost", flush=True)
         loader_kwargs = {"num_workers": cfg.loader.num_workers} if cfg.loader.engine == "torch" else {}
         rows = iter(build_loader(cfg.loader.engine, self.lake, self.plan, rank=world.dp_rank, world_size=world.dp_size,
                                  steps=cfg.steps - self.step, **loader_kwargs))

@@ -94,14 +94,15 @@ def test_async_save_with_lora_is_refused_in_one_line(train_dataset, tmp_path):
         "(checkpoint.async_save=false)"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_async_checkpoints_of_two_ranks_resume_on_one(train_dataset, reference, tmp_path, strategy):
-    run = tmp_path / strategy
-    args = [*_args(train_dataset, run), "--checkpoint.async_save=true", f"--parallel.strategy={strategy}"]
+@pytest.mark.parametrize("layout", ["--parallel.strategy=ddp", "--parallel.strategy=fsdp", "--parallel.tp=2",
+                                    "--parallel.pp=2"])
+def test_async_checkpoints_of_two_ranks_resume_on_one(train_dataset, reference, tmp_path, layout):
+    run = tmp_path / "run"
+    args = [*_args(train_dataset, run), "--checkpoint.async_save=true", layout]
     killed = _run(args, nproc=2, env={"KILOVLA_FAULT_AFTER_STEP": "2"})
     assert killed.returncode != 0
     assert latest_checkpoint(run / "checkpoints") == run / "checkpoints" / "step_000002"
-    resumed = _run([*args, "--resume", "auto"])  # 2 ranks -> 1: DCP reshards
+    resumed = _run([*args[:-1], "--resume", "auto"])  # 2 ranks -> 1 (no mesh): DCP reshards
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["sample_ids"] for r in _metrics(run)] == [r["sample_ids"] for r in _metrics(reference)]
     wa, wb = _weights(reference, 4), _weights(run, 4)

@@ -50,10 +50,17 @@ def kilovla_argv(command: str) -> tuple[list[str], int]:
     torchrun prefix asks for (1 without one)."""
     words = [w for w in shlex.split(command, comments=True) if w != "..."]
     world = 1
-    if words[0] == "torchrun":
+    if "torchrun" in words:  # perhaps after a launcher (`srun ...`, `env VAR=1`)
+        words = words[words.index("torchrun"):]
         at = words.index("-m")
-        flags = dict(zip(words[1:at:2], words[2:at:2]))
-        world = int(flags.get("--nnodes", 1)) * int(flags.get("--nproc-per-node", 1))
+        flags, i = {}, 1
+        while i < at:  # --flag value or --flag=value
+            key, eq, value = words[i].partition("=")
+            if not eq and i + 1 < at and not words[i + 1].startswith("--"):
+                value, i = words[i + 1], i + 1
+            flags[key], i = value, i + 1
+        # --nnodes=MIN:MAX (elastic): the smallest world the run must fit
+        world = int(flags.get("--nnodes", "1").split(":")[0]) * int(flags.get("--nproc-per-node", 1))
         words = words[at + 1:]
     if words[0] != "kilovla":
         raise AssertionError(f"not a kilovla command: {command!r}")

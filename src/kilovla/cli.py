@@ -172,6 +172,7 @@ def cmd_data_bench(args) -> int:
 
 def cmd_bench(args) -> int:
     from kilovla.bench import data as data_bench
+    from kilovla.bench import elastic as elastic_bench
     from kilovla.bench import envs as envs_bench
     from kilovla.bench import fp8 as fp8_bench
     from kilovla.bench import lake as lake_bench
@@ -198,6 +199,7 @@ def cmd_bench(args) -> int:
         "pruning": lambda: models_bench.run_pruning(**common),
         "moe": lambda: models_bench.run_moe(**common),
         "scaling": lambda: scaling_bench.run(**common),
+        "elastic": lambda: elastic_bench.run(**common),
         "load": lambda: load_bench.run(**common),
         "memory": lambda: memory_bench.run(**common),
         "rl": lambda: rl_bench.run(**common, policy=cfg.policy.path, minutes=cfg.rl.minutes,

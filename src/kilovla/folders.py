@@ -38,7 +38,7 @@ DATASET = FolderKind("a LeRobot dataset", frozenset({"meta", "data", "videos", "
                                                      ".cache"}), marker=("meta",))
 # What `kilovla train` and `kilovla rl` write into run_dir (other files beside them are left alone).
 RUN = FolderKind("a kilovla run", frozenset({"checkpoints", "metrics.jsonl", "config.yaml", "summary.json",
-                                             "learning_curve.png", "tensorboard", "eval"}),
+                                             "learning_curve.png", "tensorboard", "eval", "elastic.json"}),
                  marker=("checkpoints", "metrics.jsonl", "config.yaml", "summary.json"))
 # What `kilovla demo` writes into its --out folder; DEMO_MARKER is written first, so a demo that died
 # half-way is still recognised as one.

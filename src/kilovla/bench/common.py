@@ -20,7 +20,8 @@ from kilovla.machine import load_average, machine_info
 from kilovla.progress import note
 
 # `kilovla bench SUITE`'s suites, in the order `bench all` runs them and `bench table` prints them
-SUITES = ("data", "lake", "envs", "packing", "pruning", "moe", "scaling", "load", "memory", "rl", "fp8", "serve")
+SUITES = ("data", "lake", "envs", "packing", "pruning", "moe", "scaling", "elastic", "load", "memory", "rl", "fp8",
+          "serve")
 
 DEFAULT_OUT = "bench-results"
 README_START = "<!-- bench-tables:start (kilovla bench table docs/bench --readme README.md) -->"

@@ -30,6 +30,12 @@ A checkpoint is written into a hidden temporary folder and renamed into place; a
 the same step is swapped out atomically (`exchange`), and `latest` moves only after that: a crash or
 a full disk mid-save leaves the previous checkpoint intact.
 
+`checkpoint.async_save` (`save_async`): the model and optimizer go to `state/` through DCP's
+async_save, whatever the parallelism: each rank copies its tensors to CPU memory (the step waits for
+that copy only) and a background thread writes the files while training goes on. At most one save is
+in flight (the next one, and the last checkpoint, which is written whole as above, first wait for it);
+the hidden folder becomes the checkpoint only once every rank's files are written (`PendingSave`).
+
 Resuming from a checkpoint that is not the run's newest starts a branch (`branch_at`): the later
 checkpoints, of the run that is being replaced, move into `abandoned-<UTC time>/` (said in one
 warning), `latest` points at the resumed-from checkpoint, and that checkpoint is pinned, so `keep`
@@ -58,6 +64,8 @@ import logging
 import shutil
 import time
 import uuid
+import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -80,9 +88,48 @@ def step_of(folder: Path) -> int:
     return int(folder.name.removeprefix("step_"))
 
 
+def _hidden(folder: Path, world) -> Path:
+    """The hidden folder a checkpoint is written into (the same name on every rank), emptied by rank 0;
+    every rank returns once it is there."""
+    tmp = folder.parent / f".{folder.name}.tmp"
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier(world, f"checkpoint {folder.name}")
+    return tmp
+
+
+def _write_run_files(tmp: Path, *, scheduler, trainer_state: dict, sharded: bool, policy_meta: dict,
+                     config_yaml: str, stats: dict) -> None:
+    """Rank 0: what a checkpoint holds beside its tensors (RNG, trainer state, policy.json, config, stats)."""
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+               tmp / "rng.pt")
+    state = {**trainer_state, "scheduler": scheduler.state_dict(), "sharded": sharded}
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    write_policy_json(tmp, policy_meta)
+    (tmp / "config.yaml").write_text(config_yaml)
+    (tmp / "stats.json").write_text(json.dumps(stats))
+
+
+def _make_visible(tmp: Path, folder: Path, on_written=None) -> None:
+    """Rank 0: the written folder takes its name, then `latest` names it (`on_written`: a test's fault)."""
+    if on_written is not None:
+        on_written()
+    put_in_place(tmp, folder)
+    point_latest(folder.parent, folder)
+
+
+def _write_failed(folder: Path, tmp: Path, world, error: BaseException) -> KilovlaError:
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    last = latest(folder.parent)
+    return KilovlaError(f"cannot write checkpoint {folder}: {error}; "
+                        f"{'the last good checkpoint ' + str(last) + ' is intact' if last else 'no earlier checkpoint'}")
+
+
 def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, trainer_state: dict,
          policy_meta: dict, config_yaml: str, stats: dict, keep: int = 3, full_weights: bool = True,
-         lora: LoraSettings | None = None) -> Path:
+         lora: LoraSettings | None = None, on_written=None) -> Path:
     """Every rank calls this (the state dicts of a sharded model are collectives). `full_weights`:
     also write model.safetensors when the model is sharded (the run's last checkpoint). `lora`: the
     model carries adapters; only its trainable tensors are written (plus the merged weights when
@@ -94,13 +141,10 @@ def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, 
     root = folder.parent
     sharded = distributed.is_sharded(model)
     staged = distributed.is_pipeline_stage(model)
-    tmp = root / f".{folder.name}.tmp"  # the same name on every rank: they all write into it
     what = f"checkpoint {folder.name}"
+    tmp = root / f".{folder.name}.tmp"
     try:
-        if world.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        distributed.barrier(world, what)
+        tmp = _hidden(folder, world)
         adapters = lora is not None
         full = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters)
         if sharded:
@@ -135,25 +179,84 @@ def save(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, 
                     save_safetensors({**model_state, **ema_cpu}, tmp / "ema.safetensors")
             if not sharded:
                 torch.save({"optimizer": optim_state}, tmp / "optimizer.pt")
-            torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-                       tmp / "rng.pt")
-            state = {**trainer_state, "scheduler": scheduler.state_dict(), "sharded": sharded}
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-            write_policy_json(tmp, policy_meta)
-            (tmp / "config.yaml").write_text(config_yaml)
-            (tmp / "stats.json").write_text(json.dumps(stats))
-            put_in_place(tmp, folder)
-            point_latest(root, folder)
+            _write_run_files(tmp, scheduler=scheduler, trainer_state=trainer_state, sharded=sharded,
+                             policy_meta=policy_meta, config_yaml=config_yaml, stats=stats)
+            _make_visible(tmp, folder, on_written)
     except OSError as e:
-        if world.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        last = latest(root)
-        raise KilovlaError(f"cannot write checkpoint {folder}: {e}; "
-                           f"{'the last good checkpoint ' + str(last) + ' is intact' if last else 'no earlier checkpoint'}") from None
+        raise _write_failed(folder, tmp, world, e) from None
     distributed.barrier(world, what)
     if world.is_main:
         prune(root, keep)
     return folder
+
+
+@dataclasses.dataclass
+class PendingSave:
+    """An asynchronous checkpoint (`save_async`): `state/` is being written in the background into the
+    hidden folder. `finish()` waits for it, then rank 0 renames the folder into place, moves `latest`
+    and prunes: until then the previous checkpoint is the newest complete one."""
+
+    future: Future
+    tmp: Path
+    folder: Path
+    world: object
+    keep: int
+    on_written: object = None
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def finish(self) -> Path:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            self.future.result()
+            if self.world.is_main:
+                _make_visible(self.tmp, self.folder, self.on_written)
+                prune(self.folder.parent, self.keep)
+        except (OSError, CheckpointException) as e:  # CheckpointException is a BaseException
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise _write_failed(self.folder, self.tmp, self.world, first) from None
+        return self.folder
+
+
+def save_async(folder: Path, *, model, optimizer, scheduler, ema: dict | None, world, trainer_state: dict,
+               policy_meta: dict, config_yaml: str, stats: dict, keep: int = 3, group=None,
+               on_written=None) -> PendingSave:
+    """Start a checkpoint whose model and optimizer go to `state/` through DCP's async_save: every rank
+    stages a copy of its tensors (in CPU memory) before this returns, and the files are written from
+    the copy on a background thread over `group` (a gloo group of its own, so its collectives never
+    interleave with the step's; None in one process), fsync'ed. Any model layout (one process, DDP,
+    FSDP, TP, PP) loads back through `load`'s `state/` path on any world size; an EMA goes there too
+    (as `ema`; only the last checkpoint, which `save` writes whole, has ema.safetensors). Not for
+    LoRA runs (validate_config refuses them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    folder = Path(folder)
+    tmp = folder.parent / f".{folder.name}.tmp"
+    try:
+        tmp = _hidden(folder, world)
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        if ema is not None:
+            state["ema"] = ema
+        alone = not torch.distributed.is_initialized()
+        if alone:  # DCP's thread warns that it assumes one process: it is one (a filter for every thread)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled.* save in a single process")
+        future = dcp.async_save(state, checkpoint_id=str(tmp / STATE_DIR), process_group=group, no_dist=alone)
+        if world.is_main:
+            _write_run_files(tmp, scheduler=scheduler, trainer_state=trainer_state,
+                             sharded=distributed.is_sharded(model), policy_meta=policy_meta,
+                             config_yaml=config_yaml, stats=stats)
+    except OSError as e:
+        raise _write_failed(folder, tmp, world, e) from None
+    return PendingSave(future, tmp, folder, world, keep, on_written)
+
+
+def _holds_ema(state_dir: Path) -> bool:
+    from kilovla.safe_load import read_dcp_metadata
+
+    return any(k.startswith("ema.") for k in read_dcp_metadata(state_dir / ".metadata").state_dict_metadata)
 
 
 def gathered_from_shards(state_dir: Path) -> dict[str, torch.Tensor]:
@@ -400,6 +503,8 @@ def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world, ada
     only = StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)
     if (folder / STATE_DIR).is_dir():
         state = {"model": get_model_state_dict(model, options=only), "optim": get_optimizer_state_dict(model, optimizer)}
+        if ema is not None and _holds_ema(folder / STATE_DIR):  # an asynchronous checkpoint's
+            state["ema"] = ema
         try:
             # One process (an FSDP run resumed without torchrun): say so, rather than DCP warning that it assumes it.
             load_dcp(state, folder / STATE_DIR, no_dist=not torch.distributed.is_initialized())

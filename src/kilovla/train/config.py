@@ -74,7 +74,9 @@ class ParallelConfig:
     gradient_as_bucket_view: bool = True
     static_graph: bool = False  # refused on several ranks: breaks accumulation over rows (see validate_config)
     find_unused_parameters: bool = False
-    timeout_s: float = 1800.0  # a collective (or a step) that takes longer ends the run, naming rank and step
+    # a collective (or a step) that takes longer ends the run, naming rank and step; unset: 1800, and under
+    # torchrun elastic a step's deadline is 10x the median step, at least 300 (train/elastic.py)
+    timeout_s: float | None = None
 
 
 @dataclass
@@ -87,6 +89,8 @@ class LoaderConfig:
 class CheckpointConfig:
     every: int = 500
     keep: int = 3
+    every_minutes: float | None = None  # also a checkpoint once this much wall time passed since the last one
+    async_save: bool = False  # write model + optimizer in the background from a staged copy (DCP async_save)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -359,8 +363,13 @@ def _count_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"optim.min_lr_ratio must be in [0, 1], not {cfg.optim.min_lr_ratio}")
     if cfg.ema_decay is not None and not 0 <= cfg.ema_decay < 1:
         problems.append(f"ema_decay must be in [0, 1) (0 or unset: no EMA), not {cfg.ema_decay}")
-    if not cfg.parallel.timeout_s > 0:
+    if cfg.parallel.timeout_s is not None and not cfg.parallel.timeout_s > 0:
         problems.append(f"parallel.timeout_s must be > 0, not {cfg.parallel.timeout_s}")
+    if cfg.checkpoint.every_minutes is not None and not cfg.checkpoint.every_minutes > 0:
+        problems.append(f"checkpoint.every_minutes must be > 0 (or unset), not {cfg.checkpoint.every_minutes}")
+    if cfg.checkpoint.async_save and cfg.policy.lora.enabled:
+        problems.append("checkpoint.async_save with policy.lora is not supported yet: save synchronously "
+                        "(checkpoint.async_save=false)")
     weights = cfg.dataset.weights
     if weights is not None and (len(weights) != len(cfg.dataset.roots) or not all(w > 0 for w in weights)):
         problems.append(f"dataset.weights must be one positive number per dataset.roots entry "

@@ -137,6 +137,12 @@ def init(timeout_s: float = 1800.0, tp: int = 1, pp: int = 1) -> World:
     return World(rank, size, local, device, timeout_s, control, mesh)
 
 
+def side_group(world: World):
+    """A gloo group of every rank for collectives that run beside the step's on a background thread (an
+    asynchronous checkpoint's); None in one process."""
+    return None if world.size == 1 else dist.new_group(backend="gloo", timeout=timedelta(seconds=world.timeout_s))
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -278,7 +284,7 @@ class Watchdog:
     def __init__(self, world: World, grace_s: float = 30.0):
         self.world, self.grace_s = world, grace_s
         self._what: str | None = None
-        self._deadline = 0.0
+        self._deadline, self._timeout_s = 0.0, 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
@@ -287,8 +293,10 @@ class Watchdog:
             self._thread.start()
 
     def arm(self, what: str, timeout_s: float) -> None:
+        """A short deadline gets as much grace as itself (a collective's own timeout speaks first)."""
         with self._lock:
-            self._what, self._deadline = what, time.monotonic() + timeout_s + self.grace_s
+            self._what, self._timeout_s = what, timeout_s
+            self._deadline = time.monotonic() + timeout_s + min(self.grace_s, timeout_s)
 
     def disarm(self) -> None:
         with self._lock:
@@ -302,9 +310,8 @@ class Watchdog:
             with self._lock:
                 what, late = self._what, self._what is not None and time.monotonic() > self._deadline
             if late:
-                print(f"error: rank {self.world.rank} waited for {what} past its deadline "
-                      f"(parallel.timeout_s={self.world.timeout_s:g}); another rank is gone or hangs. Ending the run.",
-                      file=sys.stderr, flush=True)
+                print(f"error: rank {self.world.rank} waited for {what} past its deadline ({self._timeout_s:g} s, "
+                      "parallel.timeout_s); another rank is gone or hangs. Ending the run.", file=sys.stderr, flush=True)
                 os._exit(1)
 
 

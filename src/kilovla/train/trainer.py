@@ -22,7 +22,9 @@ level of work, after torchtitan's `train.py`:
     trainer.train()                              # the loop: metrics, checkpoints, evaluation, faults
     trainer.state_dict() / load_state_dict()     # step and plan position (checkpoint.py holds the tensors)
 
-`train(cfg, resume)` checks the settings, the datasets and the run_dir before any of it.
+`train(cfg, resume)` checks the settings, the datasets and the run_dir before any of it. Under
+torchrun's elastic agent a restart of the same job resumes its newest checkpoint by itself
+(train/elastic.py).
 
 A NaN or inf stops the run at its step (KilovlaError naming the step and the term, exit 2): the
 global loss and gradient norm are checked before the optimizer step, on every rank alike, and the
@@ -38,6 +40,7 @@ import os
 import signal
 import statistics
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,12 +62,12 @@ from kilovla.models.moe import MoEMeter, training_loss
 from kilovla.models.presets import build_model, policy_defaults, preset
 from kilovla.progress import StepProgress
 from kilovla.train import checkpoint as ckpt
-from kilovla.train import distributed, pipeline
+from kilovla.train import distributed, elastic, pipeline
 from kilovla.train.build import (apply_freeze, attention_in_use, build_data, build_ema, build_lora, build_processor,
                                  build_weights, check_resume_lora, flow_time, plan_start, policy_meta,
                                  start_weights, update_ema, with_policy_defaults)
 from kilovla.train.config import TrainConfig, check_start_exists, validate_config, with_init_model
-from kilovla.train.metrics import MetricsLogger, mfu, plot_learning_curve
+from kilovla.train.metrics import MetricsLogger, mfu, plot_learning_curve, read_metrics
 from kilovla.train.optim import build_optimizer, clip_gradients
 
 log = logging.getLogger(__name__)
@@ -75,11 +78,17 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
     """Check, build, run; returns the summary (also run_dir/summary.json on rank 0)."""
     t_start = time.perf_counter()
     check_start_exists(cfg)
-    folder = ckpt.resolve(resume, Path(cfg.run_dir)) if resume else None
+    run_dir = Path(cfg.run_dir)
+    restart = elastic.restart_of(run_dir)  # read before the process group forms, so before any rank writes it
+    if restart is not None:  # the same elastic job again: its newest complete checkpoint, whatever --resume says
+        resume = "auto"
+    folder = ckpt.resolve(resume, run_dir) if resume else None
     if folder is not None:
         cfg = ckpt.with_resumed_start(folder, cfg)  # config.yaml and policy.json keep naming the run's start
     cfg = with_init_model(cfg)  # a policy folder to start from brings its preset and overrides
-    validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    elastic.check_world(cfg.parallel.tp, cfg.parallel.pp, world_size, restart)
+    validate_config(cfg, world_size)
     if not cfg.dataset.roots:
         raise KilovlaError("no dataset: set dataset.roots (a list of LeRobot dataset folders)")
     index = None
@@ -90,8 +99,10 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         index = LakeIndex.open(cfg.dataset.roots, None if cfg.dataset.index == "auto" else cfg.dataset.index)
         for entry in index.datasets():
             check_dataset(entry.root, problems=entry.problems)
-    world = distributed.init(cfg.parallel.timeout_s, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
-    run_dir = Path(cfg.run_dir)
+    world = distributed.init(cfg.parallel.timeout_s or elastic.UNMEASURED_DEADLINE_S, tp=cfg.parallel.tp,
+                             pp=cfg.parallel.pp)
+    if world.is_main:
+        elastic.warn_shared_store(world.size)
     if folder is not None:  # before the run_dir and its config.yaml say otherwise
         ckpt.check_resumed_settings(folder, cfg)
     use = claim_run_dir(run_dir, resume, folder, main=world.is_main)
@@ -104,6 +115,9 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
             print(f"nothing to do: {folder} is at the last step ({at})", flush=True)
             return {"steps": at, "note": "nothing to do: the checkpoint is at the last step"}
     trainer = Trainer(cfg, world, resume_from=folder, on_eval=on_eval, index=index)
+    if restart is not None and world.is_main:  # before a replaced run_dir loses what the earlier start logged
+        trainer.restart = (restart, max((r["step"] for r in read_metrics(run_dir / "metrics.jsonl")
+                                         if r.get("kind", "train") == "train"), default=0))
     if folder is not None and world.is_main:  # the checkpoint loaded: a branch from an earlier step can start
         ckpt.branch_at(run_dir / "checkpoints", folder)
     trainer.open_run_dir(replace=use == "replace")
@@ -183,6 +197,12 @@ class Trainer:
         self.family_time = flow_time(self.model)
         self.autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=self.bf16)
         self.phase = f"step {self.step + 1}"  # what a collective failure or timeout is reported as
+        self.faults = _Faults(world.rank)
+        self.pending: ckpt.PendingSave | None = None  # the asynchronous checkpoint in flight
+        self.save_group = distributed.side_group(world) if cfg.checkpoint.async_save else None
+        self.last_save = time.monotonic()  # for checkpoint.every_minutes
+        self.restart: tuple[dict, int] | None = None  # an elastic restart: the previous start's record, its last step
+        self.step_times: deque[float] = deque(maxlen=50)  # this start's last step times: the elastic step deadline
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -217,15 +237,40 @@ class Trainer:
                                "one written is intact")
 
     def save_checkpoint(self, final: bool) -> None:
+        """A checkpoint of this step: in the background under checkpoint.async_save (not the last one),
+        after the one in flight is complete."""
         cfg, meta = self.cfg, self.meta
         if self.lora is not None:  # adapters on their base; the last checkpoint's weights are merged ones
             merged = final and self.lora.merge
             meta = dataclasses.replace(meta, lora={**self.lora_section, "merged": merged})
-        ckpt.save(self.run_dir / "checkpoints" / f"step_{self.step:06d}", model=self.model, optimizer=self.optimizer,
-                  scheduler=self.scheduler, ema=self.ema, world=self.world, trainer_state=self.state_dict(),
-                  policy_meta=dataclasses.asdict(meta), config_yaml=config_mod.dump_yaml(cfg),
-                  stats=self.metas[0].files.read_json("meta/stats.json"), keep=cfg.checkpoint.keep, full_weights=final,
-                  lora=self.lora)
+        self.finish_pending()
+        folder = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        parts = dict(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, world=self.world,
+                     trainer_state=self.state_dict(), policy_meta=dataclasses.asdict(meta),
+                     config_yaml=config_mod.dump_yaml(cfg), stats=self.metas[0].files.read_json("meta/stats.json"),
+                     keep=cfg.checkpoint.keep, on_written=self.faults.in_checkpoint(self.step))
+        if cfg.checkpoint.async_save and not final:
+            self.pending = ckpt.save_async(folder, **parts, ema=self.ema, group=self.save_group)
+        else:
+            ckpt.save(folder, **parts, ema=self.ema, full_weights=final, lora=self.lora)
+        self.last_save = time.monotonic()
+
+    def finish_pending(self, wait: bool = True) -> None:
+        """Make the asynchronous checkpoint in flight visible once written (`wait`: block until it is)."""
+        if self.pending is not None and (wait or self.pending.done()):
+            pending, self.pending = self.pending, None
+            pending.finish()
+
+    def checkpoint_due(self) -> bool:
+        """checkpoint.every steps, the last step, or checkpoint.every_minutes since the last save began
+        on any rank (a collective then: every rank saves, or none)."""
+        cfg, done = self.cfg, self.step
+        if done % cfg.checkpoint.every == 0 or done == cfg.steps:
+            return True
+        if cfg.checkpoint.every_minutes is None:
+            return False
+        late = time.monotonic() - self.last_save >= cfg.checkpoint.every_minutes * 60
+        return distributed.all_reduce_sum(float(late), self.world) > 0
 
     # -- one row, one step -----------------------------------------------------------------------------
     def _row_inputs(self, row: dict) -> tuple:
@@ -288,8 +333,8 @@ class Trainer:
             totals.data_wait += time.perf_counter() - t_wait
             if row["row"] == 0:
                 self.phase = f"step {row['step'] + 1}"
+                watchdog.arm(self.phase, elastic.step_deadline(cfg.parallel.timeout_s, list(self.step_times)))
                 faults.step_begins(row["step"] + 1, row)
-                watchdog.arm(self.phase, world.timeout_s)
             if self.schedule is None:
                 self.forward_backward(row, totals)
             else:  # a pipeline stage runs the step's rows together
@@ -321,7 +366,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         update_ema(self.ema, self.model, cfg.ema_decay)
-        return self._record(totals, summed, ids, grad_norm, time.perf_counter() - t_step)
+        self.step_times.append(time.perf_counter() - t_step)
+        return self._record(totals, summed, ids, grad_norm, self.step_times[-1])
 
     def _sum_over_ranks(self, totals: _Totals) -> dict[str, float]:
         """The step's loss and token counts over every rank: the same numbers on each, so a check of
@@ -366,6 +412,7 @@ class Trainer:
             clear(self.run_dir, RUN)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
+        elastic.record_start(self.run_dir, world.size)
         mc = self.model_cfg
         asked = f" ({mc.attention_backend})" if mc.packing and self.backend != mc.attention_backend else ""
         mesh = f", pp={world.pp} x dp={world.dp_size} x tp={world.tp}" if world.mesh is not None else ""
@@ -384,10 +431,17 @@ class Trainer:
         t_start = time.perf_counter() if t_start is None else t_start
         logger = MetricsLogger(self.run_dir, enabled=world.is_main,
                                resume_step=self.step if self.resume_from is not None else None)
+        if self.restart is not None:
+            previous, last_logged = self.restart
+            record = elastic.restart_record(previous, self.resume_from, world.size, last_logged)
+            logger.log(record)
+            print(f"elastic restart of job {previous['run_id']}: from step {record['step']} on {world.size} rank(s) "
+                  f"(was {record['world_size_before']}), {record['steps_recomputed']} step(s) to recompute, "
+                  f"{record['seconds_lost']:.0f} s lost", flush=True)
         loader_kwargs = {"num_workers": cfg.loader.num_workers} if cfg.loader.engine == "torch" else {}
         rows = iter(build_loader(cfg.loader.engine, self.lake, self.plan, rank=world.dp_rank, world_size=world.dp_size,
                                  steps=cfg.steps - self.step, **loader_kwargs))
-        faults, watchdog = _Faults(world.rank), distributed.Watchdog(world)
+        faults, watchdog = self.faults, distributed.Watchdog(world)
         progress = StepProgress("train", cfg.steps, self.step, enabled=cfg.progress and world.is_main)
         history: list[dict] = []
         self.model.train()
@@ -398,7 +452,7 @@ class Trainer:
                     history.append(record)
                     progress.update(self.step, f"loss {record['loss']:.4f}  {record['samples_per_s']:.0f} samples/s")
                     self._after_step(logger, watchdog)
-                    faults.step_done(self.step)
+                    faults.step_done(self.step, self.finish_pending)
         except KilovlaError:
             raise
         except Exception as e:
@@ -413,7 +467,8 @@ class Trainer:
 
     def _after_step(self, logger: MetricsLogger, watchdog) -> None:
         cfg, done = self.cfg, self.step
-        if done % cfg.checkpoint.every == 0 or done == cfg.steps:
+        self.finish_pending(wait=False)
+        if self.checkpoint_due():
             self.phase = f"checkpoint at step {done}"
             watchdog.arm(self.phase, self.world.timeout_s)
             self.check_finite_weights()
@@ -504,20 +559,26 @@ def _memory_mb(device: torch.device) -> float:
 
 class _Faults:
     """Deterministic faults for the crash, hang and NaN tests, from the environment:
-    KILOVLA_FAULT_AFTER_STEP=N SIGKILLs the run after step N's checkpoint;
-    KILOVLA_FAULT_HANG=R:N makes rank R stop answering when step N begins;
-    KILOVLA_FAULT_NAN=R:N puts a NaN in one action value of rank R's first row of step N."""
+    KILOVLA_FAULT_AFTER_STEP=N SIGKILLs the run after step N's checkpoint (an asynchronous one written);
+    KILOVLA_FAULT_IN_CHECKPOINT=N SIGKILLs rank 0 once checkpoint N's files are written, before they
+    become the checkpoint;
+    KILOVLA_FAULT_HANG=R:N makes rank R (`*`: every rank) stop answering when step N begins;
+    KILOVLA_FAULT_NAN=R:N puts a NaN in one action value of rank R's first row of step N.
+    Under torchrun they fire on its first attempt only (TORCHELASTIC_RESTART_COUNT 0): a restarted
+    group runs clean."""
 
     def __init__(self, rank: int):
-        self.kill_after = int(os.environ.get("KILOVLA_FAULT_AFTER_STEP", "-1"))
-        self.hang_at = self._rank_step("KILOVLA_FAULT_HANG", rank)
-        self.nan_at = self._rank_step("KILOVLA_FAULT_NAN", rank)
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.kill_after = int(os.environ.get("KILOVLA_FAULT_AFTER_STEP", "-1")) if first else -1
+        self.kill_in_checkpoint = int(os.environ.get("KILOVLA_FAULT_IN_CHECKPOINT", "-1")) if first else -1
+        self.hang_at = self._rank_step("KILOVLA_FAULT_HANG", rank) if first else -1
+        self.nan_at = self._rank_step("KILOVLA_FAULT_NAN", rank) if first else -1
 
     @staticmethod
     def _rank_step(name: str, rank: int) -> int:
         value = os.environ.get(name, "")
         r, _, n = value.partition(":")
-        return int(n) if value and int(r) == rank else -1
+        return int(n) if value and (r == "*" or int(r) == rank) else -1
 
     def step_begins(self, step: int, row: dict) -> None:
         if step == self.hang_at:
@@ -526,9 +587,14 @@ class _Faults:
             row["action"] = row["action"].copy()
             row["action"].flat[0] = np.nan
 
-    def step_done(self, step: int) -> None:
+    def step_done(self, step: int, settle) -> None:
         if step == self.kill_after:
+            settle()  # the step's checkpoint complete, if one is still being written
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def in_checkpoint(self, step: int):
+        """What checkpoint `step` calls between writing its files and making them visible (None: nothing)."""
+        return (lambda: os.kill(os.getpid(), signal.SIGKILL)) if step == self.kill_in_checkpoint else None
 
 
 def _dump_gradients(model, trainable_names: list[str], step: int, world) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import train_args as _args, train_process as _run
+from conftest import train_args as _args, train_process as _run, unless_given
 from kilovla.folders import latest_checkpoint
 from kilovla.policy_folder import load_policy_folder
 
@@ -49,7 +49,8 @@ def test_a_run_with_async_checkpoints_resumes_exactly_like_sync(train_dataset, r
 def test_a_worker_killed_inside_a_checkpoint_write_leaves_the_previous_one_newest(train_dataset, reference,
                                                                                    tmp_path, mode):
     run = tmp_path / mode
-    args = [*_args(train_dataset, run), "--checkpoint.every=1", f"--checkpoint.async_save={mode == 'async'}"]
+    args = [*unless_given(_args(train_dataset, run), ["--checkpoint.every"]), "--checkpoint.every=1",
+            f"--checkpoint.async_save={mode == 'async'}"]
     killed = _run(args, env={"KILOVLA_FAULT_IN_CHECKPOINT": "3"})
     assert killed.returncode == -9
     checkpoints = run / "checkpoints"
@@ -65,7 +66,7 @@ def test_a_worker_killed_inside_a_checkpoint_write_leaves_the_previous_one_newes
 
 def test_checkpoints_by_wall_time_beside_every_steps(train_dataset, tmp_path):
     run = tmp_path / "minutes"
-    proc = _run([*_args(train_dataset, run), "--checkpoint.every=1000", "--checkpoint.every_minutes=1e-9",
+    proc = _run([*unless_given(_args(train_dataset, run), ["--checkpoint.every"]), "--checkpoint.every=1000", "--checkpoint.every_minutes=1e-9",
                  "--checkpoint.keep=0", "--checkpoint.async_save=true"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [f"step_00000{i}" for i in (1, 2, 3, 4)]

@@ -108,3 +108,32 @@ def test_async_checkpoints_of_two_ranks_resume_on_one(train_dataset, reference, 
     assert [r["sample_ids"] for r in _metrics(run)] == [r["sample_ids"] for r in _metrics(reference)]
     wa, wb = _weights(reference, 4), _weights(run, 4)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_file_of_a_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch, mode):
+    """A node lost (or a power cut) after `latest` moved must not leave it naming bytes that never reached
+    the disk: every file and folder is fsync'ed first, and the run folder after the renames."""
+    from torch import nn
+
+    from kilovla.train import checkpoint as ckpt
+    from kilovla.train.distributed import World
+
+    synced, events = [], []
+    real_fsync, real_latest = ckpt._fsync, ckpt.point_latest
+    monkeypatch.setattr(ckpt, "_fsync", lambda path: (synced.append(Path(path).name), real_fsync(path)))
+    monkeypatch.setattr(ckpt, "point_latest", lambda root, folder: (events.append(set(synced)),
+                                                                    real_latest(root, folder)))
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    parts = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                 ema=None, world=World(), trainer_state={"step": 1}, policy_meta={"preset": "pi05-tiny"},
+                 config_yaml="", stats={})
+    folder = tmp_path / "checkpoints" / "step_000001"
+    if mode == "sync":
+        ckpt.save(folder, **parts)
+    else:
+        ckpt.save_async(folder, **parts).finish()
+    written = {p.name for p in folder.rglob("*")}
+    assert written and written <= events[0]  # all of them before latest
+    assert synced[-1] == "checkpoints"  # the renames

@@ -2,7 +2,7 @@
 
 Row `checkpoint_stall_s`: the extra wall time of a window of 20 steps that holds one checkpoint,
 against the same window without. Baseline: the synchronous save (`checkpoint.save`: model.safetensors
-and optimizer.pt, then every file fsync'ed); ours: `checkpoint.save_async` (DCP from a staged copy,
+and optimizer.pt, every file fsync'ed before `latest` names it); ours: `checkpoint.save_async` (DCP from a staged copy,
 fsync'ed by DCP's writer), the window waiting at its end for the write to finish, so a write that
 outlives the window counts. The state is a model of large fp32 parameters with AdamW's two moments
 (12 bytes a parameter), as large as fits twice in the memory free here (at most 8 GB; quick: 96 MB);
@@ -69,16 +69,6 @@ def _state_bytes(quick: bool) -> int:
     return int(min(8 * 2**30, available / 2.5))
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
 def _window(model, steps: int, checkpoint=None) -> float:
     """Wall seconds of `steps` steps, `checkpoint()` (which may return a PendingSave) after the middle one."""
     a, b = torch.randn(512, 512), torch.randn(512, 512)
@@ -106,11 +96,10 @@ def checkpoint_stall(root: Path, quick: bool) -> tuple[Row, dict]:
     gigabytes = sum(p.numel() for p in model.parameters()) * 12 / 2**30
     world = World()
     parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, world=world,
-                 trainer_state={"step": 0}, policy_meta={}, config_yaml="", stats={}, keep=0)
+                 trainer_state={"step": 0}, policy_meta={"preset": "pi05-tiny"}, config_yaml="", stats={}, keep=0)
 
     def sync():
-        folder = ckpt.save(root / "sync" / "step_000001", ema=None, **parts)
-        _fsync_tree(folder)
+        ckpt.save(root / "sync" / "step_000001", ema=None, **parts)
 
     def background():
         return ckpt.save_async(root / "async" / "step_000001", ema=None, **parts)

@@ -112,11 +112,29 @@ def _write_run_files(tmp: Path, *, scheduler, trainer_state: dict, sharded: bool
 
 
 def _make_visible(tmp: Path, folder: Path, on_written=None) -> None:
-    """Rank 0: the written folder takes its name, then `latest` names it (`on_written`: a test's fault)."""
+    """Rank 0: the written folder reaches the disk (a node that dies, or loses power, after `latest` names
+    it must not leave a named checkpoint with missing bytes), takes its name, then `latest` names it
+    (`on_written`: a test's fault)."""
+    fsync_tree(tmp)
     if on_written is not None:
         on_written()
     put_in_place(tmp, folder)
     point_latest(folder.parent, folder)
+    _fsync(folder.parent)  # both renames
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder` and every folder in it (their entries)."""
+    for path in [*folder.rglob("*"), folder]:
+        _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_failed(folder: Path, tmp: Path, world, error: BaseException) -> KilovlaError:

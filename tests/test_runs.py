@@ -208,6 +208,8 @@ def test_installed_tensorboard_gets_the_scalars(tmp_path):
     ("--ema_decay=1.5", "ema_decay must be in [0, 1)"),
     ("--dataset.weights=[1,2]", "dataset.weights must be one positive number per dataset.roots entry (1)"),
     ("--batch.global_batch_size=0", "batch.global_batch_size must be >= 1, not 0"),
+    ("--policy.n_action_steps=9", "policy.n_action_steps must be in [1, 8] (the model predicts chunks of 8), not 9"),
+    ("--policy.n_action_steps=0", "policy.n_action_steps must be in [1, 8]"),
 ])
 def test_a_count_that_means_nothing_is_refused_before_anything_is_written(dataset, tmp_path, capsys, flag, message):
     run = tmp_path / "run"

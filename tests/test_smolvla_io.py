@@ -316,3 +316,40 @@ def test_convert_policy_refuses_a_state_without_stats_rather_than_leaving_it_unn
                                            r"so100\.buffer\.observation\.state\.std \(mean_std normalisation"):
         convert_lerobot_policy(src, tmp_path / "out", tokenizer_json, "smolvla-tiny")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case, said", [
+    ("dst under a file", "cannot create it: {tmp}/afile is a file, not a folder"),
+    ("preset of another family", "--policy.preset=pi0-tiny: not a SmolVLA preset (smolvla-tiny, smolvla-base)"),
+    ("byte tokenizer", "--policy.tokenizer=byte: LeRobot's SmolVLA reads SmolVLM2's tokens"),
+    ("a kilovla folder", "{tmp}/kilovla: a kilovla policy folder already (policy.json); use it as it is"),
+])
+def test_convert_policy_refuses_what_cannot_be_converted_in_one_line(tmp_path, tokenizer_json, capsys, case, said):
+    src, dst = tmp_path / "lerobot", tmp_path / "out"
+    src.mkdir()
+    write_lerobot_folder(src)
+    flags = [f"--policy.tokenizer={tokenizer_json}", "--policy.preset=smolvla-tiny"]
+    if case == "dst under a file":
+        (tmp_path / "afile").write_text("mine")
+        dst = tmp_path / "afile" / "sub"
+    elif case == "preset of another family":
+        flags[1] = "--policy.preset=pi0-tiny"
+    elif case == "byte tokenizer":
+        flags[0] = "--policy.tokenizer=byte"
+    else:
+        src = tmp_path / "kilovla"
+        src.mkdir()
+        (src / "policy.json").write_text("{}")
+    assert main(["convert-policy", str(src), str(dst), *flags]) == 2
+    err = capsys.readouterr().err
+    assert said.format(tmp=tmp_path) in err and err.count("\n") == 1
+    assert not dst.exists()
+
+
+def test_a_folder_s_recorded_tokenizer_wins_over_a_byte_preset(tmp_path, tokenizer_json):
+    """Fine-tuning a converted SmolVLA folder on smolvla-tiny (a byte preset) kept SmolVLM2's token ids
+    only if the folder's tokenizer is taken: the byte tokenizer would silently read other ids."""
+    from kilovla.models.tokenize import find_tokenizer
+
+    assert find_tokenizer("byte", None, [], "smolvla-tiny", recorded=lambda: str(tokenizer_json)) == str(tokenizer_json)
+    assert find_tokenizer("byte", None, [], "smolvla-tiny", recorded=lambda: None) == "byte"

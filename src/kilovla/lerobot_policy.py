@@ -82,6 +82,7 @@ class LeRobotSmolVLA:
 
     @classmethod
     def read(cls, folder: Path, preset_name: str | None = None) -> LeRobotSmolVLA:
+        from kilovla.models.family import family, family_of
         from kilovla.models.presets import check_preset, preset
 
         where = folder / CONFIG
@@ -102,6 +103,8 @@ class LeRobotSmolVLA:
                                f"shapes, --policy.preset=NAME (known: {', '.join(VLM_PRESETS)})")
         check_preset(name, "--policy.preset")
         base = preset(name)
+        if family_of(base).name != "smolvla":
+            raise KilovlaError(f"--policy.preset={name}: not a SmolVLA preset ({', '.join(family('smolvla').presets)})")
         overrides = {field: cfg[key] for key, field in FIELDS.items()
                      if key in cfg and cfg[key] != getattr(base, field, None)}
         inputs, outputs = _features(cfg, "input_features", where), _features(cfg, "output_features", where)
@@ -202,6 +205,7 @@ def convert_lerobot_policy(source: str | Path, output: str | Path, tokenizer: st
     from kilovla.models.checkpoints import DTYPES, Checkpoint, load_weights, plan_load
     from kilovla.models.policy import VLAPolicy
     from kilovla.models.presets import build_model
+    from kilovla.folders import check_parent
     from kilovla.models.tokenize import find_tokenizer
     from kilovla.policy_folder import save_policy
     from kilovla.staging import remove_stale_staging, staging_path
@@ -211,6 +215,11 @@ def convert_lerobot_policy(source: str | Path, output: str | Path, tokenizer: st
         raise KilovlaError(f"{source}: no such folder (a LeRobot SmolVLA policy folder)")
     if output.exists():
         raise KilovlaError(f"{output}: already exists; convert-policy writes a new folder")
+    check_parent(output)
+    if (source / "policy.json").is_file() and not (source / CONFIG).is_file():
+        raise KilovlaError(f"{source}: a kilovla policy folder already (policy.json); use it as it is")
+    if tokenizer == "byte":
+        raise KilovlaError("--policy.tokenizer=byte: LeRobot's SmolVLA reads SmolVLM2's tokens; give its tokenizer.json")
     spec = LeRobotSmolVLA.read(source, preset_name)
     stats = {STATE: read_stats(source, STATE, spec.normalization, robot),
              ACTION: read_stats(source, ACTION, spec.normalization, robot)}

@@ -253,11 +253,11 @@ def find_tokenizer(kind: str, explicit: str | None, near: list[Path] = (), prese
         if not path.exists():
             raise KilovlaError(f"--policy.tokenizer={explicit}: no such file or folder")
         return str(path.resolve())
+    found = recorded() if recorded is not None else None
+    if found is not None:  # the folder's own, whatever the preset's kind (a converted SmolVLA's is SmolVLM2's)
+        return found
     if kind == "byte":
         return "byte"
-    found = recorded() if recorded is not None else None
-    if found is not None:
-        return found
     looked = []
     for folder in near:
         folder = Path(folder)

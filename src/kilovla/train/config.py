@@ -299,9 +299,15 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
     """Refuse values the run cannot use, before anything is built, read or written."""
     from kilovla.models.presets import preset
 
+    from kilovla.models.family import chunk_length
+
     cfg = with_init_model(cfg)
-    preset(cfg.policy.preset, **dict(cfg.policy.overrides))  # the model config: every override's key and type
+    model_cfg = preset(cfg.policy.preset, **dict(cfg.policy.overrides))  # every override's key and type
     problems = _count_problems(cfg)
+    steps, chunk = cfg.policy.n_action_steps, chunk_length(model_cfg)
+    if steps is not None and not 1 <= steps <= chunk:
+        problems.append(f"policy.n_action_steps must be in [1, {chunk}] (the model predicts chunks of {chunk}), "
+                        f"not {steps}")
     if cfg.batch.global_batch_tokens is None and cfg.batch.global_batch_size < 1:
         problems.append(f"batch.global_batch_size must be >= 1, not {cfg.batch.global_batch_size}")
     if cfg.batch.global_batch_tokens is not None and cfg.batch.global_batch_tokens < 1:

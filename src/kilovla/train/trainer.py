@@ -416,7 +416,7 @@ class Trainer:
         mc = self.model_cfg
         asked = f" ({mc.attention_backend})" if mc.packing and self.backend != mc.attention_backend else ""
         mesh = f", pp={world.pp} x dp={world.dp_size} x tp={world.tp}" if world.mesh is not None else ""
-        lora = (f", LoRA rank {self.lora.rank} ({self.n_trainable / 1e6:.2f} M parameters trained)"
+        lora = (f", LoRA rank {self.lora.rank} ({self.n_trainable:,} parameters trained)"
                 if self.lora is not None else "")
         line = (f"kilovla train: {cfg.policy.preset}, {world.size} rank(s)"
                 f"{f' ({cfg.parallel.strategy}{mesh})' if world.size > 1 else ''}, attention {self.backend}{asked}, "

@@ -452,7 +452,7 @@ class Trainer:
                     history.append(record)
                     progress.update(self.step, f"loss {record['loss']:.4f}  {record['samples_per_s']:.0f} samples/s")
                     self._after_step(logger, watchdog)
-                    faults.step_done(self.step, self.finish_pending)
+                    faults.step_done(self.step, self.settle_checkpoint)
         except KilovlaError:
             raise
         except Exception as e:
@@ -464,6 +464,12 @@ class Trainer:
             watchdog.close()
         logger.close()
         return self.summary(history, t_start) if world.is_main and history else {}
+
+    def settle_checkpoint(self) -> None:
+        """A test's kill after a step: the step's checkpoint complete and visible on every rank first (rank 0
+        renames it after its own write; a rank that died sooner could have torchrun stop rank 0 mid-rename)."""
+        self.finish_pending()
+        distributed.barrier(self.world, f"checkpoint at step {self.step}")
 
     def _after_step(self, logger: MetricsLogger, watchdog) -> None:
         cfg, done = self.cfg, self.step

@@ -7,8 +7,9 @@ meta/episodes and aggregated stats with q01..q99 in meta/stats.json.
 
 Each camera's episode is encoded alone into a staged segment, and a camera's segments are joined into
 its file without re-encoding when the file is full or at `finalize()`, as LeRobot does. So at most one
-encoder is alive in the process at any time: SVT-AV1 instances share global state, and a process
-holding several (one per camera, as this writer once did) can hang inside the encoder.
+encoder is alive in the process at any time: a process holding several SVT-AV1 encoders (one per
+camera, as this writer once did) hung inside the encoder in a test run, and SVT-AV1 has fixed such
+hangs between instances that share its global state.
 
 Everything goes to a hidden temporary folder beside `root`; `finalize()` renames it into place, so
 a crash or an error never leaves a half-written dataset at `root`::

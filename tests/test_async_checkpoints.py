@@ -162,3 +162,48 @@ def test_reused_staging_buffers_hold_each_save_as_it_was_when_it_began(tmp_path)
     for step, weight in zip((1, 2), seen):
         saved = ckpt.gathered_from_shards(tmp_path / f"step_{step:06d}" / ckpt.STATE_DIR)
         assert torch.equal(saved["weight"], weight)
+
+
+def test_a_full_disk_is_named_and_leaves_no_stray_file(tmp_path, monkeypatch):
+    """DCP wraps each rank's error in a CheckpointException whose text is only the ranks: the message names
+    the first rank's own error. A `latest` that cannot be written leaves no temporary file beside it."""
+    import os
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from kilovla.train import checkpoint as ckpt
+
+    failure = CheckpointException("failed", {1: (OSError(28, "No space left on device"), None)})
+    assert ckpt._cause(failure) == "rank 1: No space left on device"
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError):
+        ckpt.point_latest(tmp_path, tmp_path / "step_000003")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_written_async_checkpoint_becomes_the_newest_without_waiting_for_the_next_step(tmp_path):
+    """A node lost during the step after a save must find that save: it takes its name and `latest` as soon
+    as its files are written, not when the training thread next looks."""
+    import time
+
+    from torch import nn
+
+    from kilovla.train import checkpoint as ckpt
+    from kilovla.train.distributed import World
+
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    root = tmp_path / "checkpoints"
+    pending = ckpt.save_async(root / "step_000002", model=model, optimizer=optimizer,
+                              scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), ema=None,
+                              world=World(), trainer_state={"step": 2}, policy_meta={"preset": "pi05-tiny"},
+                              config_yaml="", stats={})
+    deadline = time.monotonic() + 60
+    while latest_checkpoint(root) is None and time.monotonic() < deadline:  # the training thread never calls finish
+        time.sleep(0.05)
+    assert latest_checkpoint(root) == root / "step_000002"
+    assert pending.finish() == root / "step_000002"

@@ -192,8 +192,8 @@ def test_a_restart_onto_a_world_tp_does_not_divide_is_refused_in_one_line(train_
     with pytest.raises(KilovlaError) as e:
         train(_cfg(run, train_dataset, "--parallel.tp=2"))
     assert str(e.value) == ("elastic restart onto 3 ranks (was 4): parallel.tp=2 x parallel.pp=1 does not divide it; "
-                            "the run continues from its newest checkpoint on a world size that tp x pp divides "
-                            "(torchrun --nnodes and --nproc-per-node)")
+                            "torchrun's retries end the job: relaunch it with --resume auto on a world size that "
+                            "tp x pp divides (torchrun --nnodes and --nproc-per-node)")
 
 
 @pytest.mark.parametrize("run_id, elastic_run", [(None, False), ("none", False), ("job-7", True)])

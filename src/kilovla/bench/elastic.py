@@ -235,7 +235,8 @@ def recovery(root: Path) -> tuple[Row, dict]:
              "first_step_s": t_step - t_start}
     total = t_step - t_kill
     row = Row.compare("recovery_s", "s", None, total, higher_is_better=False,
-                      note="SIGKILL of 1 of 2 agents (pi05-tiny, gloo) to the survivor's next optimizer step: "
+                      note="SIGKILL of 1 of 2 agents (pi05-tiny, gloo; --rdzv-conf last_call_timeout=3, where "
+                           "torch's default of 30 s adds ~30 s) to the survivor's next optimizer step: "
                            + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.1f} s" for k, v in parts.items()))
     return row, {"recovery_parts_s": parts, "recovery_restart": next(
         (r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "restart"), None)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -371,8 +372,8 @@ def _count_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"ema_decay must be in [0, 1) (0 or unset: no EMA), not {cfg.ema_decay}")
     if cfg.parallel.timeout_s is not None and not cfg.parallel.timeout_s > 0:
         problems.append(f"parallel.timeout_s must be > 0, not {cfg.parallel.timeout_s}")
-    if cfg.checkpoint.every_minutes is not None and not cfg.checkpoint.every_minutes > 0:
-        problems.append(f"checkpoint.every_minutes must be > 0 (or unset), not {cfg.checkpoint.every_minutes}")
+    if cfg.checkpoint.every_minutes is not None and not 0 < cfg.checkpoint.every_minutes < math.inf:
+        problems.append(f"checkpoint.every_minutes must be a number > 0 (or unset), not {cfg.checkpoint.every_minutes}")
     if cfg.checkpoint.async_save and cfg.policy.lora.enabled:
         problems.append("checkpoint.async_save with policy.lora is not supported yet: save synchronously "
                         "(checkpoint.async_save=false)")

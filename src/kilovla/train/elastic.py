@@ -84,9 +84,9 @@ def check_world(tp: int, pp: int, world_size: int, previous: dict | None) -> Non
     divide (validate_config says the same of a first start)."""
     if previous is not None and world_size % (tp * pp):
         raise KilovlaError(f"elastic restart onto {world_size} ranks (was {previous.get('world_size')}): "
-                           f"parallel.tp={tp} x parallel.pp={pp} does not divide it; the run continues from its "
-                           "newest checkpoint on a world size that tp x pp divides (torchrun --nnodes and "
-                           "--nproc-per-node)")
+                           f"parallel.tp={tp} x parallel.pp={pp} does not divide it; torchrun's retries end the job: "
+                           "relaunch it with --resume auto on a world size that tp x pp divides (torchrun --nnodes "
+                           "and --nproc-per-node)")
 
 
 def record_start(run_dir: Path, world_size: int) -> None:

@@ -412,9 +412,12 @@ class Trainer:
             return
         if replace:
             clear(self.run_dir, RUN)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
-        elastic.record_start(self.run_dir, world.size)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(config_mod.dump_yaml(cfg))
+            elastic.record_start(self.run_dir, world.size)
+        except OSError as e:
+            raise KilovlaError(f"{self.run_dir}: cannot write the run folder ({e.strerror or e})") from None
         mc = self.model_cfg
         asked = f" ({mc.attention_backend})" if mc.packing and self.backend != mc.attention_backend else ""
         mesh = f", pp={world.pp} x dp={world.dp_size} x tp={world.tp}" if world.mesh is not None else ""

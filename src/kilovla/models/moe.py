@@ -14,7 +14,9 @@ in `moe/dropped_fraction`.
 The forward is four functions, so expert parallelism can put its all-to-all between `dispatch` and
 `expert_compute`: `route` (router logits -> top-k experts and weights), `dispatch` (assignments sorted by
 expert, with per-expert counts, capacity applied), `expert_compute` (each expert on its tokens: a loop of
-matmuls over the stacked weights) and `combine` (weighted scatter-add back to the tokens).
+matmuls over the stacked weights) and `combine` (weighted scatter-add back to the tokens). Under
+`--parallel.ep` a layer's `exchange` (train/expert_parallel.py) takes expert_compute's place: it sends
+the assignments to their experts' ranks, runs expert_compute there and brings the outputs back.
 
 Weights: one stacked parameter per projection, each expert's slice in nn.Linear's (out, in) layout:
 ``experts.gate_proj`` / ``experts.up_proj`` (E, H, W), ``experts.down_proj`` (E, W, H); dim 0 is what
@@ -145,13 +147,18 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n, width, hidden))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on tokens x (M, W), as GatedMLP computes it."""
-        return F.linear(F.gelu(F.linear(x, self.gate_proj[e]), approximate="tanh") * F.linear(x, self.up_proj[e]),
-                        self.down_proj[e])
+        """Expert e on tokens x (M, W), as GatedMLP computes it; e counts this rank's experts (all of them
+        unless expert parallelism split the stack: then the parameters are DTensors, their local slice)."""
+        gate, up, down = (_local(p)[e] for p in (self.gate_proj, self.up_proj, self.down_proj))
+        return F.linear(F.gelu(F.linear(x, gate), approximate="tanh") * F.linear(x, up), down)
 
     def all_summed(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, summed (the shared experts)."""
         return sum(self.expert(e, x) for e in range(len(self.gate_proj)))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def expert_compute(experts: GroupedExperts, x: torch.Tensor, plan: Dispatch, k: int) -> torch.Tensor:
@@ -206,6 +213,7 @@ class MoEMLP(nn.Module):
         self.router = Router(width, cfg.num_experts)
         self.experts = GroupedExperts(cfg.num_experts, width, h)
         self.shared = GroupedExperts(cfg.shared_experts, width, h) if cfg.shared_experts else None
+        self.exchange = None  # expert parallelism's dispatch and combine (train/expert_parallel.py); None: local
         self.init_seed = (torch.initial_seed() * 1_000_003 + 7919 * (layer + 1)) % 2**63
         if self.router.weight.is_meta:
             return
@@ -239,7 +247,8 @@ class MoEMLP(nn.Module):
         logits = self.router(tokens)  # (N, E) float32
         probs, experts, weights = route(logits, cfg.top_k)
         plan = dispatch(experts, cfg.num_experts, self.capacity(len(tokens)))
-        out = combine(expert_compute(self.experts, tokens, plan, cfg.top_k), weights, plan, len(tokens), cfg.top_k)
+        compute = expert_compute if self.exchange is None else self.exchange
+        out = combine(compute(self.experts, tokens, plan, cfg.top_k), weights, plan, len(tokens), cfg.top_k)
         if self.shared is not None:
             out = out + self.shared.all_summed(tokens)
         if routing is not None:

@@ -83,3 +83,15 @@ def test_expert_parallel_settings_that_cannot_work_are_refused_in_one_line(args,
         validate_config(_config(*args), world)
     assert "\n" not in str(info.value)
 
+
+
+def test_the_scaling_model_counts_the_expert_all_to_all_by_hand():
+    from kilovla.bench.scaling_model import CHUNK, NETWORK, NVLINK, SAMPLES_PER_GPU, ep_all_to_all_s, ep_table, shape
+
+    s = shape("pi05-3b")
+    assert ep_all_to_all_s(s, 1) == 0.0
+    # tokens x top 2 x there and back x bf16 at width 1024 x 3 passes x 18 layers, 7/8 of it off the GPU
+    per_gpu = SAMPLES_PER_GPU * CHUNK * 2 * 2 * 2 * 1024 * 3 * 18
+    assert ep_all_to_all_s(s, 8) == pytest.approx(per_gpu * 7 / 8 / NVLINK)
+    assert ep_all_to_all_s(s, 16) == pytest.approx(per_gpu * 15 / 16 / NETWORK)  # beyond a node
+    assert [r["ep"] for r in ep_table()] == [2, 8, 16] and all(0 < r["fraction_of_step"] < 1 for r in ep_table())

@@ -32,6 +32,7 @@ def _assert_one_process_gradients(one, run, world_size):
         assert _relative_error(a, b) < 1e-4, f"step {step}"
     for a, b in zip(_metrics(one), records):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)  # the shards' squares summed over ep
     assert _max_diff(_weights(one, 4), _weights(run, 4)) < 1e-4
 
 

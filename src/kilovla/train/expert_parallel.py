@@ -49,11 +49,10 @@ def ep_problems(cfg, world_size: int) -> list[str]:
                         f"/ (tp={p.tp} x pp={p.pp})): ep borrows its ranks from the data dimension")
     if moe.num_experts % ep:
         problems.append(f"parallel.ep={ep} does not divide policy.moe.num_experts={moe.num_experts}")
-    refused = [("parallel.strategy=fsdp", p.strategy == "fsdp"), ("checkpoint.async_save", cfg.checkpoint.async_save),
-               ("ema_decay", bool(cfg.ema_decay)), ("policy.lora", cfg.policy.lora.enabled),
+    refused = [("parallel.strategy=fsdp", p.strategy == "fsdp"), ("ema_decay", bool(cfg.ema_decay)), ("policy.lora", cfg.policy.lora.enabled),
                ("eval.every", bool(cfg.eval.every))]
     problems += [f"{what} with parallel.ep is not supported yet: drop one of them (ep runs with ddp on the data "
-                 "dimension, synchronous checkpoints, evaluation afterwards with kilovla eval)"
+                 "dimension; evaluate the checkpoints with kilovla eval)"
                  for what, on in refused if on]
     return problems
 

@@ -36,19 +36,23 @@ def _assert_one_process_gradients(one, run, world_size):
     assert _max_diff(_weights(one, 4), _weights(run, 4)) < 1e-4
 
 
-@pytest.mark.parametrize("nproc,ep", [(2, 2), (4, 2), (4, 4)])
-def test_expert_parallel_ranks_give_the_one_process_gradients(dataset, references, tmp_path, nproc, ep):
+@pytest.mark.parametrize("nproc,ep,strategy", [(2, 2, "ddp"), (4, 2, "ddp"), (4, 4, "ddp"), (4, 2, "fsdp")])
+def test_expert_parallel_ranks_give_the_one_process_gradients(dataset, references, tmp_path, nproc, ep, strategy):
     """2 ranks: each holds 2 of the 4 experts; 4 ranks with ep=2: two ep groups, each shard's gradient
-    summed over the two ranks that hold it; 4 ranks with ep=4: one expert each."""
-    run = _trained(dataset, tmp_path / "ep", "pi05-tiny", nproc=nproc, extra=[*MOE, f"--parallel.ep={ep}"])
+    summed over the two ranks that hold it (under FSDP: sharded over them, reduce-scattered); 4 ranks
+    with ep=4: one expert each."""
+    run = _trained(dataset, tmp_path / "ep", "pi05-tiny", nproc=nproc,
+                   extra=[*MOE, f"--parallel.ep={ep}", f"--parallel.strategy={strategy}"])
     _assert_one_process_gradients(references("pi05-tiny", MOE), run, nproc)
 
 
-@pytest.mark.parametrize("second,save", [(1, "sync"), (2, "sync"), (1, "async")])
-def test_an_ep2_checkpoint_resumes_on_one_process_and_on_ep2(dataset, references, tmp_path, second, save):
+@pytest.mark.parametrize("second,save,strategy", [(1, "sync", "ddp"), (2, "sync", "ddp"), (1, "async", "ddp"),
+                                                   (1, "sync", "fsdp")])
+def test_an_ep2_checkpoint_resumes_on_one_process_and_on_ep2(dataset, references, tmp_path, second, save, strategy):
     one, run = references("pi05-tiny", MOE), tmp_path / "run"
     args = [*_args(dataset, run), *MOE, *(["--checkpoint.async_save=true"] if save == "async" else [])]
-    killed = _run([*args, "--parallel.ep=2"], nproc=2, env={"KILOVLA_FAULT_AFTER_STEP": "2"})
+    killed = _run([*args, "--parallel.ep=2", f"--parallel.strategy={strategy}"], nproc=2,
+                  env={"KILOVLA_FAULT_AFTER_STEP": "2"})
     assert killed.returncode != 0
     assert (run / "checkpoints" / "step_000002" / "state" / ".metadata").is_file()  # saved as shards
     resumed = _run([*args, "--resume", "auto", *(["--parallel.ep=2"] if second == 2 else [])], nproc=second)
@@ -73,7 +77,6 @@ E4 = "--policy.moe.num_experts=4"
     (["--parallel.ep=2", E4], 1, r"parallel.ep=2 does not divide the data-parallel size 1"),
     (["--parallel.ep=4", E4], 2, r"parallel.ep=4 does not divide the data-parallel size 2"),
     (["--parallel.ep=4", E4.replace("4", "6")], 4, r"parallel.ep=4 does not divide policy.moe.num_experts=6"),
-    (["--parallel.ep=2", E4, "--parallel.strategy=fsdp"], 2, r"parallel.strategy=fsdp with parallel.ep is not"),
     (["--parallel.ep=2", E4, "--ema_decay=0.99"], 2, r"ema_decay with parallel.ep is not supported"),
     (["--parallel.ep=2", E4, "--policy.lora.rank=4"], 2, r"policy.lora with parallel.ep is not supported"),
     (["--parallel.ep=2", E4, "--eval.every=2"], 2, r"eval.every with parallel.ep is not supported"),

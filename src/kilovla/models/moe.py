@@ -152,6 +152,10 @@ class GroupedExperts(nn.Module):
         gate, up, down = (_local(p)[e] for p in (self.gate_proj, self.up_proj, self.down_proj))
         return F.linear(F.gelu(F.linear(x, gate), approximate="tanh") * F.linear(x, up), down)
 
+    def forward(self, x: torch.Tensor, plan: Dispatch, k: int) -> torch.Tensor:
+        """`expert_compute` as a module call, for hooks that wrap one (FSDP's gather of expert shards)."""
+        return expert_compute(self, x, plan, k)
+
     def all_summed(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, summed (the shared experts)."""
         return sum(self.expert(e, x) for e in range(len(self.gate_proj)))

@@ -177,9 +177,10 @@ def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb:
                 find_unused_parameters: bool = False, bf16: bool = False) -> nn.Module:
     """Wrap `model` for `world`; returns what the training step calls (the model itself under FSDP or
     tensor parallelism). With `world.mesh`, the model's decoder layers are sharded over its "tp"
-    dimension first (train/tensor_parallel.py) and `strategy` applies to its "dp" dimension: fsdp
-    shards over it, ddp leaves the gradient average to the trainer (`data_parallel_reduce`), as
-    DistributedDataParallel does not take DTensor parameters."""
+    dimension first (train/tensor_parallel.py), the routed experts over its "ep" dimension
+    (train/expert_parallel.py), and `strategy` applies to its "dp" dimension: fsdp shards over it (the
+    expert stacks over "edp"), ddp leaves the gradient average to the trainer (`data_parallel_reduce`),
+    as DistributedDataParallel does not take DTensor parameters."""
     if world.size == 1:
         return model
     if world.mesh is not None:  # (a pipeline stage's model holds its own layers already: train/pipeline.py)
@@ -214,6 +215,11 @@ def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb:
         kwargs = {} if world.mesh is None else {"mesh": world.mesh["dp"]}
         if bf16 and world.device.type == "cuda":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if world.ep > 1:  # expert shards: FSDP over the ranks that hold the same experts ("edp")
+            from kilovla.train.expert_parallel import expert_stacks
+
+            for experts in expert_stacks(model):
+                fully_shard(experts, **{**kwargs, "mesh": world.mesh["edp"]})
         units = layer_units(model)
         for i, unit in enumerate(units):
             # The last unit's parameters are needed again at once by backward: keep them gathered.
@@ -388,6 +394,16 @@ def data_parallel_reduce(params: list[torch.Tensor], world: World) -> None:
     else:
         for p in experts:
             _local(p.grad).div_(world.dp_size)
+
+
+def fsdp_expert_average(params: list[torch.Tensor], world: World) -> None:
+    """FSDP averages an expert shard's gradient over "edp", the ranks that hold it; the average over every
+    replica divides by ep more (gloo has no PREMUL_SUM for FSDP's own divide factor)."""
+    from kilovla.train.expert_parallel import is_expert_shard
+
+    for p in params:
+        if p.grad is not None and is_expert_shard(p):
+            _local(p.grad).div_(world.ep)
 
 
 def _sharded_dims(t: torch.Tensor) -> tuple[str, ...]:

@@ -16,7 +16,8 @@ all_to_all_single with uneven splits, so the CPU tests run the production path.
 Gradients (`data_parallel_reduce` in train/distributed.py): a rank's expert shard already holds the
 gradient of every token of its ep group that reached it; summing it over "edp" (the ranks that hold
 the same shard) covers the whole batch once, as the all-reduce over "dp" does for every other
-parameter. The shards are DTensors (Shard(0) over "ep"), so checkpoints, the gradient norm and
+parameter. Under FSDP the expert stacks are their own FSDP units over "edp" (`parallelize`), the rest
+over "dp"; FSDP's average over edp is divided by ep more (`fsdp_expert_average`). The shards are DTensors (Shard(0) over "ep"), so checkpoints, the gradient norm and
 KILOVLA_DUMP_GRADS see the whole stack under the one-process names.
 """
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kilovla.models.moe import Dispatch, GroupedExperts, MoEMLP, expert_compute
+from kilovla.models.moe import Dispatch, GroupedExperts, MoEMLP
 
 
 def ep_problems(cfg, world_size: int) -> list[str]:
@@ -49,10 +50,10 @@ def ep_problems(cfg, world_size: int) -> list[str]:
                         f"/ (tp={p.tp} x pp={p.pp})): ep borrows its ranks from the data dimension")
     if moe.num_experts % ep:
         problems.append(f"parallel.ep={ep} does not divide policy.moe.num_experts={moe.num_experts}")
-    refused = [("parallel.strategy=fsdp", p.strategy == "fsdp"), ("ema_decay", bool(cfg.ema_decay)), ("policy.lora", cfg.policy.lora.enabled),
+    refused = [("ema_decay", bool(cfg.ema_decay)), ("policy.lora", cfg.policy.lora.enabled),
                ("eval.every", bool(cfg.eval.every))]
-    problems += [f"{what} with parallel.ep is not supported yet: drop one of them (ep runs with ddp on the data "
-                 "dimension; evaluate the checkpoints with kilovla eval)"
+    problems += [f"{what} with parallel.ep is not supported yet: drop one of them (evaluate the checkpoints "
+                 "with kilovla eval)"
                  for what, on in refused if on]
     return problems
 
@@ -93,7 +94,7 @@ class ExpertExchange:
         expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), counts.reshape(-1))
         order = torch.argsort(expert_of, stable=True)
         mine = counts.sum(0)
-        y = expert_compute(experts, got, Dispatch(order, mine, mine), 1)  # (R, W), by my expert
+        y = experts(got, Dispatch(order, mine, mine), 1)  # (R, W), by my expert: expert_compute
         return _AllToAll.apply(y[torch.argsort(order)], send, recv, self.group)
 
 
@@ -110,6 +111,11 @@ def apply_ep(model: nn.Module, mesh) -> None:
                 setattr(m.experts, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
                                                       requires_grad=p.requires_grad))
             m.exchange = ExpertExchange(mesh.get_group(), m.cfg.num_experts)
+
+
+def expert_stacks(model: nn.Module) -> list[GroupedExperts]:
+    """The routed expert stacks of every MoE layer (what `apply_ep` splits)."""
+    return [m.experts for m in model.modules() if isinstance(m, MoEMLP)]
 
 
 def is_expert_shard(t: torch.Tensor) -> bool:

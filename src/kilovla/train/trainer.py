@@ -348,6 +348,8 @@ class Trainer:
         self.step = row["step"] + 1
         if world.mesh is not None and not distributed.is_fsdp(self.model):  # ddp on the data dimension
             distributed.data_parallel_reduce(self.trainable, world)
+        elif world.ep > 1:  # fsdp with expert shards
+            distributed.fsdp_expert_average(self.trainable, world)
         _dump_gradients(self.model, self.trainable_names, self.step, world)
         if world.mesh is not None:
             grad_norm = distributed.mesh_clip_gradients(self.trainable, cfg.optim.clip_grad_norm, world,

@@ -137,3 +137,28 @@ def test_every_file_of_a_checkpoint_is_on_disk_before_latest_names_it(tmp_path, 
     written = {p.name for p in folder.rglob("*")}
     assert written and written <= events[0]  # all of them before latest
     assert synced[-1] == "checkpoints"  # the renames
+
+
+def test_reused_staging_buffers_hold_each_save_as_it_was_when_it_began(tmp_path):
+    """The trainer keeps one stager for the run: a save's files hold the weights of the moment it began,
+    though the step goes on changing them while the files are written, and the next save into the same
+    buffers holds the new weights."""
+    from torch import nn
+
+    from kilovla.train import checkpoint as ckpt
+    from kilovla.train.distributed import World
+
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    parts = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                 ema=None, world=World(), policy_meta={"preset": "pi05-tiny"}, config_yaml="", stats={})
+    stager, seen = ckpt.staging_buffers(), []
+    for step in (1, 2):
+        seen.append(model.weight.detach().clone())
+        pending = ckpt.save_async(tmp_path / f"step_{step:06d}", trainer_state={"step": step}, stager=stager, **parts)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # the next step, while the files are written
+        pending.finish()
+    for step, weight in zip((1, 2), seen):
+        saved = ckpt.gathered_from_shards(tmp_path / f"step_{step:06d}" / ckpt.STATE_DIR)
+        assert torch.equal(saved["weight"], weight)

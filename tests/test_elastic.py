@@ -40,10 +40,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agent(args, port, job, *, host=True, nnodes="1:2", nproc=1, restarts=2, env=None) -> subprocess.Popen:
+def _agent(args, port, job, *, host=True, nnodes="1:2", nproc=1, restarts=2, env=None,
+           heartbeat=",keep_alive_interval=1,keep_alive_max_attempt=2") -> subprocess.Popen:
     """One torchrun agent of an elastic job (c10d rendezvous on localhost; `host`: this agent holds the
-    store), in its own process group, its output in one pipe."""
-    conf = f"is_host={str(host).lower()},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
+    store), in its own process group, its output in one pipe. `heartbeat`: the keep-alive settings (with
+    a 1 s interval torch 2.13's agents stop sending heartbeats once the round completes, so a node that
+    joins later finds none alive and starts a group of its own: torch's defaults where a node joins)."""
+    conf = f"is_host={str(host).lower()},last_call_timeout=3{heartbeat}"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
            f"--rdzv-id={job}", f"--rdzv-conf={conf}", "--monitor-interval=0.5", "-m", "kilovla", "train", *args]
@@ -112,6 +115,38 @@ def test_a_lost_node_restarts_on_the_survivor_with_the_uninterrupted_sample_stre
     assert restart["steps_recomputed"] == 1 and restart["seconds_lost"] > 0 and restart["restart_count"] >= 1
     assert json.loads((run / "elastic.json").read_text())["run_id"] == "lost-node"
     assert _max_diff(_weights(reference, 4), _weights(run, 4)) < 1e-5  # on a smaller world: fp32 reduction order
+
+
+@pytest.mark.slow  # ~45 s: a one-node start, a node joining, the group restarted on two
+def test_a_node_joining_restarts_the_group_on_two_with_the_uninterrupted_sample_stream(train_dataset, reference,
+                                                                                        tmp_path):
+    """One agent starts alone (`--nnodes=1:2`), its steps slowed while it is alone; a second agent joins after
+    the step-2 checkpoint: torchrun restarts the workers (its restart count stays 0), and the run continues
+    from the newest checkpoint on two ranks without a flag change."""
+    run, port = tmp_path / "run", _free_port()
+    args = _args(train_dataset, run)
+    first = _agent(args, port, "scale-up", env={"KILOVLA_FAULT_SLOW": "1:4"}, heartbeat="")
+    agents = [first]
+    try:
+        _wait_for_step(run, 2, agents)
+        agents.append(_agent(args, port, "scale-up", host=False, heartbeat=""))
+        out, _ = first.communicate(timeout=240)
+        joined_out, _ = agents[1].communicate(timeout=60)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                _kill_node(agent)
+    assert first.returncode == 0 and agents[1].returncode == 0, (out[-4000:], joined_out[-4000:])
+    records = _metrics(run)
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train_records] == [1, 2, 3, 4], (out[-4000:], joined_out[-4000:])
+    sizes = [r["world_size"] for r in train_records]
+    assert sizes[:2] == [1, 1] and sizes[-1] == 2, sizes
+    assert [r["sample_ids"] for r in train_records] == [r["sample_ids"] for r in _metrics(reference)]
+    restart = next(r for r in records if r["kind"] == "restart")
+    assert (restart["world_size_before"], restart["world_size_after"]) == (1, 2)
+    assert restart["restart_count"] == 0  # a membership change: torchrun's count cannot be the signal
+    assert _max_diff(_weights(reference, 4), _weights(run, 4)) < 1e-5
 
 
 def _cfg(run_dir, dataset, *flags):

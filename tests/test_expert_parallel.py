@@ -73,6 +73,7 @@ E4 = "--policy.moe.num_experts=4"
 @pytest.mark.parametrize("args,world,message", [
     (["--parallel.ep=2"], 2, r"parallel.ep=2 needs routed experts to split: set --policy.moe.num_experts"),
     (["--parallel.ep=0", E4], 2, r"parallel.ep must be >= 1, not 0"),
+    (["--parallel.ep=2", E4, "--policy.preset=groot-tiny"], 2, r"parallel.ep=2 with GR00T's MoE DiT is not supported"),
     (["--parallel.ep=2", E4], 3, r"parallel.ep=2 does not divide the data-parallel size 3"),
     (["--parallel.ep=2", E4], 1, r"parallel.ep=2 does not divide the data-parallel size 1"),
     (["--parallel.ep=4", E4], 2, r"parallel.ep=4 does not divide the data-parallel size 2"),

@@ -15,8 +15,8 @@ from kilovla.models.tokenize import ByteTokenizer, tokenize_batch
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _model():
-    model = build_model("groot-tiny")
+def _model(**overrides):
+    model = build_model("groot-tiny", **overrides)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -52,6 +52,10 @@ def _run(model, batch, **switches):
 def _same(a, b):
     torch.testing.assert_close(a["v_t"], b["v_t"], **TOL)
     torch.testing.assert_close(a["loss"], b["loss"], **TOL)
+    assert a.keys() == b.keys()
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_load", "moe_dropped", "moe_assignments"):  # with MoE
+        if key in a:
+            torch.testing.assert_close(a[key], b[key], **TOL)
 
 
 @pytest.mark.parametrize("switches", [
@@ -61,8 +65,10 @@ def _same(a, b):
     {"packing": True, "attention_backend": "flex"},
     {"packing": True, "language_padding": "longest", "disabled_cameras": ("wrist",)},
 ], ids=["packing", "dynamic-padding", "pruning", "flex", "all"])
-def test_switches_equal_the_padded_path(switches):
-    model = _model()
+@pytest.mark.parametrize("moe", [{}, {"num_experts": 4, "top_k": 2, "shared_experts": 1, "capacity_factor": 1.0}],
+                         ids=["dense", "moe"])  # MoE: the DiT's feed-forwards routed, with a capacity
+def test_switches_equal_the_padded_path(switches, moe):
+    model = _model(moe=moe)
     batch = _batch(model.config)
     _same(_run(model, batch), _run(model, batch, **switches))
 

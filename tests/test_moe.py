@@ -6,19 +6,43 @@ import dataclasses
 
 import pytest
 import torch
+from test_groot import _batch as _groot_batch
 from test_pi05 import _batch
+from test_smolvla import _batch as _smolvla_batch
 
 from kilovla.errors import KilovlaError
+from kilovla.models.family import family_of
 from kilovla.models.moe import MoEConfig, MoEMLP, Routing, dispatch, route, router_losses, training_loss
 from kilovla.models.presets import build_model, preset
 
 EXPERT_MLP = "paligemma_with_expert.gemma_expert.model.layers.{}.mlp."
 MOE = {"num_experts": 4, "top_k": 2}
+# each tiny preset's MoE layers: its action expert's MLPs, nothing else
+MOE_LAYERS = {"pi05-tiny": [f"paligemma_with_expert.gemma_expert.model.layers.{i}.mlp" for i in range(2)],
+              "groot-tiny": [f"action_head.model.transformer_blocks.{i}.ff" for i in range(2)],
+              "smolvla-tiny": [f"vlm_with_expert.lm_expert.layers.{i}.mlp" for i in range(4)]}
+OTHERS = ["groot-tiny", "smolvla-tiny"]  # the families beside pi0/pi0.5
+ROUTED = {"pi05-tiny": 16, "groot-tiny": 3 * 13, "smolvla-tiny": 16}  # real action tokens of `_family_batch`
 
 
 def _inputs(batch, seed=5):
     g = torch.Generator().manual_seed(seed)
     return {"noise": torch.randn(batch.actions.shape, generator=g), "time": torch.rand(batch.batch_size, generator=g)}
+
+
+def _family_batch(cfg):
+    """Three samples with padding (language, a blank camera) and, where the family reads them, horizons 8, 3, 5;
+    GR00T's action-head tokens (1 state + 4 future + 8 actions each) are never padding."""
+    name = family_of(cfg).name
+    if name == "groot":
+        return _groot_batch(cfg)
+    return (_smolvla_batch if name == "smolvla" else _batch)(cfg, horizons=[8, 3, 5])
+
+
+def _dense_twins(moe, group: str = "experts") -> dict[str, str]:
+    """Each expert stack of an MoE model -> the dense model's parameter its experts start as (its kind's dense_keys)."""
+    return {f"{name}.{group}.{stack}": f"{name}.{key}" for name, m in moe.named_modules() if isinstance(m, MoEMLP)
+            for stack, key in m.experts.dense_keys.items()}
 
 
 def _loss_and_grads(model, batch, packing: bool, objective=training_loss):
@@ -113,33 +137,64 @@ def test_an_e1_k1_moe_is_the_dense_model_weight_for_weight_and_loss_for_loss():
             torch.testing.assert_close(mine, g, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("name", list(MOE_LAYERS))
+def test_only_the_action_experts_mlps_get_experts(name):
+    model = build_model(name, moe=MOE)
+    assert [n for n, m in model.named_modules() if isinstance(m, MoEMLP)] == MOE_LAYERS[name]
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_an_e1_k1_moe_of_groot_and_smolvla_is_their_dense_model(name):
+    dense = build_model(name, seed=3)
+    moe = build_model(name, seed=3, moe={"num_experts": 1, "top_k": 1, "z_loss_coef": 0.0})
+    twins = _dense_twins(moe)
+    d, m = dense.state_dict(), moe.state_dict()
+    routers = {f"{layer}.router.weight" for layer in MOE_LAYERS[name]}
+    assert m.keys() - twins.keys() - routers == d.keys() - set(twins.values())
+    for key, dense_key in twins.items():
+        assert torch.equal(m[key][0], d[dense_key]), key
+    for key in d.keys() - set(twins.values()):
+        assert torch.equal(m[key], d[key]), key
+    batch, of_dense = _family_batch(dense.config), {v: k for k, v in twins.items()}
+    for packing in (False, True):
+        out_d, grads_d = _loss_and_grads(dense, batch, packing)
+        out_m, grads_m = _loss_and_grads(moe, batch, packing)
+        torch.testing.assert_close(out_m["loss"], out_d["loss"], atol=1e-6, rtol=1e-6)
+        assert float(out_m["moe_aux_loss"]) == 1.0 and float(out_m["moe_dropped"]) == 0
+        for key, g in grads_d.items():
+            mine = grads_m[of_dense[key]][0] if key in of_dense else grads_m[key]
+            torch.testing.assert_close(mine, g, atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYERS))
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0], ids=["dropless", "capacity"])
-def test_packed_and_padded_paths_give_the_same_moe_losses_and_gradients(capacity_factor):
+def test_packed_and_padded_paths_give_the_same_moe_losses_and_gradients(capacity_factor, name):
     torch.manual_seed(0)
-    model = build_model("pi05-tiny", seed=1, moe={**MOE, "capacity_factor": capacity_factor, "shared_experts": 1})
-    batch = _batch(model.config, horizons=[8, 3, 5])
+    model = build_model(name, seed=1, moe={**MOE, "capacity_factor": capacity_factor, "shared_experts": 1})
+    batch = _family_batch(model.config)
     padded, grads_padded = _loss_and_grads(model, batch, packing=False)
     packed, grads_packed = _loss_and_grads(model, batch, packing=True)
     for key in ("loss", "moe_aux_loss", "moe_z_loss", "moe_load", "moe_dropped", "moe_assignments"):
         torch.testing.assert_close(packed[key], padded[key], atol=1e-6, rtol=1e-5, msg=key)
-    # padding is never routed: 16 real suffix tokens x top 2 x 2 layers
-    assert int(padded["moe_assignments"]) == 16 * 2 * 2
+    # padding is never routed: the real action tokens x top 2 x the MoE layers (pi05-tiny: 16 x 2 x 2)
+    assert int(padded["moe_assignments"]) == ROUTED[name] * 2 * len(MOE_LAYERS[name])
     assert (int(padded["moe_dropped"]) > 0) == (capacity_factor > 0)
     assert grads_padded.keys() == grads_packed.keys()
     for name in grads_padded:
         torch.testing.assert_close(grads_packed[name], grads_padded[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_gradient_checkpointing_keeps_the_routing_losses_and_their_gradients():
-    model = build_model("pi05-tiny", seed=1, moe=MOE)
-    batch = _batch(model.config, horizons=[8, 3, 5])
+@pytest.mark.parametrize("name", ["pi05-tiny", "smolvla-tiny"])  # GR00T has no gradient checkpointing
+def test_gradient_checkpointing_keeps_the_routing_losses_and_their_gradients(name):
+    model = build_model(name, seed=1, moe=MOE)
+    batch = _family_batch(model.config)
     runs = []
     for recompute in (False, True):
         model.gradient_checkpointing = recompute
         runs.append(_loss_and_grads(model, batch, packing=True, objective=lambda o: o["moe_regularizer"]))
     (a, ga), (b, gb) = runs
     torch.testing.assert_close(a["moe_regularizer"], b["moe_regularizer"])
-    router = EXPERT_MLP.format(0) + "router.weight"
+    router = MOE_LAYERS[name][0] + ".router.weight"
     assert float(ga[router].abs().sum()) > 0
     for name in ga:
         torch.testing.assert_close(gb[name], ga[name], atol=1e-6, rtol=1e-5, msg=name)
@@ -176,14 +231,20 @@ def test_tp_and_pp_with_moe_are_refused_in_one_line():
 
 
 # -- training, policy folders -------------------------------------------------------------------------------
-def _train_moe(dataset, run, *extra, steps=2):
+# each tiny preset's training flags here (pi0.5: a 4-step chunk; GR00T and SmolVLA keep theirs)
+TRAINED = {"pi05-tiny": ["--policy.overrides={chunk_size: 4, packing: true}"],
+           "groot-tiny": ["--policy.preset=groot-tiny", "--policy.overrides={packing: true}"],
+           "smolvla-tiny": ["--policy.preset=smolvla-tiny", "--policy.overrides={packing: true}"]}
+
+
+def _train_moe(dataset, run, *extra, steps=2, name="pi05-tiny"):
     from kilovla.config import load_config
     from kilovla.train.metrics import read_metrics
     from kilovla.train.trainer import TrainConfig, train
 
     cfg = load_config(TrainConfig, None, [
         f"--run_dir={run}", f"--steps={steps}", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=8",
-        "--batch.token_budget=150", "--progress=false", "--policy.overrides={chunk_size: 4, packing: true}",
+        "--batch.token_budget=150", "--progress=false", *TRAINED[name],
         "--policy.moe.num_experts=4", "--policy.moe.top_k=2", "--optim.warmup_steps=0", *extra])
     summary = train(cfg)
     return summary["checkpoint"], read_metrics(run / "metrics.jsonl")
@@ -194,13 +255,43 @@ def moe_run(train_dataset, tmp_path_factory):
     return _train_moe(train_dataset, tmp_path_factory.mktemp("moe") / "run")
 
 
-def test_metrics_log_the_flow_loss_with_the_routing_figures_beside_it(moe_run):
-    _, records = moe_run
+@pytest.fixture(scope="module", params=OTHERS)
+def family_moe_run(request, train_dataset, tmp_path_factory):
+    """(preset, checkpoint, metrics) of a 2-step packed MoE run of GR00T's or SmolVLA's tiny preset."""
+    return request.param, *_train_moe(train_dataset, tmp_path_factory.mktemp("moe") / "run", name=request.param)
+
+
+def _check_routing_metrics(records):
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
         assert r["moe/aux_loss"] >= 1.0 - 1e-6 and r["moe/z_loss"] > 0 and r["moe/dropped_fraction"] == 0.0
         assert len(r["moe/load"]) == 4 and sum(r["moe/load"]) == pytest.approx(1.0)
+
+
+def _check_folder_loads_back(checkpoint, make_batch):
+    """policy.json records the MoE; the folder loads (twice) and rebuilds to the same actions on `make_batch(cfg)`."""
+    from kilovla.models.checkpoints import read_safetensors
+    from kilovla.models.family import chunk_length, moe_of
+    from kilovla.policy_folder import PolicyFolder
+
+    folder = PolicyFolder.open(checkpoint)
+    assert folder.meta.overrides["moe"] == dataclasses.asdict(MoEConfig(num_experts=4, top_k=2))
+    policy = folder.load("cpu")
+    assert moe_of(policy.model) == MoEConfig(num_experts=4, top_k=2)
+    rebuilt = build_model(folder.meta.preset, **folder.meta.overrides)
+    rebuilt.load_state_dict(read_safetensors(checkpoint))
+    batch = make_batch(policy.model.config)
+    noise = torch.randn(batch.batch_size, chunk_length(policy.model.config), policy.model.config.max_action_dim)
+    torch.testing.assert_close(policy.model.sample_actions(batch, noise=noise),
+                               rebuilt.eval().sample_actions(batch, noise=noise), rtol=0, atol=0)
+    again = PolicyFolder.open(checkpoint).load("cpu")
+    torch.testing.assert_close(again.model.sample_actions(batch, noise=noise),
+                               policy.model.sample_actions(batch, noise=noise), rtol=0, atol=0)
+
+
+def test_metrics_log_the_flow_loss_with_the_routing_figures_beside_it(moe_run):
+    _check_routing_metrics(moe_run[1])
 
 
 def test_the_routing_losses_train_but_are_not_in_the_logged_loss(moe_run, train_dataset, tmp_path):
@@ -214,36 +305,31 @@ def test_the_routing_losses_train_but_are_not_in_the_logged_loss(moe_run, train_
 
 
 def test_a_trained_moe_folder_records_its_experts_and_loads_back_to_the_same_actions(moe_run):
-    from kilovla.models.checkpoints import read_safetensors
-    from kilovla.models.family import moe_of
-    from kilovla.policy_folder import PolicyFolder
-
-    checkpoint, _ = moe_run
-    folder = PolicyFolder.open(checkpoint)
-    assert folder.meta.overrides["moe"] == dataclasses.asdict(MoEConfig(num_experts=4, top_k=2))
-    policy = folder.load("cpu")
-    assert moe_of(policy.model) == MoEConfig(num_experts=4, top_k=2)
-    rebuilt = build_model(folder.meta.preset, **folder.meta.overrides)
-    rebuilt.load_state_dict(read_safetensors(checkpoint))
-    batch = _batch(policy.model.config)
-    noise = torch.randn(batch.batch_size, policy.model.config.chunk_size, policy.model.config.max_action_dim)
-    torch.testing.assert_close(policy.model.sample_actions(batch, noise=noise),
-                               rebuilt.eval().sample_actions(batch, noise=noise), rtol=0, atol=0)
-    again = PolicyFolder.open(checkpoint).load("cpu")
-    torch.testing.assert_close(again.model.sample_actions(batch, noise=noise),
-                               policy.model.sample_actions(batch, noise=noise), rtol=0, atol=0)
+    _check_folder_loads_back(moe_run[0], _batch)
 
 
-def test_policy_moe_goes_into_the_model_overrides_and_a_family_without_moe_refuses_it():
+def test_groot_and_smolvla_moe_runs_log_the_routing_and_their_folders_load_back(family_moe_run):
+    _, checkpoint, records = family_moe_run
+    _check_routing_metrics(records)
+    _check_folder_loads_back(checkpoint, _family_batch)
+
+
+def test_policy_moe_goes_into_the_model_overrides_and_a_family_without_moe_refuses_it(monkeypatch):
     from kilovla.config import load_config
+    from kilovla.models import family
     from kilovla.train.config import TrainConfig, with_init_model
 
     cfg = with_init_model(load_config(TrainConfig, None, ["--policy.moe.num_experts=4", "--policy.moe.top_k=1"]))
     assert cfg.policy.overrides["moe"] == dataclasses.asdict(MoEConfig(num_experts=4, top_k=1))
     assert cfg.policy.moe == MoEConfig() and with_init_model(cfg) == cfg
+    for name in OTHERS:
+        other = with_init_model(load_config(TrainConfig, None, [f"--policy.preset={name}", "--policy.moe.num_experts=4"]))
+        assert other.policy.overrides["moe"] == dataclasses.asdict(MoEConfig(num_experts=4))
+    # every family has the option now: one without it is GR00T's spec less its `moe`
+    monkeypatch.setitem(family._FAMILIES, "groot", dataclasses.replace(family.family("groot"), moe=None))
     groot = load_config(TrainConfig, None, ["--policy.preset=groot-tiny", "--policy.moe.num_experts=4"])
     with pytest.raises(KilovlaError, match=r"^policy.moe: GR00T \(groot-tiny\) has no mixture-of-experts option; "
-                                           r"the families with one: pi0/pi0.5$"):
+                                           r"the families with one: pi0/pi0.5, SmolVLA$"):
         with_init_model(groot)
 
 
@@ -276,36 +362,72 @@ def test_upcycling_starts_every_expert_as_the_dense_mlp_and_keeps_the_dense_outp
                                    atol=1e-6, rtol=1e-6)
 
 
-def test_a_dense_policy_folder_fine_tunes_into_an_moe_expert(train_dataset, tmp_path):
+@pytest.mark.parametrize("name", OTHERS)
+def test_upcycling_groot_and_smolvla_starts_every_expert_as_their_dense_mlp(name, tmp_path):
+    from kilovla.models.checkpoints import load_weights, save_safetensors
+
+    dense = build_model(name, seed=2)
+    save_safetensors(dense.state_dict(), tmp_path / "model.safetensors")
+    cfg = {"num_experts": 3, "top_k": 2, "shared_experts": 1}
+    moe = build_model(name, device="meta", seed=2, moe=cfg)
+    assert load_weights(moe, tmp_path / "model.safetensors", upcycle=True).fresh_routers == MOE_LAYERS[name]
+    state, own, loaded = dense.state_dict(), build_model(name, seed=2, moe=cfg).state_dict(), moe.state_dict()
+    for group, n in (("experts", 3), ("shared", 1)):
+        twins = _dense_twins(moe, group)
+        assert len(twins) == len(MOE_LAYERS[name]) * len(moe.get_submodule(MOE_LAYERS[name][0]).experts.dense_keys)
+        for stack, dense_key in twins.items():
+            assert loaded[stack].shape[0] == n and all(torch.equal(e, state[dense_key]) for e in loaded[stack]), stack
+    for layer in MOE_LAYERS[name]:
+        assert torch.equal(loaded[f"{layer}.router.weight"], own[f"{layer}.router.weight"])
+    routed_only = build_model(name, device="meta", moe={"num_experts": 3, "top_k": 2})
+    load_weights(routed_only, tmp_path / "model.safetensors", upcycle=True)
+    batch = _family_batch(dense.config)
+    with torch.no_grad():
+        torch.testing.assert_close(routed_only(batch, **_inputs(batch))["loss"], dense(batch, **_inputs(batch))["loss"],
+                                   atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYERS))
+def test_a_dense_policy_folder_fine_tunes_into_an_moe_expert(name, train_dataset, tmp_path):
     import json
 
     from kilovla.config import load_config
     from kilovla.train.trainer import TrainConfig, train
 
+    dense_flags = ["--policy.overrides={chunk_size: 4}"] if name == "pi05-tiny" else [f"--policy.preset={name}"]
     dense = train(load_config(TrainConfig, None, [
         f"--run_dir={tmp_path / 'dense'}", "--steps=1", f"--dataset.roots=[{train_dataset}]",
-        "--batch.global_batch_size=4", "--progress=false", "--policy.overrides={chunk_size: 4}"]))["checkpoint"]
-    checkpoint, records = _train_moe(train_dataset, tmp_path / "moe", f"--policy.init_from={dense}", steps=1)
+        "--batch.global_batch_size=4", "--progress=false", *dense_flags]))["checkpoint"]
+    checkpoint, records = _train_moe(train_dataset, tmp_path / "moe", f"--policy.init_from={dense}", steps=1, name=name)
     meta = json.loads((tmp_path / "moe" / "checkpoints" / "step_000001" / "policy.json").read_text())
     assert meta["init_from"]["path"].endswith("step_000001") and meta["overrides"]["moe"]["num_experts"] == 4
-    assert meta["overrides"]["chunk_size"] == 4 and records[0]["moe/aux_loss"] > 0
+    assert meta["overrides"].get("chunk_size") == (4 if name == "pi05-tiny" else None)
+    assert records[0]["moe/aux_loss"] > 0
 
 
 # -- adapters, FP8 --------------------------------------------------------------------------------------------
-def test_fp8_ptq_keeps_the_experts_in_bf16_and_says_so_in_the_report(moe_run, tmp_path):
-    from kilovla.models.moe import MoEMLP
+def _quantized_with_experts_kept(checkpoint, out):
+    """FP8 PTQ of an MoE policy folder -> (report, original, quantized): the report says the experts and routers
+    stay bf16, as its table does."""
     from kilovla.policy_folder import load_policy_folder
-    from kilovla.quant.fp8 import Fp8BlockLinear, Fp8Config
+    from kilovla.quant.fp8 import Fp8Config
     from kilovla.quantize.folder import quantize_policy_folder
     from kilovla.quantize.report import report_rows
 
-    checkpoint, _ = moe_run
-    report = quantize_policy_folder(checkpoint, tmp_path / "fp8", Fp8Config(), latency_repeats=1)
-    original, quantized = load_policy_folder(checkpoint), load_policy_folder(tmp_path / "fp8")
+    report = quantize_policy_folder(checkpoint, out, Fp8Config(), latency_repeats=1)
+    original, quantized = load_policy_folder(checkpoint), load_policy_folder(out)
     n = sum(p.numel() for m in original.model.modules() if isinstance(m, MoEMLP) for p in m.parameters())
     assert report["moe_experts"] == {"quantized": False, "stored_as": "bfloat16", "params": n}
     assert ("MoE experts", "", "bfloat16, not FP8",
             f"{n} params of routed / shared experts and routers kept unquantized") in report_rows(report)
+    return report, original, quantized
+
+
+def test_fp8_ptq_keeps_the_experts_in_bf16_and_says_so_in_the_report(moe_run, tmp_path):
+    from kilovla.quant.fp8 import Fp8BlockLinear
+
+    checkpoint, _ = moe_run
+    report, original, quantized = _quantized_with_experts_kept(checkpoint, tmp_path / "fp8")
     expert = [name for name in report["layers"] if "gemma_expert" in name]
     assert expert and not any(".mlp" in name for name in expert)  # the action expert's attention only
     assert any(isinstance(m, Fp8BlockLinear) for m in quantized.model.modules())
@@ -328,6 +450,37 @@ def test_lora_leaves_the_experts_frozen_trains_them_in_full_when_named_and_refus
     assert merge_state(model.state_dict(), LoraSettings(rank=2)).keys() == plain.keys()
     with pytest.raises(KilovlaError, match=rf"names MoE experts or routers \({mlp}.experts\).*policy.lora.full=\[{mlp}\]"):
         apply_lora(build_model("pi05-tiny", moe=MOE), LoraSettings(rank=2, targets=r".*layers\.1\.mlp\.experts"))
+
+
+# each family's action-expert attention, which FP8 quantizes beside the experts it keeps
+EXPERT_ATTENTION = {"groot-tiny": r"action_head\.model\.transformer_blocks\.\d+\.attn1\.",
+                    "smolvla-tiny": r"vlm_with_expert\.lm_expert\.layers\.\d+\.self_attn\."}
+
+
+def test_fp8_ptq_keeps_groot_and_smolvla_experts_in_bf16(family_moe_run, tmp_path):
+    import re
+
+    name, checkpoint, _ = family_moe_run
+    report, original, quantized = _quantized_with_experts_kept(checkpoint, tmp_path / "fp8")
+    in_moe = [layer for layer in report["layers"] if any(layer.startswith(f"{m}.") for m in MOE_LAYERS[name])]
+    assert in_moe == [] and any(re.match(EXPERT_ATTENTION[name], layer) for layer in report["layers"])
+    for key, value in original.model.state_dict().items():
+        if any(key.startswith(f"{m}.") for m in MOE_LAYERS[name]):
+            assert torch.equal(quantized.model.state_dict()[key], value.to(torch.bfloat16).float()), key
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_lora_leaves_groot_and_smolvla_experts_frozen_and_trains_them_in_full_when_named(name):
+    from kilovla.models.lora import LoraSettings, apply_lora, merge_state
+
+    mlp = MOE_LAYERS[name][1]
+    model = apply_lora(build_model(name, moe=MOE), LoraSettings(rank=2))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".lora_A" in n for n in trainable)
+    assert not any(n.startswith(f"{m}.") for n in trainable for m in MOE_LAYERS[name])
+    full = apply_lora(build_model(name, moe=MOE), LoraSettings(rank=2, full=[mlp]))
+    assert {f"{mlp}.router.weight", f"{mlp}.experts.down_proj"} <= {n for n, p in full.named_parameters() if p.requires_grad}
+    assert merge_state(model.state_dict(), LoraSettings(rank=2)).keys() == build_model(name, moe=MOE).state_dict().keys()
 
 
 def test_bench_moe_quick_writes_the_dense_vs_moe_row(tmp_path):

@@ -194,18 +194,27 @@ def test_rtc_without_guidance_is_plain_sampling():
     torch.testing.assert_close(rtc, model.sample_actions(batch, noise=noise.clone()), **TOL)
 
 
+@pytest.mark.parametrize("moe", [{}, {"num_experts": 4, "top_k": 2, "shared_experts": 1, "capacity_factor": 1.0}],
+                         ids=["dense", "moe"])
 @pytest.mark.parametrize("every", [2, 3, -1])
 @pytest.mark.parametrize("backend", ["sdpa_segments", "sdpa_batched", "sdpa_masked"])
-def test_packing_equals_padding(backend, every):
+def test_packing_equals_padding(backend, every, moe):
     """Three samples in one row: equal to the padded path on real tokens, with a schedule of self and
-    cross layers (every 2, every 3, all cross) and per-sample horizons."""
-    model = _model(self_attn_every_n_layers=every)
+    cross layers (every 2, every 3, all cross) and per-sample horizons; with MoE (the expert's MLPs routed,
+    with a capacity) the same routing too, the steps past a horizon never routed."""
+    model = _model(self_attn_every_n_layers=every, moe=moe)
     batch = _batch(model.config, horizons=[8, 5, 7])
     padded = _run(model, batch)
     packed = _run(model, batch, packing=True, attention_backend=backend)
     h = batch.horizon_mask
     torch.testing.assert_close(padded["v_t"][h], packed["v_t"][h], **TOL)
     torch.testing.assert_close(padded["per_sample"], packed["per_sample"], **TOL)
+    assert padded.keys() == packed.keys()
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_load", "moe_dropped", "moe_assignments"):
+        if key in padded:
+            torch.testing.assert_close(padded[key], packed[key], **TOL)
+    if moe:  # the real steps (8 + 5 + 7) x top 2 x 4 expert layers
+        assert int(padded["moe_assignments"]) == 20 * 2 * 4
 
 
 def test_packed_training_matches_padded_gradients():

@@ -21,9 +21,10 @@ the assignments to their experts' ranks, runs expert_compute there and brings th
 Weights: one stacked parameter per projection, each expert's slice in nn.Linear's (out, in) layout:
 ``experts.gate_proj`` / ``experts.up_proj`` (E, H, W), ``experts.down_proj`` (E, W, H); dim 0 is what
 expert parallelism shards, and a slice is a dense GatedMLP's weight, which upcycling copies
-(`upcycle_sources`). From one seed, expert 0 draws what the dense MLP would (the global generator) and
-everything else (experts 1.., shared experts, router) draws from a generator of its own, so E = 1, K = 1
-is the dense model, weight for weight.
+(`upcycle_sources`); other MLP kinds stack the same way (`GroupedExperts` subclasses: SmolVLA's SwiGLU,
+GR00T's biased GELU feed-forward). From one seed, expert 0 draws what the dense MLP would (the global
+generator) and everything else (experts 1.., shared experts, router) draws from a generator of its own,
+so E = 1, K = 1 is the dense model, weight for weight.
 
 The losses, per forward pass over the routed tokens: Switch Transformer's load balancing
 E * sum_e f_e * P_e (f_e: expert e's share of the assignments, P_e: its mean router probability; 1 when
@@ -35,6 +36,7 @@ to the reported flow-matching loss.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kilovla.errors import KilovlaError
-from kilovla.models.layers import GatedMLP
+from kilovla.models.layers import GatedMLP, SwiGLU
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,27 +140,62 @@ def dispatch(experts: torch.Tensor, num_experts: int, capacity: int | None = Non
 
 
 class GroupedExperts(nn.Module):
-    """E GeGLU MLPs as stacked weights: gate_proj, up_proj (E, H, W), down_proj (E, W, H)."""
+    """E GeGLU MLPs as stacked weights: gate_proj, up_proj (E, H, W), down_proj (E, W, H).
+
+    A subclass stacks another MLP kind (SwiGLUExperts: Llama's; GR00T's diffusers FeedForward in
+    models/groot/model.py). Each kind says which dense MLP one expert is: `dense` builds it (MoEMLP builds
+    one for the dense model's draws, and expert 0 takes its weights) and `dense_keys` names which of its
+    parameters each stack's slices are (upcycling reads them); every kind has `down_proj`."""
+
+    dense_keys = {"gate_proj": "gate_proj.weight", "up_proj": "up_proj.weight", "down_proj": "down_proj.weight"}
 
     def __init__(self, n: int, width: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(n, hidden, width))
-        self.up_proj = nn.Parameter(torch.empty(n, hidden, width))
-        self.down_proj = nn.Parameter(torch.empty(n, width, hidden))
+        for name, shape in self.shapes(width, hidden).items():  # registered (and initialised) in this order
+            self.register_parameter(name, nn.Parameter(torch.empty(n, *shape)))
+
+    @staticmethod
+    def shapes(width: int, hidden: int) -> dict[str, tuple[int, ...]]:
+        """One expert's slice of each stack."""
+        return {"gate_proj": (hidden, width), "up_proj": (hidden, width), "down_proj": (width, hidden)}
+
+    @staticmethod
+    def dense(width: int, hidden: int) -> nn.Module:
+        return GatedMLP(width, hidden)
+
+    @staticmethod
+    def activation(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on tokens x (M, W), as GatedMLP computes it; e counts this rank's experts (all of them
-        unless expert parallelism split the stack: then the parameters are DTensors, their local slice)."""
+        """Expert e on tokens x (M, W), as the dense MLP computes it; e counts this rank's experts (all of them
+        unless expert parallelism split the stacks: then they are DTensors, and this is their local slice)."""
         gate, up, down = (_local(p)[e] for p in (self.gate_proj, self.up_proj, self.down_proj))
-        return F.linear(F.gelu(F.linear(x, gate), approximate="tanh") * F.linear(x, up), down)
+        return F.linear(self.activation(F.linear(x, gate)) * F.linear(x, up), down)
 
     def forward(self, x: torch.Tensor, plan: Dispatch, k: int) -> torch.Tensor:
         """`expert_compute` as a module call, for hooks that wrap one (FSDP's gather of expert shards)."""
         return expert_compute(self, x, plan, k)
 
+    def fan_in(self, name: str) -> int:
+        """The inputs of the linear a stack's slices are (nn.Linear draws U(+-1 / sqrt(fan_in)))."""
+        return getattr(self, name).shape[-1]
+
     def all_summed(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, summed (the shared experts)."""
-        return sum(self.expert(e, x) for e in range(len(self.gate_proj)))
+        return sum(self.expert(e, x) for e in range(len(self.down_proj)))
+
+
+class SwiGLUExperts(GroupedExperts):
+    """E Llama / Qwen MLPs (models/layers.py SwiGLU): GroupedExperts' weights, SiLU in place of GELU."""
+
+    @staticmethod
+    def dense(width: int, hidden: int) -> nn.Module:
+        return SwiGLU(width, hidden)
+
+    @staticmethod
+    def activation(x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -207,30 +244,31 @@ class Router(nn.Module):
 
 
 class MoEMLP(nn.Module):
-    """Routed experts (+ shared ones) in place of a GatedMLP(width, hidden); see the module docstring."""
+    """Routed experts (+ shared ones) in place of a dense MLP(width, hidden): a GatedMLP, or the kind
+    `experts` (n, width, hidden) -> GroupedExperts stacks; see the module docstring."""
 
-    def __init__(self, width: int, hidden: int, cfg: MoEConfig, layer: int = 0):
+    def __init__(self, width: int, hidden: int, cfg: MoEConfig, layer: int = 0,
+                 experts: Callable[[int, int, int], GroupedExperts] = GroupedExperts):
         super().__init__()
         self.cfg = cfg
         h = cfg.expert_dim or hidden
-        dense = GatedMLP(width, hidden)  # the dense model's draws from the global generator, in its order
         self.router = Router(width, cfg.num_experts)
-        self.experts = GroupedExperts(cfg.num_experts, width, h)
-        self.shared = GroupedExperts(cfg.shared_experts, width, h) if cfg.shared_experts else None
+        self.experts = experts(cfg.num_experts, width, h)
+        self.shared = experts(cfg.shared_experts, width, h) if cfg.shared_experts else None
         self.exchange = None  # expert parallelism's dispatch and combine (train/expert_parallel.py); None: local
+        dense = self.experts.dense(width, hidden)  # the dense model's draws from the global generator, in its order
         self.init_seed = (torch.initial_seed() * 1_000_003 + 7919 * (layer + 1)) % 2**63
         if self.router.weight.is_meta:
             return
         with torch.no_grad():
             self.reset_router()
             own = torch.Generator().manual_seed(self.init_seed + 1)
-            for experts in (self.experts, self.shared) if self.shared else (self.experts,):
-                for name in ("gate_proj", "up_proj", "down_proj"):
-                    p = getattr(experts, name)
-                    p.copy_(_uniform(p.shape, p.shape[-1], own))
+            for group in (self.experts, self.shared) if self.shared else (self.experts,):
+                for name, p in group.named_parameters():
+                    p.copy_(_uniform(p.shape, group.fan_in(name), own))
             if h == hidden:
-                for name in ("gate_proj", "up_proj", "down_proj"):
-                    getattr(self.experts, name)[0].copy_(getattr(dense, name).weight)
+                for name, key in self.experts.dense_keys.items():
+                    getattr(self.experts, name)[0].copy_(dense.get_parameter(key))
 
     @torch.no_grad()
     def reset_router(self) -> None:
@@ -325,7 +363,8 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def upcycle_sources(model: nn.Module, mapping: dict[str, str]) -> tuple[dict[str, tuple[str, int]], list[str]]:
     """Sparse upcycling from a dense checkpoint: for each MoE layer whose experts and router `mapping` (model key
-    -> stored key) lacks but whose dense MLP (``<layer>.mlp.{gate,up,down}_proj.weight``) it holds, every
+    -> stored key) lacks but whose dense MLP (its kind's `dense_keys`: ``<layer>.{gate,up,down}_proj.weight``
+    for a GatedMLP, ``<layer>.net.{0.proj,2}.{weight,bias}`` for GR00T's feed-forward) it holds, every
     routed and shared expert starts as that MLP. Returns {expert stack key: (dense model key, experts)} and
     the MoE layers (module names) whose router starts from its own initialisation (`MoEMLP.reset_router`).
 
@@ -337,8 +376,8 @@ def upcycle_sources(model: nn.Module, mapping: dict[str, str]) -> tuple[dict[str
         if not isinstance(m, MoEMLP):
             continue
         stacks = [("experts", m.experts)] + ([("shared", m.shared)] if m.shared is not None else [])
-        wanted = {f"{name}.{group}.{p}": (f"{name}.{p}.weight", len(experts.gate_proj))
-                  for group, experts in stacks for p in PROJECTIONS}
+        wanted = {f"{name}.{group}.{p}": (f"{name}.{key}", len(experts.down_proj))
+                  for group, experts in stacks for p, key in experts.dense_keys.items()}
         if (f"{name}.router.weight" not in mapping and not any(k in mapping for k in wanted)
                 and all(dense in mapping for dense, _ in wanted.values())):
             sources.update(wanted)

@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kilovla.errors import KilovlaError
 from kilovla.models.moe import Dispatch, GroupedExperts, MoEMLP
 
 
 def ep_problems(cfg, world_size: int) -> list[str]:
     """What `--parallel.ep` cannot do with these settings or this world size, one line each."""
-    from kilovla.models.family import moe_of
+    from kilovla.models.family import family_of, moe_of
     from kilovla.models.presets import preset
 
     p, ep = cfg.parallel, cfg.parallel.ep
@@ -40,9 +41,13 @@ def ep_problems(cfg, world_size: int) -> list[str]:
         return [f"parallel.ep must be >= 1, not {ep}"]
     if ep == 1:
         return []
-    moe = moe_of(preset(cfg.policy.preset, **dict(cfg.policy.overrides)))
+    model_cfg = preset(cfg.policy.preset, **dict(cfg.policy.overrides))
+    moe = moe_of(model_cfg)
     if moe is None:
         return [f"parallel.ep={ep} needs routed experts to split: set --policy.moe.num_experts"]
+    if family_of(model_cfg).name == "groot":  # FeedForwardExperts.expert indexes its stacks as whole tensors
+        return [f"parallel.ep={ep} with GR00T's MoE DiT is not supported yet (pi0/pi0.5 and SmolVLA run it): "
+                "drop parallel.ep"]
     problems = []
     dp = world_size // (p.tp * p.pp) if world_size % (p.tp * p.pp) == 0 else None
     if dp is not None and dp % ep:
@@ -106,8 +111,10 @@ def apply_ep(model: nn.Module, mesh) -> None:
 
     for m in model.modules():
         if isinstance(m, MoEMLP):
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                p = getattr(m.experts, name)
+            if type(m.experts).expert is not GroupedExperts.expert:  # ep_problems refuses such a family first
+                raise KilovlaError(f"parallel.ep: {type(m.experts).__name__} indexes its whole stacks; it cannot "
+                                   "run on a rank's share of the experts")
+            for name, p in list(m.experts.named_parameters(recurse=False)):  # every stack is (E, ...)
                 setattr(m.experts, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
                                                       requires_grad=p.requires_grad))
             m.exchange = ExpertExchange(mesh.get_group(), m.cfg.num_experts)

@@ -197,9 +197,10 @@ class Trainer:
         self.family_time = flow_time(self.model)
         self.autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=self.bf16)
         self.phase = f"step {self.step + 1}"  # what a collective failure or timeout is reported as
-        self.faults = _Faults(world.rank)
+        self.faults = _Faults(world.rank, world.size)
         self.pending: ckpt.PendingSave | None = None  # the asynchronous checkpoint in flight
         self.save_group = distributed.side_group(world) if cfg.checkpoint.async_save else None
+        self.stager = ckpt.staging_buffers() if cfg.checkpoint.async_save else None
         self.last_save = time.monotonic()  # for checkpoint.every_minutes
         self.restart: tuple[dict, int] | None = None  # an elastic restart: the previous start's record, its last step
         self.step_times: deque[float] = deque(maxlen=50)  # this start's last step times: the elastic step deadline
@@ -250,7 +251,8 @@ class Trainer:
                      config_yaml=config_mod.dump_yaml(cfg), stats=self.metas[0].files.read_json("meta/stats.json"),
                      keep=cfg.checkpoint.keep, on_written=self.faults.in_checkpoint(self.step))
         if cfg.checkpoint.async_save and not final:
-            self.pending = ckpt.save_async(folder, **parts, ema=self.ema, group=self.save_group)
+            self.pending = ckpt.save_async(folder, **parts, ema=self.ema, group=self.save_group,
+                                           stager=self.stager)
         else:
             ckpt.save(folder, **parts, ema=self.ema, full_weights=final, lora=self.lora)
         self.last_save = time.monotonic()
@@ -572,24 +574,31 @@ class _Faults:
     KILOVLA_FAULT_IN_CHECKPOINT=N SIGKILLs rank 0 once checkpoint N's files are written, before they
     become the checkpoint;
     KILOVLA_FAULT_HANG=R:N makes rank R (`*`: every rank) stop answering when step N begins;
-    KILOVLA_FAULT_NAN=R:N puts a NaN in one action value of rank R's first row of step N.
+    KILOVLA_FAULT_NAN=R:N puts a NaN in one action value of rank R's first row of step N;
+    KILOVLA_FAULT_SLOW=W:S makes each step S seconds longer while the world has W ranks (a run that a
+    node joins before it ends).
     Under torchrun they fire on its first attempt only (TORCHELASTIC_RESTART_COUNT 0): a restarted
-    group runs clean."""
+    group runs clean. A node joining restarts the group with the count still 0: SLOW is the one fault
+    a scale-up meets, and it ends with the world it names."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, world_size: int = 1):
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.kill_after = int(os.environ.get("KILOVLA_FAULT_AFTER_STEP", "-1")) if first else -1
         self.kill_in_checkpoint = int(os.environ.get("KILOVLA_FAULT_IN_CHECKPOINT", "-1")) if first else -1
         self.hang_at = self._rank_step("KILOVLA_FAULT_HANG", rank) if first else -1
         self.nan_at = self._rank_step("KILOVLA_FAULT_NAN", rank) if first else -1
+        self.slow_s = float(self._rank_step("KILOVLA_FAULT_SLOW", world_size, value=float)) if first else -1
 
     @staticmethod
-    def _rank_step(name: str, rank: int) -> int:
-        value = os.environ.get(name, "")
-        r, _, n = value.partition(":")
-        return int(n) if value and (r == "*" or int(r) == rank) else -1
+    def _rank_step(name: str, who: int, value=int):
+        """N of `R:N` in $name when R is `who` (a rank; SLOW's: the world size) or `*`, else -1."""
+        given = os.environ.get(name, "")
+        r, _, n = given.partition(":")
+        return value(n) if given and (r == "*" or int(r) == who) else -1
 
     def step_begins(self, step: int, row: dict) -> None:
+        if self.slow_s > 0:
+            time.sleep(self.slow_s)
         if step == self.hang_at:
             time.sleep(10**6)
         if step == self.nan_at:

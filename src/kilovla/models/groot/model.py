@@ -22,12 +22,17 @@ VL self-attention as varlen calls over real tokens, and the DiT's cross-attentio
 from each sample's 49 action-head tokens to that sample's VL tokens. The padded path masks padding
 everywhere; NVIDIA's DiT leaves the VL padding unmasked in cross-attention, so on padded batches
 our reference differs from theirs exactly where theirs attends to padding.
+
+With `moe` (`--policy.moe.*`, models/moe.py) each DiT block's feed-forward is routed experts (`FeedForwardExperts`);
+the LLM's and the VL self-attention's MLPs stay dense. The DiT's tokens are never padding, so both paths
+route all of them, in the same order.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +45,7 @@ from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weigh
 from kilovla.models.family import CameraSlots
 from kilovla.models.language import DecoderConfig
 from kilovla.models.layers import CategoryLinear, SwiGLU, apply_rope
+from kilovla.models.moe import GroupedExperts, MoEConfig, MoEMLP, Routing, moe_outputs
 from kilovla.models.vision import ViTConfig, VisionTower
 
 
@@ -90,11 +96,13 @@ class GrootConfig(CameraSlots):
     dropout: float = 0.0
     # Eagle's <IMG_CONTEXT> id (151669 in N1.5): camera features go where the prompt has these.
     image_token_id: int | None = None
+    moe: MoEConfig = field(default_factory=MoEConfig)  # routed experts in the DiT blocks' feed-forwards (models/moe.py)
 
     def __post_init__(self):
         if self.vl_self_attention_heads * self.vl_self_attention_head_dim != self.llm.width:
             raise KilovlaError("the VL self-attention width must equal the LLM width")
         self.check_shared()
+        self.moe.check()
 
     @property
     def action_head_tokens(self) -> int:
@@ -214,15 +222,45 @@ class _Attention(nn.Module):
 class _FeedForward(nn.Module):
     """diffusers' FeedForward with GELU(tanh) and final dropout: net.0.proj, net.1 (dropout), net.2, net.3."""
 
-    def __init__(self, dim: int, dropout: float = 0.0):
+    def __init__(self, dim: int, dropout: float = 0.0, hidden: int | None = None):
         super().__init__()
+        hidden = hidden or 4 * dim
         proj = nn.Module()
-        proj.proj = nn.Linear(dim, 4 * dim)
-        self.net = nn.ModuleList([proj, nn.Dropout(dropout), nn.Linear(4 * dim, dim), nn.Dropout(dropout)])
+        proj.proj = nn.Linear(dim, hidden)
+        self.net = nn.ModuleList([proj, nn.Dropout(dropout), nn.Linear(hidden, dim), nn.Dropout(dropout)])
 
     def forward(self, x):
         h = self.net[1](F.gelu(self.net[0].proj(x), approximate="tanh"))
         return self.net[3](self.net[2](h))
+
+
+class FeedForwardExperts(GroupedExperts):
+    """E `_FeedForward`s stacked for an MoE DiT block (models/moe.py): up_proj (E, H, W), up_bias (E, H),
+    down_proj (E, W, H), down_bias (E, W); dropout where the dense one has it (its draws differ)."""
+
+    dense_keys = {"up_proj": "net.0.proj.weight", "up_bias": "net.0.proj.bias", "down_proj": "net.2.weight",
+                  "down_bias": "net.2.bias"}
+
+    def __init__(self, n: int, width: int, hidden: int, dropout: float = 0.0):
+        super().__init__(n, width, hidden)
+        self.dropout = dropout
+
+    @staticmethod
+    def shapes(width: int, hidden: int) -> dict[str, tuple[int, ...]]:
+        return {"up_proj": (hidden, width), "up_bias": (hidden,), "down_proj": (width, hidden), "down_bias": (width,)}
+
+    @staticmethod
+    def dense(width: int, hidden: int) -> nn.Module:
+        return _FeedForward(width, hidden=hidden)
+
+    def fan_in(self, name: str) -> int:
+        """A bias draws as its linear's (nn.Linear: U(+-1 / sqrt(in_features)))."""
+        return getattr(self, name.replace("_bias", "_proj")).shape[-1]
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(F.linear(x, self.up_proj[e], self.up_bias[e]), approximate="tanh")
+        y = F.linear(F.dropout(h, self.dropout, self.training), self.down_proj[e], self.down_bias[e])
+        return F.dropout(y, self.dropout, self.training)
 
 
 class _AdaLayerNorm(nn.Module):
@@ -238,22 +276,27 @@ class _AdaLayerNorm(nn.Module):
 
 class _Block(nn.Module):
     """A transformer block of the VL self-attention stack (LayerNorm, self-attention) or of the DiT
-    (AdaLayerNorm on the flow time, cross-attention to the VL tokens when `kv_dim` is set); an FSDP unit."""
+    (AdaLayerNorm on the flow time, cross-attention to the VL tokens when `kv_dim` is set); an FSDP unit.
+    `moe` (a DiT block's, enabled): routed experts in place of the feed-forward, `layer` seeding their draws."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, kv_dim: int | None, ada: bool, dropout: float = 0.0):
+    def __init__(self, dim: int, heads: int, head_dim: int, kv_dim: int | None, ada: bool, dropout: float = 0.0,
+                 moe: MoEConfig | None = None, layer: int = 0):
         super().__init__()
         self.ada = ada
         self.norm1 = _AdaLayerNorm(dim) if ada else nn.LayerNorm(dim, eps=1e-5)
         self.attn1 = _Attention(dim, heads, head_dim, kv_dim, dropout)
         self.norm3 = nn.LayerNorm(dim, eps=1e-5, elementwise_affine=not ada)
-        self.ff = _FeedForward(dim, dropout)
+        self.ff = MoEMLP(dim, 4 * dim, moe, layer, partial(FeedForwardExperts, dropout=dropout)) if moe else \
+            _FeedForward(dim, dropout)
 
     def forward(self, x, temb=None, context=None, spec: VarlenSpec | None = None, mask: torch.Tensor | None = None,
-                backend: str = "sdpa_segments"):
-        """Self-attention over x, or cross-attention from x to `context`; `spec`/`mask` say who sees whom."""
+                backend: str = "sdpa_segments", routing: Routing | None = None):
+        """Self-attention over x, or cross-attention from x to `context`; `spec`/`mask` say who sees whom;
+        `routing`: what an MoE feed-forward routes and where it records its statistics."""
         h = self.norm1(x, temb) if self.ada else self.norm1(x)
         x = x + self.attn1(h, h if context is None else context, spec, mask, backend)
-        return x + self.ff(self.norm3(x))
+        h = self.norm3(x)
+        return x + (self.ff(h, routing) if isinstance(self.ff, MoEMLP) else self.ff(h))
 
 
 class _VLSelfAttention(nn.Module):
@@ -288,7 +331,8 @@ class _DiT(nn.Module):
         d = cfg.dit
         self.timestep_encoder = _TimestepEncoder(d.width)
         self.transformer_blocks = nn.ModuleList(
-            _Block(d.width, d.heads, d.head_dim, cfg.llm.width if i % 2 == 0 else None, ada=True, dropout=cfg.dropout)
+            _Block(d.width, d.heads, d.head_dim, cfg.llm.width if i % 2 == 0 else None, ada=True, dropout=cfg.dropout,
+                   moe=cfg.moe if cfg.moe.enabled else None, layer=i)
             for i in range(d.depth))
         self.norm_out = nn.LayerNorm(d.width, eps=1e-6, elementwise_affine=False)
         self.proj_out_1 = nn.Linear(d.width, 2 * d.width)
@@ -468,9 +512,9 @@ class GrootModel(nn.Module):
         future = head.future_tokens.weight[None].expand(b, -1, -1)
         return torch.cat([state_emb, future, actions], dim=1), temb  # (B, 49, D)
 
-    def _dit_blocks(self, blocks: range, x, temb, vl: _VL):
+    def _dit_blocks(self, blocks: range, x, temb, vl: _VL, routing: Routing | None = None):
         """DiT blocks `blocks` over x: odd ones self-attention among a sample's action-head tokens
-        (never padded), even ones cross-attention to the VL tokens."""
+        (never padded), even ones cross-attention to the VL tokens; `routing`: an MoE DiT's, while training."""
         head, (b, n) = self.action_head, x.shape[:2]
         backend = self._backend(x.device)
         if vl.lengths is None:
@@ -479,7 +523,8 @@ class GrootModel(nn.Module):
             cross_mask, cross_spec = None, VarlenSpec.from_lengths(torch.full_like(vl.lengths, n), vl.lengths)
         for i in blocks:
             block = head.model.transformer_blocks[i]
-            x = block(x, temb) if i % 2 else block(x, temb, vl.x, spec=cross_spec, mask=cross_mask, backend=backend)
+            x = block(x, temb, routing=routing) if i % 2 else \
+                block(x, temb, vl.x, spec=cross_spec, mask=cross_mask, backend=backend, routing=routing)
         return x
 
     def _decode(self, x, temb, horizon: int, embodiment) -> torch.Tensor:
@@ -528,11 +573,15 @@ class GrootModel(nn.Module):
         x, temb = self._dit_inputs(batch.state, x_t, t, emb, embed=receive is None)
         if receive is not None:
             vl.x, x = receive(vl.x, x)
-        x = self._dit_blocks(layers, x, temb, vl)
+        routing = Routing() if self.config.moe.enabled else None  # the DiT's tokens: none is padding, all routed
+        x = self._dit_blocks(layers, x, temb, vl, routing)
         if layers.stop < depth:
             return vl.x, x
         v = self._decode(x, temb, x_t.shape[1], emb)
-        return flow_loss(v, target, loss_weight(batch, target))
+        out = flow_loss(v, target, loss_weight(batch, target))
+        if routing is not None:  # the routing losses beside the flow-matching loss (models/moe.py)
+            out.update(moe_outputs(routing.stats, self.config.moe))
+        return out
 
     def velocity_field(self, batch: PaddedBatch | PackedBatch):
         """The VL features are computed once; returns `field(x, t) -> v` in openpi's convention (noise at

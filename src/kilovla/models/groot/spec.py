@@ -59,4 +59,5 @@ FAMILY = Family(
                 rename=lambda key, name: key, own_prefixes=("backbone.eagle_model.", "action_head."),
                 layouts=("groot", "lerobot-groot"), native_layout="groot"),
     supports_rtc=False,
+    moe=lambda cfg: cfg.moe,
 )

@@ -30,6 +30,10 @@ steps from noise (t = 1) to actions (t = 0) with the suffix alone.
 Loss: `loss_reduction="kilovla"` averages (u - v)^2 over the elements that count (padded steps and
 action dims divided out); `"lerobot_v044"` is that release's mean over every T x max_action_dim
 element, pad mask ignored.
+
+With `moe` (`--policy.moe.*`, models/moe.py) each action-expert layer's MLP is routed SwiGLU experts; the
+VLM's layers stay dense. Only real action tokens are routed: the padded path leaves out the steps past a
+sample's horizon, which the packed path never lays down.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weigh
 from kilovla.models.family import CameraSlots
 from kilovla.models.language import DecoderConfig, SelfAttentionProjections
 from kilovla.models.layers import SwiGLU, apply_rope, sincos_time_embedding
+from kilovla.models.moe import MoEConfig, MoEMLP, Routing, SwiGLUExperts, moe_outputs
 from kilovla.models.smolvla.attention import DenseAttention, PackedAttention
 from kilovla.models.vision import ViTConfig, VisionModel
 
@@ -92,6 +97,7 @@ class SmolVLAConfig(CameraSlots):
     min_period: float = 4e-3
     max_period: float = 4.0
     loss_reduction: str = "kilovla"  # or "lerobot_v044"
+    moe: MoEConfig = field(default_factory=MoEConfig)  # routed experts in the action expert's MLPs (models/moe.py)
 
     def __post_init__(self):
         side = self.vision.image_size // self.vision.patch_size
@@ -109,6 +115,7 @@ class SmolVLAConfig(CameraSlots):
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise KilovlaError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, not {self.loss_reduction!r}")
         self.check_shared()
+        self.moe.check()
 
     @property
     def camera_tokens(self) -> int:
@@ -149,9 +156,11 @@ class LlamaRMSNorm(nn.Module):
 class LlamaLayer(nn.Module):
     """One stream's half of a SmolVLA layer, with the attention passed in (`attend`), as
     models/language.py's DecoderLayer. `cross`: an expert layer of a cross-attention layer, whose
-    k/v projections read the VLM's keys and values (kv_heads * head_dim wide) instead of its own stream."""
+    k/v projections read the VLM's keys and values (kv_heads * head_dim wide) instead of its own stream.
+    `moe` (an expert layer's, enabled): routed experts in place of the MLP, `layer` seeding their draws."""
 
-    def __init__(self, cfg: DecoderConfig, eps: float, theta: float, cross: bool = False):
+    def __init__(self, cfg: DecoderConfig, eps: float, theta: float, cross: bool = False, moe: MoEConfig | None = None,
+                 layer: int = 0):
         super().__init__()
         self.head_dim, self.theta = cfg.head_dim, theta
         self.input_layernorm = LlamaRMSNorm(cfg.width, eps)
@@ -161,13 +170,15 @@ class LlamaLayer(nn.Module):
             self.self_attn.k_proj = nn.Linear(kv, kv, bias=False)
             self.self_attn.v_proj = nn.Linear(kv, kv, bias=False)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.width, eps)
-        self.mlp = SwiGLU(cfg.width, cfg.mlp_dim)
+        self.mlp = MoEMLP(cfg.width, cfg.mlp_dim, moe, layer, SwiGLUExperts) if moe else SwiGLU(cfg.width, cfg.mlp_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend, keys_only: bool = False,
-                cross_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+                cross_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                routing: Routing | None = None) -> tuple[torch.Tensor, ...]:
         """x (B, T, W) -> (x, *carry), `attend(q, k, v) -> (out, *carry)` with q/k/v (B, T, heads, head_dim).
         `cross_kv`: the VLM's (post-RoPE keys, values) this layer's k/v projections read (no RoPE on them).
-        keys_only: q is None and x comes back unchanged (a stream nothing reads after this layer)."""
+        keys_only: q is None and x comes back unchanged (a stream nothing reads after this layer). routing: what
+        an MoE MLP routes and where it records its statistics."""
         attn, hd = self.self_attn, self.head_dim
         h = self.input_layernorm(x)
         lead = h.shape[:-1]
@@ -183,7 +194,8 @@ class LlamaLayer(nn.Module):
         if keys_only:
             return (x, *carry)
         x = x + attn.o_proj(out.flatten(-2))
-        return (x + self.mlp(self.post_attention_layernorm(x)), *carry)
+        h = self.post_attention_layernorm(x)
+        return (x + (self.mlp(h, routing) if isinstance(self.mlp, MoEMLP) else self.mlp(h)), *carry)
 
 
 class _TextModel(nn.Module):
@@ -237,8 +249,9 @@ class _Expert(nn.Module):
     def __init__(self, cfg: SmolVLAConfig):
         super().__init__()
         ex = cfg.expert
-        self.layers = nn.ModuleList(LlamaLayer(ex, cfg.rms_norm_eps, cfg.rope_theta, cross=not cfg.is_self_attention(i))
-                                    for i in range(ex.depth))
+        moe = cfg.moe if cfg.moe.enabled else None
+        self.layers = nn.ModuleList(LlamaLayer(ex, cfg.rms_norm_eps, cfg.rope_theta, cross=not cfg.is_self_attention(i),
+                                               moe=moe, layer=i) for i in range(ex.depth))
         self.norm = LlamaRMSNorm(ex.width, cfg.rms_norm_eps)
 
 
@@ -313,20 +326,21 @@ class SmolVLAModel(nn.Module):
         return self.action_time_mlp_out(F.silu(self.action_time_mlp_in(mixed)))
 
     # -- the layer loop --------------------------------------------------------------------------------
-    def _layer(self, i: int, x_pre, x_suf, pos: _Positions, attend, cached=None):
+    def _layer(self, i: int, x_pre, x_suf, pos: _Positions, attend, cached=None, routing: Routing | None = None):
         """One VLM / expert layer pair -> (x_pre, x_suf, the prefix's post-RoPE (k, v)). The expert's forward
         runs inside the VLM layer's attention call, so a pair is one forward call (one FSDP unit). Either
         stream may be None: the prefix alone fills the sampler's cache; the suffix alone reads `cached`.
-        `attend`: a plan of models/smolvla/attention.py."""
+        `attend`: a plan of models/smolvla/attention.py; `routing`: an MoE expert's, while training."""
         ex = self.expert.layers[i]
         joint = self.config.is_self_attention(i)
 
         def run_expert(kp, vp, qp=None):
             """-> (new x_suf, the prefix's attention output when a joint layer is given qp)."""
             if not joint:
-                (x,) = ex(x_suf, pos.suf_cross, lambda qs, ks, vs: (attend.cross(qs, ks, vs),), cross_kv=(kp, vp))
+                (x,) = ex(x_suf, pos.suf_cross, lambda qs, ks, vs: (attend.cross(qs, ks, vs),), cross_kv=(kp, vp),
+                          routing=routing)
                 return x, None
-            return ex(x_suf, pos.suf, lambda qs, ks, vs: attend.joint(qp, kp, vp, qs, ks, vs)[::-1])
+            return ex(x_suf, pos.suf, lambda qs, ks, vs: attend.joint(qp, kp, vp, qs, ks, vs)[::-1], routing=routing)
 
         if x_pre is None:
             return None, run_expert(*cached[i])[0], None
@@ -342,12 +356,12 @@ class SmolVLAModel(nn.Module):
         x_pre, x_suf, k, v = self.text.layers[i](x_pre, pos.pre, attend_prefix, keys_only=last)
         return x_pre, x_suf, (k, v)
 
-    def _run_layers(self, x_pre, x_suf, pos: _Positions, attend, cached=None):
+    def _run_layers(self, x_pre, x_suf, pos: _Positions, attend, cached=None, routing: Routing | None = None):
         """Both streams through every layer -> (the expert's normed output or None, per-layer prefix (k, v))."""
         kv_cache = []
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for i in range(self.config.num_vlm_layers):
-            args = (i, x_pre, x_suf, pos, attend, cached)
+            args = (i, x_pre, x_suf, pos, attend, cached, routing)
             if recompute:
                 x_pre, x_suf, kv = torch.utils.checkpoint.checkpoint(self._layer, *args, use_reentrant=False)
             else:
@@ -390,14 +404,16 @@ class SmolVLAModel(nn.Module):
         attend = DenseAttention(additive(prefix_lm_mask(input_mask, ar)), n, self.config.text.head_dim ** -0.5)
         return x_pre, attend, pos, pre_mask
 
-    def forward_padded(self, batch: PaddedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def forward_padded(self, batch: PaddedBatch, x_t: torch.Tensor, t: torch.Tensor,
+                       routing: Routing | None = None) -> torch.Tensor:
         """Velocity prediction (B, H, max_action_dim) through the padded path (LeRobot's layout)."""
         x_pre, attend, pos, _ = self._padded_layout(batch, x_t.shape[1])
-        out, _ = self._run_layers(x_pre, self.embed_suffix(x_t, t), pos, attend)
+        out, _ = self._run_layers(x_pre, self.embed_suffix(x_t, t), pos, attend, routing=routing)
         return self.action_out_proj(out)
 
     # -- packed path ----------------------------------------------------------------------------------
-    def forward_packed(self, batch: PackedBatch, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def forward_packed(self, batch: PackedBatch, x_t: torch.Tensor, t: torch.Tensor,
+                       routing: Routing | None = None) -> torch.Tensor:
         """Velocity prediction (B, H, max_action_dim) with every sample's real tokens end to end, no padding:
         per sample [its images | its language | its state] then the chunk positions it has."""
         cfg = self.config
@@ -416,7 +432,7 @@ class SmolVLAModel(nn.Module):
         pos = _Positions(pre_pos, pre_len[suf_sample] + rank, rank)
         attend = PackedAttention(pre_len, suf_len, cfg.text.head_dim ** -0.5,
                                  resolve_backend(cfg.attention_backend, dev))
-        out, _ = self._run_layers(x_pre, self.embed_suffix(x_t, t)[suf_valid], pos, attend)
+        out, _ = self._run_layers(x_pre, self.embed_suffix(x_t, t)[suf_valid], pos, attend, routing=routing)
         v = x_t.new_zeros(b, horizon, cfg.max_action_dim)
         v[suf_sample, suf_slot] = self.action_out_proj(out).to(v.dtype)
         return v
@@ -429,7 +445,8 @@ class SmolVLAModel(nn.Module):
     def forward(self, batch: PaddedBatch | PackedBatch, noise: torch.Tensor | None = None,
                 time: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Flow-matching loss: {"loss", "per_sample" (B,), "v_t" (B, H, A)}, reduced as `loss_reduction` says.
-        A PaddedBatch runs packed when config.packing is set."""
+        A PaddedBatch runs packed when config.packing is set. With MoE the dict also holds the routing losses
+        and counts (`moe_*`, models/moe.py `moe_outputs`)."""
         if batch.actions is None:
             raise KilovlaError("training needs actions in the batch")
         actions = batch.actions
@@ -439,11 +456,18 @@ class SmolVLAModel(nn.Module):
         u_t = noise - actions
         if isinstance(batch, PaddedBatch) and self.config.packing:
             batch = batch.pack(self.config.enabled_cameras)
-        v_t = (self.forward_packed if isinstance(batch, PackedBatch) else self.forward_padded)(batch, x_t, t)
+        packed = isinstance(batch, PackedBatch)
+        # an MoE expert routes the real action tokens: the padded path's within the horizon, the packed path's all
+        routing = Routing(valid=None if packed else batch.horizon_mask) if self.config.moe.enabled else None
+        v_t = (self.forward_packed if packed else self.forward_padded)(batch, x_t, t, routing)
         if self.config.loss_reduction == "lerobot_v044":
             err = (u_t - v_t) ** 2
-            return {"loss": err.mean(), "per_sample": err.mean((1, 2)), "v_t": v_t}
-        return flow_loss(v_t, u_t, loss_weight(batch, u_t))
+            out = {"loss": err.mean(), "per_sample": err.mean((1, 2)), "v_t": v_t}
+        else:
+            out = flow_loss(v_t, u_t, loss_weight(batch, u_t))
+        if routing is not None:  # the routing losses beside the flow-matching loss (models/moe.py)
+            out.update(moe_outputs(routing.stats, self.config.moe))
+        return out
 
     # -- inference -------------------------------------------------------------------------------------
     def velocity_field(self, batch: PaddedBatch):

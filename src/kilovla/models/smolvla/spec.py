@@ -56,4 +56,5 @@ FAMILY = Family(
                 rename=lambda key, name: key, own_prefixes=("vlm_with_expert.",)),
     supports_rtc=True,
     tokenizer_kind="smolvlm2",
+    moe=lambda cfg: cfg.moe,
 )

@@ -10,7 +10,10 @@ rows per rank (ratio < 1 is what sharding costs in communication on this machine
 `train_samples_per_s_{tp2,pp2}`: the same 2 ranks as one model replica split by tensor parallelism
 (heads and MLP halves, two all-reduces per layer) or as two pipeline stages (1F1B over the step's 8
 rows), against DDP on them at the same global batch: what a mesh costs where the model would fit
-one device anyway; on GPUs that do not hold the model, it is the only way to train at all.
+one device anyway; on GPUs that do not hold the model, it is the only way to train at all. Row
+`train_samples_per_s_ep2`: pi0.5's action expert as a mixture of 4 experts (top 2), DDP (each rank
+all 4 experts) vs EP=2 (2 experts a rank, tokens exchanged by two all-to-alls per MoE layer) on the
+same 2 ranks and batch: what the expert exchange costs where the experts fit one device.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 from kilovla.data.synthetic import make_synthetic_dataset
 
 SAMPLES_PER_ROW = 4
+MOE = ("--policy.moe.num_experts=4", "--policy.moe.top_k=2")
 TOKEN_BUDGET = 760  # 4 samples of ~150-180 tokens (2 x 64 camera tokens, a short prompt, 8 actions)
 
 
@@ -52,6 +56,7 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, console=None)
         dataset = make_synthetic_dataset(Path(tmp) / "ds", episodes=12, frames=(30, 50), resolution=(64, 64), seed=0)
         runs = [(strategy, rows, ()) for strategy in ("ddp", "fsdp") for rows in (1, 4)]
         runs += [(name, 4, (f"--parallel.{name[:2]}=2",)) for name in ("tp2", "pp2")]
+        runs += [("ddp_moe", 4, MOE), ("ep2", 4, (*MOE, "--parallel.ep=2"))]
         for strategy, rows, mesh in runs:
             records = _train(dataset, Path(tmp) / f"{strategy}-{rows}", "ddp" if mesh else strategy, rows, steps,
                              mesh)[warmup:]
@@ -81,8 +86,14 @@ def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, console=None)
                                 note=f"2 ranks, {SAMPLES_PER_ROW * 8} samples a step: DDP (2 replicas, 4 rows each) vs "
                                      f"{how}, {mesh['rows_per_rank']:g} rows per replica; step {ddp['step_time_s']:.2f} s "
                                      f"vs {mesh['step_time_s']:.2f} s"))
-    from kilovla.bench.scaling_model import table
+    moe, ep = results[("ddp_moe", 4)], results[("ep2", 4)]
+    rows.append(Row.compare("train_samples_per_s_ep2", "samples/s", moe["samples_per_s"], ep["samples_per_s"],
+                            higher_is_better=True,
+                            note=f"2 ranks, MoE expert E=4 K=2: DDP (all experts on each rank) vs EP=2 (2 experts a "
+                                 f"rank, all-to-all per MoE layer); step {moe['step_time_s']:.2f} s vs "
+                                 f"{ep['step_time_s']:.2f} s"))
+    from kilovla.bench.scaling_model import ep_table, table
 
     extra = {"runs": {f"{s}_rows_{r}": v for (s, r), v in results.items()}, "world_size": 2,
-             "scaling_model": table()}  # estimates for 8-1024 GPUs (bench/scaling_model.py), not measured
+             "scaling_model": table(), "scaling_model_ep": ep_table()}  # estimates for 8-1024 GPUs (bench/scaling_model.py), not measured
     return write_suite("scaling", rows, quick=quick, out_dir=out_dir, extra=extra, console=console)

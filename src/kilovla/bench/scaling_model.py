@@ -29,6 +29,7 @@ scaling` measure on the ranks at hand.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kilovla.models.language import DecoderConfig
@@ -55,6 +56,7 @@ class Shape:
     layer_params: float  # one LM + expert layer pair
     flops: float  # one sample, forward + backward
     activation_bytes: float  # one sample's hidden states at a layer boundary (bf16)
+    expert_width: int = 0  # the action expert's hidden width: the bytes an expert-parallel token carries
 
 
 def shape(name: str, **overrides) -> Shape:
@@ -70,7 +72,7 @@ def shape(name: str, **overrides) -> Shape:
     flops = 8 * (count(vit) * CAMERAS * IMAGE_TOKENS + cfg.lm.depth * (lm_layer * prefix + expert_layer * CHUNK))
     flops += 16 * cfg.lm.depth * attn_width * (prefix * prefix + CHUNK * (prefix + CHUNK))
     return Shape(name, count(model), cfg.lm.depth, lm_layer + expert_layer, flops,
-                 2 * (prefix * cfg.lm.width + CHUNK * cfg.expert.width))
+                 2 * (prefix * cfg.lm.width + CHUNK * cfg.expert.width), cfg.expert.width)
 
 
 def _ring(n: int, bytes_: float, factor: float, link: float) -> float:
@@ -108,6 +110,27 @@ def estimate(s: Shape, gpus: int, tp: int = 1, pp: int = 1, fsdp: bool = False) 
             "fits": memory <= GPU_MEMORY, "comm_s": tp_comm + pp_comm + exposed_dp, "bubble": bubble}
 
 
+def ep_all_to_all_s(s: Shape, ep: int, top_k: int = 2) -> float:
+    """A GPU's seconds a step in expert parallelism's all-to-alls, were every action-expert MLP routed experts
+    split over `ep` GPUs (`--parallel.ep`): each of its action tokens (CHUNK a sample) travels to its top_k
+    experts and back (2 directions) in bf16 at the expert's width, in the forward, the recomputed forward and
+    the backward (3 passes), at every layer; (ep-1)/ep of it leaves the GPU, over NVLink while ep fits a
+    node. On the critical path (a layer waits for its tokens), so nothing is overlapped."""
+    if ep <= 1:
+        return 0.0
+    link = NVLINK if ep <= NODE else NETWORK
+    per_gpu = SAMPLES_PER_GPU * CHUNK * top_k * 2 * (2 * s.expert_width) * 3 * s.layers
+    return per_gpu * (ep - 1) / ep / link
+
+
+def ep_table(gpus: int = 1024, top_k: int = 2) -> list[dict]:
+    """The all-to-all term at `gpus` GPUs beside the DDP step it would add to, for pi05-3b with an MoE expert."""
+    s = shape("pi05-3b")
+    ddp = estimate(s, gpus)["step_s"]
+    return [{"model": "pi05-3b", "gpus": gpus, "ep": ep, "top_k": top_k, "all_to_all_s": ep_all_to_all_s(s, ep, top_k),
+             "ddp_step_s": ddp, "fraction_of_step": ep_all_to_all_s(s, ep, top_k) / ddp} for ep in (2, 8, 16)]
+
+
 LAYOUTS = {  # (name, tp, pp, fsdp) per model: 3D puts TP in a node and as few stages as fit (46 layers: 2)
     "pi05-3b": [("DDP", 1, 1, False), ("FSDP", 1, 1, True), ("3D: TP=2 x FSDP", 2, 1, True)],
     "pi0-30b": [("DDP", 1, 1, False), ("FSDP", 1, 1, True), ("3D: TP=8 x PP=2 x DDP", 8, 2, False)],
@@ -116,7 +139,9 @@ GPUS = (8, 64, 256, 1024)
 
 
 def table() -> list[dict]:
-    shapes = {"pi05-3b": shape("pi05-3b"), "pi0-30b": shape("pi0-30b", pi05=False, **LARGE)}
+    # preset() takes overrides as mappings (it checks each key and type), not DecoderConfigs
+    large = {k: dataclasses.asdict(v) for k, v in LARGE.items()}
+    shapes = {"pi05-3b": shape("pi05-3b"), "pi0-30b": shape("pi0-30b", pi05=False, **large)}
     rows = []
     for name, s in shapes.items():
         for layout, tp, pp, fsdp in LAYOUTS[name]:
@@ -140,3 +165,6 @@ def markdown(rows: list[dict]) -> str:
 
 if __name__ == "__main__":
     print(markdown(table()))
+    for r in ep_table():
+        print(f"EP={r['ep']} (top {r['top_k']}) at {r['gpus']} GPUs: all-to-all {r['all_to_all_s'] * 1e3:.1f} ms a step, "
+              f"{100 * r['fraction_of_step']:.1f} % of the {r['ddp_step_s']:.2f} s DDP step")

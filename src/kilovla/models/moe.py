@@ -14,7 +14,9 @@ in `moe/dropped_fraction`.
 The forward is four functions, so expert parallelism can put its all-to-all between `dispatch` and
 `expert_compute`: `route` (router logits -> top-k experts and weights), `dispatch` (assignments sorted by
 expert, with per-expert counts, capacity applied), `expert_compute` (each expert on its tokens: a loop of
-matmuls over the stacked weights) and `combine` (weighted scatter-add back to the tokens).
+matmuls over the stacked weights) and `combine` (weighted scatter-add back to the tokens). Under
+`--parallel.ep` a layer's `exchange` (train/expert_parallel.py) takes expert_compute's place: it sends
+the assignments to their experts' ranks, runs expert_compute there and brings the outputs back.
 
 Weights: one stacked parameter per projection, each expert's slice in nn.Linear's (out, in) layout:
 ``experts.gate_proj`` / ``experts.up_proj`` (E, H, W), ``experts.down_proj`` (E, W, H); dim 0 is what
@@ -166,9 +168,14 @@ class GroupedExperts(nn.Module):
         return F.gelu(x, approximate="tanh")
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on tokens x (M, W), as the dense MLP computes it."""
-        return F.linear(self.activation(F.linear(x, self.gate_proj[e])) * F.linear(x, self.up_proj[e]),
-                        self.down_proj[e])
+        """Expert e on tokens x (M, W), as the dense MLP computes it; e counts this rank's experts (all of them
+        unless expert parallelism split the stacks: then they are DTensors, and this is their local slice)."""
+        gate, up, down = (_local(p)[e] for p in (self.gate_proj, self.up_proj, self.down_proj))
+        return F.linear(self.activation(F.linear(x, gate)) * F.linear(x, up), down)
+
+    def forward(self, x: torch.Tensor, plan: Dispatch, k: int) -> torch.Tensor:
+        """`expert_compute` as a module call, for hooks that wrap one (FSDP's gather of expert shards)."""
+        return expert_compute(self, x, plan, k)
 
     def fan_in(self, name: str) -> int:
         """The inputs of the linear a stack's slices are (nn.Linear draws U(+-1 / sqrt(fan_in)))."""
@@ -189,6 +196,10 @@ class SwiGLUExperts(GroupedExperts):
     @staticmethod
     def activation(x: torch.Tensor) -> torch.Tensor:
         return F.silu(x)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def expert_compute(experts: GroupedExperts, x: torch.Tensor, plan: Dispatch, k: int) -> torch.Tensor:
@@ -244,6 +255,7 @@ class MoEMLP(nn.Module):
         self.router = Router(width, cfg.num_experts)
         self.experts = experts(cfg.num_experts, width, h)
         self.shared = experts(cfg.shared_experts, width, h) if cfg.shared_experts else None
+        self.exchange = None  # expert parallelism's dispatch and combine (train/expert_parallel.py); None: local
         dense = self.experts.dense(width, hidden)  # the dense model's draws from the global generator, in its order
         self.init_seed = (torch.initial_seed() * 1_000_003 + 7919 * (layer + 1)) % 2**63
         if self.router.weight.is_meta:
@@ -277,7 +289,8 @@ class MoEMLP(nn.Module):
         logits = self.router(tokens)  # (N, E) float32
         probs, experts, weights = route(logits, cfg.top_k)
         plan = dispatch(experts, cfg.num_experts, self.capacity(len(tokens)))
-        out = combine(expert_compute(self.experts, tokens, plan, cfg.top_k), weights, plan, len(tokens), cfg.top_k)
+        compute = expert_compute if self.exchange is None else self.exchange
+        out = combine(compute(self.experts, tokens, plan, cfg.top_k), weights, plan, len(tokens), cfg.top_k)
         if self.shared is not None:
             out = out + self.shared.all_summed(tokens)
         if routing is not None:

@@ -71,6 +71,7 @@ class ParallelConfig:
     strategy: str = "ddp"  # or fsdp (one FSDP2 unit per transformer layer); with tp, on the data dimension
     tp: int = 1  # tensor-parallel degree: ranks that share one model replica (train/tensor_parallel.py)
     pp: int = 1  # pipeline stages over pi0's decoder layers or GR00T's DiT blocks, 1F1B (train/pipeline.py)
+    ep: int = 1  # expert-parallel degree: data-parallel ranks that split the routed experts (train/expert_parallel.py)
     bucket_cap_mb: int = 25
     gradient_as_bucket_view: bool = True
     static_graph: bool = False  # refused on several ranks: breaks accumulation over rows (see validate_config)
@@ -301,6 +302,7 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
     from kilovla.models.presets import preset
 
     from kilovla.models.family import chunk_length
+    from kilovla.train.expert_parallel import ep_problems
 
     cfg = with_init_model(cfg)
     model_cfg = preset(cfg.policy.preset, **dict(cfg.policy.overrides))  # every override's key and type
@@ -320,6 +322,7 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
         problems.append(f"eval.every must be >= 0 and eval.episodes >= 1 (got {cfg.eval.every}, {cfg.eval.episodes})")
     problems += cfg.policy.lora.check()
     problems += _mesh_problems(cfg, world_size)
+    problems += ep_problems(cfg, world_size)
     if cfg.policy.lora.enabled and cfg.expert_only:
         problems.append("policy.lora.rank and expert_only are two ways to choose what trains: pick one")
     if cfg.policy.lora.enabled and (cfg.freeze_vision is not None or cfg.freeze_vlm is not None):

@@ -57,7 +57,8 @@ class World:
     device: torch.device = torch.device("cpu")
     timeout_s: float = 1800.0
     control: object = field(default=None, compare=False)  # a gloo group for barriers that name the missing rank
-    # with tensor or pipeline parallelism: the ("pp", "dp", "tp") DeviceMesh; rank = (pp * dp_size + dp) * tp + tp
+    # with tensor, pipeline or expert parallelism: the ("pp", "dp", "tp") DeviceMesh; rank = (pp * dp_size + dp) * tp + tp.
+    # With ep, "dp" is ("edp", "ep") flattened: dp = edp * ep + ep_rank (train/expert_parallel.py)
     mesh: object = field(default=None, compare=False)
 
     @property
@@ -65,10 +66,12 @@ class World:
         return self.rank == 0
 
     def _dim(self, name: str) -> int:
-        return 1 if self.mesh is None else self.mesh[name].size()
+        if self.mesh is None or (name in ("ep", "edp") and "ep" not in self.mesh.mesh_dim_names):
+            return 1
+        return self.mesh[name].size()
 
     def dim_size(self, name: str) -> int:
-        """Ranks along one mesh dimension ("dp", "tp", "pp"); without a mesh every rank is a replica."""
+        """Ranks along one mesh dimension ("dp", "tp", "pp", "ep"); without a mesh every rank is a replica."""
         return self.dp_size if name == "dp" else self._dim(name)
 
     @property
@@ -78,6 +81,10 @@ class World:
     @property
     def pp(self) -> int:
         return self._dim("pp")
+
+    @property
+    def ep(self) -> int:
+        return self._dim("ep")
 
     @property
     def dp_size(self) -> int:
@@ -111,8 +118,9 @@ class World:
         return self.group("tp")
 
 
-def init(timeout_s: float = 1800.0, tp: int = 1, pp: int = 1) -> World:
-    """The process group of a torchrun launch; with `tp` or `pp` > 1 also the ("pp", "dp", "tp") mesh."""
+def init(timeout_s: float = 1800.0, tp: int = 1, pp: int = 1, ep: int = 1) -> World:
+    """The process group of a torchrun launch; with `tp` or `pp` > 1 also the ("pp", "dp", "tp") mesh, with
+    `ep` > 1 the ("pp", "edp", "ep", "tp") mesh whose ("edp", "ep") flattened is "dp"."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -128,12 +136,18 @@ def init(timeout_s: float = 1800.0, tp: int = 1, pp: int = 1) -> World:
         # monitored_barrier (which names the ranks that did not arrive) exists on gloo only.
         control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     mesh = None
-    if tp * pp > 1:
-        if size % (tp * pp):
-            raise KilovlaError(f"parallel.tp={tp} x parallel.pp={pp} does not divide the world size {size}")
+    if tp * pp * ep > 1:
+        if size % (tp * pp * ep):
+            raise KilovlaError(f"parallel.tp={tp} x parallel.pp={pp} x parallel.ep={ep} does not divide the world "
+                               f"size {size}")
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (pp, size // (tp * pp), tp), mesh_dim_names=("pp", "dp", "tp"))
+        dp = size // (tp * pp)
+        if ep == 1:
+            mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        else:  # torchtitan's layout: ep borrows the inner ranks of the data dimension
+            mesh = init_device_mesh(device.type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
+            mesh[("edp", "ep")]._flatten("dp")
     return World(rank, size, local, device, timeout_s, control, mesh)
 
 
@@ -163,9 +177,10 @@ def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb:
                 find_unused_parameters: bool = False, bf16: bool = False) -> nn.Module:
     """Wrap `model` for `world`; returns what the training step calls (the model itself under FSDP or
     tensor parallelism). With `world.mesh`, the model's decoder layers are sharded over its "tp"
-    dimension first (train/tensor_parallel.py) and `strategy` applies to its "dp" dimension: fsdp
-    shards over it, ddp leaves the gradient average to the trainer (`data_parallel_reduce`), as
-    DistributedDataParallel does not take DTensor parameters."""
+    dimension first (train/tensor_parallel.py), the routed experts over its "ep" dimension
+    (train/expert_parallel.py), and `strategy` applies to its "dp" dimension: fsdp shards over it (the
+    expert stacks over "edp"), ddp leaves the gradient average to the trainer (`data_parallel_reduce`),
+    as DistributedDataParallel does not take DTensor parameters."""
     if world.size == 1:
         return model
     if world.mesh is not None:  # (a pipeline stage's model holds its own layers already: train/pipeline.py)
@@ -173,6 +188,10 @@ def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb:
             from kilovla.train.tensor_parallel import apply_tp
 
             apply_tp(model, world.mesh["tp"])
+        if world.ep > 1:
+            from kilovla.train.expert_parallel import apply_ep
+
+            apply_ep(model, world.mesh["ep"])
         if strategy == "ddp" or world.dp_size == 1:
             return model
     if strategy == "ddp":
@@ -196,6 +215,11 @@ def parallelize(model: nn.Module, strategy: str, world: World, *, bucket_cap_mb:
         kwargs = {} if world.mesh is None else {"mesh": world.mesh["dp"]}
         if bf16 and world.device.type == "cuda":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if world.ep > 1:  # expert shards: FSDP over the ranks that hold the same experts ("edp")
+            from kilovla.train.expert_parallel import expert_stacks
+
+            for experts in expert_stacks(model):
+                fully_shard(experts, **{**kwargs, "mesh": world.mesh["edp"]})
         units = layer_units(model)
         for i, unit in enumerate(units):
             # The last unit's parameters are needed again at once by backward: keep them gathered.
@@ -349,9 +373,37 @@ def all_reduce_flat(tensors: list[torch.Tensor], group, divide: int = 1) -> None
 
 def data_parallel_reduce(params: list[torch.Tensor], world: World) -> None:
     """The gradient average over the model replicas (the mesh's "dp" dimension) when the data dimension
-    runs as ddp: DistributedDataParallel does not take DTensor parameters nor a pipeline stage's."""
-    if world.dp_size > 1:
+    runs as ddp: DistributedDataParallel does not take DTensor parameters nor a pipeline stage's. Expert
+    shards (`--parallel.ep`) are summed over "edp" only, the ranks holding the same shard, and divided alike:
+    each shard's gradient already holds its ep group's tokens (train/expert_parallel.py)."""
+    if world.dp_size == 1:
+        return
+    if world.ep == 1:
         all_reduce_flat([_local(p.grad) for p in params if p.grad is not None], world.dp_group, world.dp_size)
+        return
+    from kilovla.train.expert_parallel import is_expert_shard
+
+    experts = [p for p in params if is_expert_shard(p)]
+    for p in experts:  # a shard none of the step's tokens reached still takes part in the all-reduce
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    all_reduce_flat([_local(p.grad) for p in params if p.grad is not None and not is_expert_shard(p)],
+                    world.dp_group, world.dp_size)
+    if world.dim_size("edp") > 1:
+        all_reduce_flat([_local(p.grad) for p in experts], world.group("edp"), world.dp_size)
+    else:
+        for p in experts:
+            _local(p.grad).div_(world.dp_size)
+
+
+def fsdp_expert_average(params: list[torch.Tensor], world: World) -> None:
+    """FSDP averages an expert shard's gradient over "edp", the ranks that hold it; the average over every
+    replica divides by ep more (gloo has no PREMUL_SUM for FSDP's own divide factor)."""
+    from kilovla.train.expert_parallel import is_expert_shard
+
+    for p in params:
+        if p.grad is not None and is_expert_shard(p):
+            _local(p.grad).div_(world.ep)
 
 
 def _sharded_dims(t: torch.Tensor) -> tuple[str, ...]:

@@ -100,7 +100,7 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         for entry in index.datasets():
             check_dataset(entry.root, problems=entry.problems)
     world = distributed.init(cfg.parallel.timeout_s or elastic.UNMEASURED_DEADLINE_S, tp=cfg.parallel.tp,
-                             pp=cfg.parallel.pp)
+                             pp=cfg.parallel.pp, ep=cfg.parallel.ep)
     if world.is_main:
         elastic.warn_shared_store(world.size)
     if folder is not None:  # before the run_dir and its config.yaml say otherwise
@@ -350,6 +350,8 @@ class Trainer:
         self.step = row["step"] + 1
         if world.mesh is not None and not distributed.is_fsdp(self.model):  # ddp on the data dimension
             distributed.data_parallel_reduce(self.trainable, world)
+        elif world.ep > 1:  # fsdp with expert shards
+            distributed.fsdp_expert_average(self.trainable, world)
         _dump_gradients(self.model, self.trainable_names, self.step, world)
         if world.mesh is not None:
             grad_norm = distributed.mesh_clip_gradients(self.trainable, cfg.optim.clip_grad_norm, world,
@@ -421,6 +423,7 @@ class Trainer:
         mc = self.model_cfg
         asked = f" ({mc.attention_backend})" if mc.packing and self.backend != mc.attention_backend else ""
         mesh = f", pp={world.pp} x dp={world.dp_size} x tp={world.tp}" if world.mesh is not None else ""
+        mesh += f" (ep={world.ep}: {world.ep} ranks split the experts)" if world.ep > 1 else ""
         lora = (f", LoRA rank {self.lora.rank} ({self.n_trainable:,} parameters trained)"
                 if self.lora is not None else "")
         line = (f"kilovla train: {cfg.policy.preset}, {world.size} rank(s)"

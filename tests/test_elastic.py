@@ -191,9 +191,11 @@ def test_a_restart_onto_a_world_tp_does_not_divide_is_refused_in_one_line(train_
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(KilovlaError) as e:
         train(_cfg(run, train_dataset, "--parallel.tp=2"))
-    assert str(e.value) == ("elastic restart onto 3 ranks (was 4): parallel.tp=2 x parallel.pp=1 does not divide it; "
-                            "torchrun's retries end the job: relaunch it with --resume auto on a world size that "
-                            "tp x pp divides (torchrun --nnodes and --nproc-per-node)")
+    assert str(e.value) == ("elastic restart onto 3 ranks (was 4): parallel.tp=2 x parallel.pp=1 x parallel.ep=1 does "
+                            "not divide it; torchrun's retries end the job: relaunch it with --resume auto on a world "
+                            "size that tp x pp x ep divides (torchrun --nnodes and --nproc-per-node)")
+    with pytest.raises(KilovlaError, match=r"onto 3 ranks \(was 4\): .* parallel.ep=2 does not divide it"):
+        elastic.check_world(1, 1, 3, {"world_size": 4}, ep=2)
 
 
 @pytest.mark.parametrize("run_id, elastic_run", [(None, False), ("none", False), ("job-7", True)])

@@ -79,14 +79,14 @@ def warn_shared_store(world_size: int) -> None:
                     "environment so that restarts work")
 
 
-def check_world(tp: int, pp: int, world_size: int, previous: dict | None) -> None:
-    """Refuse, in one line, a restart onto a world size the run's tensor x pipeline degree does not
+def check_world(tp: int, pp: int, world_size: int, previous: dict | None, ep: int = 1) -> None:
+    """Refuse, in one line, a restart onto a world size the run's tensor x pipeline x expert degree does not
     divide (validate_config says the same of a first start)."""
-    if previous is not None and world_size % (tp * pp):
+    if previous is not None and world_size % (tp * pp * ep):
         raise KilovlaError(f"elastic restart onto {world_size} ranks (was {previous.get('world_size')}): "
-                           f"parallel.tp={tp} x parallel.pp={pp} does not divide it; torchrun's retries end the job: "
-                           "relaunch it with --resume auto on a world size that tp x pp divides (torchrun --nnodes "
-                           "and --nproc-per-node)")
+                           f"parallel.tp={tp} x parallel.pp={pp} x parallel.ep={ep} does not divide it; torchrun's "
+                           "retries end the job: relaunch it with --resume auto on a world size that tp x pp x ep "
+                           "divides (torchrun --nnodes and --nproc-per-node)")
 
 
 def record_start(run_dir: Path, world_size: int) -> None:

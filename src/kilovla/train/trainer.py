@@ -87,7 +87,7 @@ def train(cfg: TrainConfig, resume: str | None = None, on_eval=None) -> dict:
         cfg = ckpt.with_resumed_start(folder, cfg)  # config.yaml and policy.json keep naming the run's start
     cfg = with_init_model(cfg)  # a policy folder to start from brings its preset and overrides
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    elastic.check_world(cfg.parallel.tp, cfg.parallel.pp, world_size, restart)
+    elastic.check_world(cfg.parallel.tp, cfg.parallel.pp, world_size, restart, cfg.parallel.ep)
     validate_config(cfg, world_size)
     if not cfg.dataset.roots:
         raise KilovlaError("no dataset: set dataset.roots (a list of LeRobot dataset folders)")

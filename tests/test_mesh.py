@@ -39,7 +39,6 @@ def _assert_same_gradients(one, mesh, world_size=4, tp=1):
 
 
 @pytest.mark.slow
-@pytest.mark.shares_cpu  # gradient and resume equalities: no timing in them, so make test runs them beside the fast ones
 @pytest.mark.parametrize("family,strategy,packed", [("pi05-tiny", "ddp", True), ("pi0-tiny", "fsdp", False),
                                                     ("groot-tiny", "ddp", True)])
 def test_tp2_by_dp2_gives_the_one_process_gradients(dataset, references, tmp_path, family, strategy, packed):
@@ -51,7 +50,6 @@ def test_tp2_by_dp2_gives_the_one_process_gradients(dataset, references, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.shares_cpu
 @pytest.mark.parametrize("family,mesh,packed", [("pi05-tiny", ["--parallel.pp=2"], True),
                                                 ("pi0-tiny", ["--parallel.pp=2", "--parallel.tp=2"], False),
                                                 ("groot-tiny", ["--parallel.pp=2"], True)])
@@ -71,7 +69,6 @@ MESHES = {"one": (1, []), "tp2": (4, ["--parallel.tp=2"]), "pp2": (4, ["--parall
 
 
 @pytest.mark.slow
-@pytest.mark.shares_cpu
 @pytest.mark.parametrize("first,second", [("tp2", "one"), ("one", "tp2"), ("pp2", "tp2")])
 def test_a_checkpoint_resumes_on_another_mesh(dataset, reference, tmp_path, first, second):
     run = tmp_path / "run"

@@ -91,8 +91,9 @@ def test_dropless_moe_equals_a_per_token_reference():
         out = mlp(x)
         flat = x.reshape(-1, 8)
         _, experts, weights = route(mlp.router(flat), 2)
-        ref = torch.stack([sum(w * mlp.experts.expert(int(e), t[None])[0] for e, w in zip(es, ws))
-                           + mlp.shared.expert(0, t[None])[0] for t, es, ws in zip(flat, experts, weights)])
+        routed, shared = mlp.experts.per_expert(), mlp.shared.per_expert()
+        ref = torch.stack([sum(w * mlp.experts.expert(routed[e], t[None])[0] for e, w in zip(es, ws))
+                           + mlp.shared.expert(shared[0], t[None])[0] for t, es, ws in zip(flat, experts, weights)])
     torch.testing.assert_close(out.reshape(-1, 8), ref, atol=1e-6, rtol=1e-5)
 
 

@@ -167,11 +167,17 @@ class GroupedExperts(nn.Module):
     def activation(x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on tokens x (M, W), as the dense MLP computes it; e counts this rank's experts (all of them
-        unless expert parallelism split the stacks: then they are DTensors, and this is their local slice)."""
-        gate, up, down = (_local(p)[e] for p in (self.gate_proj, self.up_proj, self.down_proj))
-        return F.linear(self.activation(F.linear(x, gate)) * F.linear(x, up), down)
+    def per_expert(self) -> list[dict[str, torch.Tensor]]:
+        """Each of this rank's experts' slices of every stack (all experts unless expert parallelism split the
+        stacks: then they are DTensors, and these are their local slices). Unbound once a forward pass: indexing
+        a stack per expert makes autograd add a zero gradient the size of the whole stack per expert (2.3x
+        slower at E=8, width 1024 on CPU)."""
+        stacks = {name: _local(p).unbind(0) for name, p in self.named_parameters(recurse=False)}
+        return [dict(zip(stacks, w)) for w in zip(*stacks.values())]
+
+    def expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """One expert (its slices `w`, from per_expert) on tokens x (M, W), as the dense MLP computes it."""
+        return F.linear(self.activation(F.linear(x, w["gate_proj"])) * F.linear(x, w["up_proj"]), w["down_proj"])
 
     def forward(self, x: torch.Tensor, plan: Dispatch, k: int) -> torch.Tensor:
         """`expert_compute` as a module call, for hooks that wrap one (FSDP's gather of expert shards)."""
@@ -183,7 +189,7 @@ class GroupedExperts(nn.Module):
 
     def all_summed(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, summed (the shared experts)."""
-        return sum(self.expert(e, x) for e in range(len(self.down_proj)))
+        return sum(self.expert(w, x) for w in self.per_expert())
 
 
 class SwiGLUExperts(GroupedExperts):
@@ -205,7 +211,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def expert_compute(experts: GroupedExperts, x: torch.Tensor, plan: Dispatch, k: int) -> torch.Tensor:
     """Each expert on its assigned tokens: x (N, W) -> (M, W), one row per kept assignment, in `plan` order."""
     rows = x[plan.assignment // k]
-    outs = [experts.expert(e, chunk) for e, chunk in enumerate(rows.split(plan.counts.tolist())) if len(chunk)]
+    outs = [experts.expert(w, chunk) for w, chunk in zip(experts.per_expert(), rows.split(plan.counts.tolist()))
+            if len(chunk)]
     return torch.cat(outs) if outs else rows
 
 

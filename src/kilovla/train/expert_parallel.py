@@ -45,7 +45,7 @@ def ep_problems(cfg, world_size: int) -> list[str]:
     moe = moe_of(model_cfg)
     if moe is None:
         return [f"parallel.ep={ep} needs routed experts to split: set --policy.moe.num_experts"]
-    if family_of(model_cfg).name == "groot":  # FeedForwardExperts.expert indexes its stacks as whole tensors
+    if family_of(model_cfg).name == "groot":  # its experts read local slices (per_expert), but no test runs them split
         return [f"parallel.ep={ep} with GR00T's MoE DiT is not supported yet (pi0/pi0.5 and SmolVLA run it): "
                 "drop parallel.ep"]
     problems = []

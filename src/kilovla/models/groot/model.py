@@ -257,9 +257,9 @@ class FeedForwardExperts(GroupedExperts):
         """A bias draws as its linear's (nn.Linear: U(+-1 / sqrt(in_features)))."""
         return getattr(self, name.replace("_bias", "_proj")).shape[-1]
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(F.linear(x, self.up_proj[e], self.up_bias[e]), approximate="tanh")
-        y = F.linear(F.dropout(h, self.dropout, self.training), self.down_proj[e], self.down_bias[e])
+    def expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(F.linear(x, w["up_proj"], w["up_bias"]), approximate="tanh")
+        y = F.linear(F.dropout(h, self.dropout, self.training), w["down_proj"], w["down_bias"])
         return F.dropout(y, self.dropout, self.training)
 
 

@@ -581,8 +581,8 @@ class _Faults:
     KILOVLA_FAULT_SLOW=W:S makes each step S seconds longer while the world has W ranks (a run that a
     node joins before it ends).
     Under torchrun they fire on its first attempt only (TORCHELASTIC_RESTART_COUNT 0): a restarted
-    group runs clean. A node joining restarts the group with the count still 0: SLOW is the one fault
-    a scale-up meets, and it ends with the world it names."""
+    group runs clean. A node joining restarts the group with the count still 0, so every fault stays
+    armed then; SLOW acts only while the world has W ranks."""
 
     def __init__(self, rank: int, world_size: int = 1):
         first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -590,7 +590,7 @@ class _Faults:
         self.kill_in_checkpoint = int(os.environ.get("KILOVLA_FAULT_IN_CHECKPOINT", "-1")) if first else -1
         self.hang_at = self._rank_step("KILOVLA_FAULT_HANG", rank) if first else -1
         self.nan_at = self._rank_step("KILOVLA_FAULT_NAN", rank) if first else -1
-        self.slow_s = float(self._rank_step("KILOVLA_FAULT_SLOW", world_size, value=float)) if first else -1
+        self.slow_s = self._rank_step("KILOVLA_FAULT_SLOW", world_size, value=float) if first else -1
 
     @staticmethod
     def _rank_step(name: str, who: int, value=int):

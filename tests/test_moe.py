@@ -45,6 +45,19 @@ def _dense_twins(moe, group: str = "experts") -> dict[str, str]:
             for stack, key in m.experts.dense_keys.items()}
 
 
+def _same_loss_and_gradients(dense, moe, batch, stack_of):
+    """An E=1, K=1 MoE's loss and gradients, padded and packed, equal the dense model's; `stack_of(name)`: the
+    expert stack whose slice 0 a dense parameter is (None or a missing name: the parameter itself)."""
+    for packing in (False, True):
+        out_d, grads_d = _loss_and_grads(dense, batch, packing)
+        out_m, grads_m = _loss_and_grads(moe, batch, packing)
+        torch.testing.assert_close(out_m["loss"], out_d["loss"], atol=1e-6, rtol=1e-6)
+        assert float(out_m["moe_aux_loss"]) == 1.0 and float(out_m["moe_dropped"]) == 0
+        for name, g in grads_d.items():
+            mine = grads_m[name] if name in grads_m else grads_m[stack_of(name)][0]
+            torch.testing.assert_close(mine, g, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def _loss_and_grads(model, batch, packing: bool, objective=training_loss):
     model.config = dataclasses.replace(model.config, packing=packing)
     model.zero_grad(set_to_none=True)
@@ -127,15 +140,7 @@ def test_an_e1_k1_moe_is_the_dense_model_weight_for_weight_and_loss_for_loss():
         else:
             assert torch.equal(m[key], value), key
     batch = _batch(dense.config, horizons=[8, 3, 5])
-    for packing in (False, True):
-        out_d, grads_d = _loss_and_grads(dense, batch, packing)
-        out_m, grads_m = _loss_and_grads(moe, batch, packing)
-        torch.testing.assert_close(out_m["loss"], out_d["loss"], atol=1e-6, rtol=1e-6)
-        assert float(out_m["moe_aux_loss"]) == 1.0 and float(out_m["moe_dropped"]) == 0
-        for name, g in grads_d.items():
-            mine = grads_m.get(name) if name in grads_m else \
-                grads_m[name.replace(".mlp.", ".mlp.experts.").removesuffix(".weight")][0]
-            torch.testing.assert_close(mine, g, atol=1e-6, rtol=1e-5, msg=name)
+    _same_loss_and_gradients(dense, moe, batch, lambda name: name.replace(".mlp.", ".mlp.experts.").removesuffix(".weight"))
 
 
 @pytest.mark.parametrize("name", list(MOE_LAYERS))
@@ -157,14 +162,7 @@ def test_an_e1_k1_moe_of_groot_and_smolvla_is_their_dense_model(name):
     for key in d.keys() - set(twins.values()):
         assert torch.equal(m[key], d[key]), key
     batch, of_dense = _family_batch(dense.config), {v: k for k, v in twins.items()}
-    for packing in (False, True):
-        out_d, grads_d = _loss_and_grads(dense, batch, packing)
-        out_m, grads_m = _loss_and_grads(moe, batch, packing)
-        torch.testing.assert_close(out_m["loss"], out_d["loss"], atol=1e-6, rtol=1e-6)
-        assert float(out_m["moe_aux_loss"]) == 1.0 and float(out_m["moe_dropped"]) == 0
-        for key, g in grads_d.items():
-            mine = grads_m[of_dense[key]][0] if key in of_dense else grads_m[key]
-            torch.testing.assert_close(mine, g, atol=1e-6, rtol=1e-5, msg=key)
+    _same_loss_and_gradients(dense, moe, batch, of_dense.get)
 
 
 @pytest.mark.parametrize("name", list(MOE_LAYERS))

@@ -365,9 +365,6 @@ class MoEMeter:
                 "moe/load": [v / max(sum(load), 1) for v in load]}
 
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
 def upcycle_sources(model: nn.Module, mapping: dict[str, str]) -> tuple[dict[str, tuple[str, int]], list[str]]:
     """Sparse upcycling from a dense checkpoint: for each MoE layer whose experts and router `mapping` (model key
     -> stored key) lacks but whose dense MLP (its kind's `dense_keys`: ``<layer>.{gate,up,down}_proj.weight``

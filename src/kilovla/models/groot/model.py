@@ -45,7 +45,7 @@ from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weigh
 from kilovla.models.family import CameraSlots
 from kilovla.models.language import DecoderConfig
 from kilovla.models.layers import CategoryLinear, SwiGLU, apply_rope
-from kilovla.models.moe import GroupedExperts, MoEConfig, MoEMLP, Routing, moe_outputs
+from kilovla.models.moe import GroupedExperts, MoEConfig, MoEMLP, Routing, grouped_linear, moe_outputs
 from kilovla.models.vision import ViTConfig, VisionTower
 
 
@@ -257,9 +257,10 @@ class FeedForwardExperts(GroupedExperts):
         """A bias draws as its linear's (nn.Linear: U(+-1 / sqrt(in_features)))."""
         return getattr(self, name.replace("_bias", "_proj")).shape[-1]
 
-    def expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(F.linear(x, w["up_proj"], w["up_bias"]), approximate="tanh")
-        y = F.linear(F.dropout(h, self.dropout, self.training), w["down_proj"], w["down_bias"])
+    def compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        s = self.stacks()
+        h = F.gelu(grouped_linear(x, s["up_proj"], counts, s["up_bias"]), approximate="tanh")
+        y = grouped_linear(F.dropout(h, self.dropout, self.training), s["down_proj"], counts, s["down_bias"])
         return F.dropout(y, self.dropout, self.training)
 
 
@@ -556,7 +557,8 @@ class GrootModel(nn.Module):
         """`forward` over the DiT blocks `layers` only: one pipeline stage's share (train/pipeline.py;
         the first stage also runs the backbone and the VL self-attention). A later stage passes
         `receive(vl, x) -> (vl, x)`, given zeros of the VL features' and the DiT tokens' shapes (both
-        follow from the batch); returns the loss dict after the last block, else (vl features, x)."""
+        follow from the batch); returns the loss dict after the last block, else {"hidden": (vl features, x)};
+        with MoE either holds the stage's routing (`moe_outputs`: its blocks' part of the model's means)."""
         if batch.actions is None:
             raise KilovlaError("training needs actions in the batch")
         actions = batch.actions
@@ -576,11 +578,11 @@ class GrootModel(nn.Module):
         routing = Routing() if self.config.moe.enabled else None  # the DiT's tokens: none is padding, all routed
         x = self._dit_blocks(layers, x, temb, vl, routing)
         if layers.stop < depth:
-            return vl.x, x
-        v = self._decode(x, temb, x_t.shape[1], emb)
-        out = flow_loss(v, target, loss_weight(batch, target))
+            out = {"hidden": (vl.x, x)}
+        else:
+            out = flow_loss(self._decode(x, temb, x_t.shape[1], emb), target, loss_weight(batch, target))
         if routing is not None:  # the routing losses beside the flow-matching loss (models/moe.py)
-            out.update(moe_outputs(routing.stats, self.config.moe))
+            out.update(moe_outputs(routing.stats, self.config.moe, layers=depth))
         return out
 
     def velocity_field(self, batch: PaddedBatch | PackedBatch):

@@ -56,14 +56,16 @@ demo: system venv
 # Everything but the gpu marker, slow tests included (LIBERO, the Ray RL runs, the RL canary), in two runs:
 # the fast tests and the slow ones whose results do not depend on timing (marker shares_cpu: the RL canary,
 # the sync and kill -9 Ray runs) on two pytest workers, then the other slow ones alone, since they time out
-# hung workers and ranks and compare speeds. ~13 minutes on 2 cores; plain `pytest` (not slow, not gpu) takes ~6.
+# hung workers and ranks and compare speeds. --no-loadscope-reorder keeps tests/conftest.py's order (the long
+# shares_cpu modules first; xdist's default, most tests first, left the canary's one test running alone at
+# the end). ~13 minutes on 2 cores; plain `pytest` (not slow, not gpu) takes ~6.
 # KILOVLA_REQUIRE_TORCHCODEC: both video decoders are tested; a torchcodec that fails to load fails.
 TEST_ENV = KILOVLA_REQUIRE_TORCHCODEC=$(if $(strip $(TORCHCODEC)),1,0) KILOVLA_LIBERO_OFFICIAL=$(LIBERO_OFFICIAL)
 # pytest exits 5 when it collects no test: that is a broken suite here, not a pass.
 PYTEST_RC = rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc
 test: system venv $(LIBERO_OFFICIAL)
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadscope -m "not gpu and (shares_cpu or not (slow or ray))" \
-		--durations=15; $(PYTEST_RC)
+		--no-loadscope-reorder --durations=15; $(PYTEST_RC)
 	$(TEST_ENV) $(BIN)/python -m pytest -q -m "not gpu and (slow or ray) and not shares_cpu" --durations=15; $(PYTEST_RC)
 
 test-all: venv $(LIBERO_OFFICIAL)

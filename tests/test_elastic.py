@@ -1,17 +1,14 @@
 """Elastic training with torchrun's own agent on CPU/gloo: a lost node, a restart, the records it leaves."""
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import train_args as _args
+from kilovla.bench.elastic import free_port as _free_port, kill_node as _kill_node, lost_node_recovery
+from kilovla.bench.elastic import torchrun_agent as _agent
 from kilovla.config import load_config
 from kilovla.errors import KilovlaError
 from kilovla.train import elastic
@@ -34,52 +31,6 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _agent(args, port, job, *, host=True, nnodes="1:2", nproc=1, restarts=2, env=None,
-           heartbeat=",keep_alive_interval=1,keep_alive_max_attempt=2") -> subprocess.Popen:
-    """One torchrun agent of an elastic job (c10d rendezvous on localhost; `host`: this agent holds the
-    store), in its own process group, its output in one pipe. `heartbeat`: the keep-alive settings (with
-    a 1 s interval torch 2.13's agents stop sending heartbeats once the round completes, so a node that
-    joins later finds none alive and starts a group of its own: torch's defaults where a node joins)."""
-    conf = f"is_host={str(host).lower()},last_call_timeout=3{heartbeat}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-           f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
-           f"--rdzv-id={job}", f"--rdzv-conf={conf}", "--monitor-interval=0.5", "-m", "kilovla", "train", *args]
-    # the workers' own store per attempt: with the agent's, restarted ranks can read the previous attempt's
-    # addresses (pytorch/pytorch#135712)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for p in Path("/proc").iterdir():
-        try:
-            if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(p.name))
-        except OSError:
-            continue
-    return found
-
-
-def _kill_node(agent: subprocess.Popen) -> None:
-    """SIGKILL an agent and its workers, as a lost node: torchrun starts each worker in its own session."""
-    workers = _children(agent.pid)
-    os.killpg(agent.pid, signal.SIGKILL)
-    for pid in workers:
-        try:
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    agent.wait()
-
-
 def _wait_for_step(run_dir: Path, step: int, agents, timeout=180) -> None:
     path, t0 = run_dir / "metrics.jsonl", time.monotonic()
     while not (path.is_file() and any(r.get("step") == step for r in _metrics(run_dir))):
@@ -88,22 +39,19 @@ def _wait_for_step(run_dir: Path, step: int, agents, timeout=180) -> None:
         time.sleep(0.2)
 
 
-def test_a_lost_node_restarts_on_the_survivor_with_the_uninterrupted_sample_stream(train_dataset, reference, tmp_path):
-    """Two agents, one rank each; the second node stops answering at step 4 and is killed: the survivor
-    re-rendezvouses alone, resumes the step-2 checkpoint without a flag change and finishes."""
-    run, port = tmp_path / "run", _free_port()
-    args = _args(train_dataset, run)
-    survivor = _agent(args, port, "lost-node")
-    lost = _agent(args, port, "lost-node", host=False, env={"KILOVLA_FAULT_HANG": "*:4"})
-    try:
-        _wait_for_step(run, 3, [survivor, lost])
-        _kill_node(lost)
-        out, _ = survivor.communicate(timeout=240)
-    finally:
-        for agent in (survivor, lost):
-            if agent.poll() is None:
-                _kill_node(agent)
-    assert survivor.returncode == 0, out[-4000:]
+@pytest.fixture(scope="module")
+def lost_node(train_dataset, tmp_path_factory):
+    """Two agents, one rank each; the second node stops answering at step 4 and is killed once step 3 is
+    logged: the run `kilovla bench elastic` times (its recovery row), read by the two tests below."""
+    run = tmp_path_factory.mktemp("lost-node") / "run"
+    row, extra = lost_node_recovery(_args(train_dataset, run), run, job="lost-node")
+    return run, row, extra
+
+
+def test_a_lost_node_restarts_on_the_survivor_with_the_uninterrupted_sample_stream(lost_node, reference):
+    """The survivor re-rendezvouses alone, resumes the step-2 checkpoint without a flag change and finishes
+    (lost_node_recovery raises if it does not)."""
+    run = lost_node[0]
     records = _metrics(run)
     train_records = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train_records] == [1, 2, 3, 4]  # step 3, recomputed, logged once
@@ -115,6 +63,19 @@ def test_a_lost_node_restarts_on_the_survivor_with_the_uninterrupted_sample_stre
     assert restart["steps_recomputed"] == 1 and restart["seconds_lost"] > 0 and restart["restart_count"] >= 1
     assert json.loads((run / "elastic.json").read_text())["run_id"] == "lost-node"
     assert _max_diff(_weights(reference, 4), _weights(run, 4)) < 1e-5  # on a smaller world: fp32 reduction order
+
+
+def test_the_recovery_row_times_the_lost_node_in_its_parts(lost_node):
+    """`kilovla bench elastic`'s recovery_s: the SIGKILL to the survivor's next step, with the parts the issue
+    asks for, and the restart it read."""
+    _, row, extra = lost_node
+    assert row.name == "recovery_s" and row.baseline is None
+    parts = extra["recovery_parts_s"]
+    assert set(parts) == {"detection_s", "rendezvous_start_load_s", "first_step_s"}
+    assert all(v >= 0 for v in parts.values())
+    assert row.ours == pytest.approx(sum(parts.values()), abs=0.01)
+    restart = extra["recovery_restart"]
+    assert (restart["world_size_before"], restart["world_size_after"]) == (2, 1)
 
 
 @pytest.mark.slow  # ~45 s: a one-node start, a node joining, the group restarted on two

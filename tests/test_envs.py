@@ -56,6 +56,7 @@ def test_task_sets_and_instructions():
 
 
 @pytest.mark.slow
+@pytest.mark.shares_cpu  # whole episodes, nothing timed
 @pytest.mark.parametrize("task", DEFAULT_TASKS)
 def test_scripted_expert_solves_every_default_task(task):
     with EnvPool([EnvConfig("metaworld", {"task": task, "render": False})] * 3) as pool:
@@ -141,6 +142,7 @@ def test_action_chunks_are_executed_n_steps_at_a_time():
 
 
 @pytest.mark.slow
+@pytest.mark.shares_cpu  # a reset and a step, nothing timed
 def test_libero_suite_task_resets_and_steps():
     pytest.importorskip("libero.libero")
     env = make_env("libero", task="libero_goal/0", resolution=32)
@@ -159,6 +161,7 @@ def test_libero_suite_task_resets_and_steps():
 
 
 @pytest.mark.slow
+@pytest.mark.shares_cpu  # file comparisons
 def test_bundled_libero_matches_the_official_release():
     import os
 

@@ -239,6 +239,7 @@ def _manifest_size(out):
 
 
 @pytest.mark.ray
+@pytest.mark.shares_cpu  # the cache's bytes, nothing timed
 def test_cli_builds_the_cache_with_ray_data(tiny_copy, tmp_path):
     out = tmp_path / "ray-cache"
     proc = subprocess.run([sys.executable, "-m", "kilovla", "data", "cache", str(tiny_copy), f"--output_dir={out}",

@@ -164,6 +164,7 @@ def test_unknown_engines_are_refused(lake):
 
 
 @pytest.mark.ray
+@pytest.mark.shares_cpu  # the rows delivered, nothing timed
 def test_ray_actor_pool_delivers_the_in_process_rows(lake):
     ray = pytest.importorskip("ray")
     want = _summary(InProcessLoader(lake, _plan(lake), steps=2))

@@ -15,6 +15,15 @@ from tests.test_train import _args, _gradients, _max_diff, _metrics, _run, _trai
 LORA = ["--policy.lora.rank=4", "--policy.lora.alpha=8"]
 
 
+def _refused(args, capsys) -> str:
+    """`kilovla train *args` in this process (no interpreter to start): it must end with exit code 2; its stderr."""
+    from kilovla.cli import main
+
+    capsys.readouterr()
+    assert main(["train", *args]) == 2
+    return capsys.readouterr().err
+
+
 def _batch(model, n=3, seed=0):
     """A padded batch of the model's layout (2 camera slots, one present) and its fixed noise and time."""
     from kilovla.models.batch import PaddedBatch
@@ -78,7 +87,7 @@ def test_merged_weights_compute_what_the_adapters_compute(family):
     assert (a - b).abs().max() < 1e-5 and (a - _loss(build_model(family, seed=2).eval(), batch)).abs().max() > 1e-4
 
 
-def test_a_lora_run_checkpoints_adapters_ends_merged_and_resumes_exactly(dataset, tmp_path):
+def test_a_lora_run_checkpoints_adapters_ends_merged_and_resumes_exactly(dataset, tmp_path, capsys):
     straight = _trained(dataset, tmp_path / "straight", extra=[*LORA, "--ema_decay=0.9"])
     step2 = straight / "checkpoints" / "step_000002"
     files = {p.name for p in step2.iterdir()}
@@ -117,15 +126,14 @@ def test_a_lora_run_checkpoints_adapters_ends_merged_and_resumes_exactly(dataset
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
     # another rank, or another base (seed), is refused in one line
-    other = _run([*_args(dataset, crashed, steps=6), "--policy.lora.rank=8", "--resume", "auto"])
-    assert other.returncode == 2 and "rank" in other.stderr
-    other = _run([*_args(dataset, crashed, steps=6), *LORA, "--policy.lora.dropout=0.3", "--resume", "auto"])
-    assert other.returncode == 2 and "dropout" in other.stderr
-    reseeded = _run([*_args(dataset, crashed, steps=6), *LORA, "--seed=3", "--resume", "auto"])
-    assert reseeded.returncode == 2 and "base weights differ" in reseeded.stderr
+    assert "rank" in _refused([*_args(dataset, crashed, steps=6), "--policy.lora.rank=8", "--resume", "auto"], capsys)
+    assert "dropout" in _refused([*_args(dataset, crashed, steps=6), *LORA, "--policy.lora.dropout=0.3", "--resume",
+                                  "auto"], capsys)
+    assert "base weights differ" in _refused([*_args(dataset, crashed, steps=6), *LORA, "--seed=3", "--resume", "auto"],
+                                             capsys)
 
 
-def test_adapters_are_refused_on_another_base(dataset, references, tmp_path):
+def test_adapters_are_refused_on_another_base(dataset, references, tmp_path, capsys):
     run = references("pi05-tiny", LORA)
     folder = run / "checkpoints" / "step_000002"
     section = json.loads((folder / "policy.json").read_text())["lora"]
@@ -152,8 +160,8 @@ def test_adapters_are_refused_on_another_base(dataset, references, tmp_path):
     with pytest.raises(KilovlaError, match="must name the adapters' base"):
         build_base({**section, "base": {}}, "x")
     # an adapters folder is not weights to start a run from
-    proc = _run([*_args(dataset, tmp_path / "again"), f"--policy.init_from={folder}"])
-    assert proc.returncode == 2 and "a LoRA run's adapters on their base" in proc.stderr, proc.stderr[-2000:]
+    err = _refused([*_args(dataset, tmp_path / "again"), f"--policy.init_from={folder}"], capsys)
+    assert "a LoRA run's adapters on their base" in err, err[-2000:]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -168,10 +176,10 @@ def test_two_ranks_of_a_lora_run_give_the_one_process_gradients(dataset, referen
     assert any(g.abs().sum() > 0 for g in _gradients(one, 2).values())
 
 
-def test_bad_lora_settings_are_one_line(dataset, tmp_path):
+def test_bad_lora_settings_are_one_line(dataset, tmp_path, capsys):
     for flags, message in ((["--policy.lora.rank=4", "--policy.lora.targets=nothing_here"], "matches no linear"),
                            (["--policy.lora.rank=4", "--expert_only=true"], "pick one"),
                            (["--policy.lora.rank=4", "--policy.lora.llm=true"], "GR00T's switch"),
                            (["--policy.lora.rank=4", "--freeze_vision=true"], "drop freeze_vision")):
-        proc = _run([*_args(dataset, tmp_path / "bad"), *flags])
-        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+        err = _refused([*_args(dataset, tmp_path / "bad"), *flags], capsys)
+        assert message in err, err[-2000:]

@@ -144,18 +144,26 @@ def checkpoint_stall(root: Path, quick: bool) -> tuple[Row, dict]:
                  "window_s": {"none": bare, "sync": with_sync, "async": with_async}}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _agent(args: list[str], port: int, *, host: bool, env: dict) -> subprocess.Popen:
-    conf = f"is_host={str(host).lower()},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=bench-recovery",
-           f"--rdzv-conf={conf}", "--monitor-interval=0.5", "-m", "kilovla", "train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env}
+def torchrun_agent(args: list[str], port: int, job: str, *, host: bool = True, nnodes: str = "1:2", nproc: int = 1,
+                   restarts: int = 2, env: dict | None = None,
+                   heartbeat: str = ",keep_alive_interval=1,keep_alive_max_attempt=2") -> subprocess.Popen:
+    """One torchrun agent of an elastic `kilovla train` job (c10d rendezvous on localhost; `host`: this agent
+    holds the store), in its own process group, its output in one pipe. `heartbeat`: the keep-alive settings
+    (with a 1 s interval torch 2.13's agents stop sending heartbeats once the round completes, so a node that
+    joins later finds none alive and starts a group of its own: pass "" for torch's defaults there)."""
+    conf = f"is_host={str(host).lower()},last_call_timeout=3{heartbeat}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+           f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
+           f"--rdzv-id={job}", f"--rdzv-conf={conf}", "--monitor-interval=0.5", "-m", "kilovla", "train", *args]
+    # the workers' own store per attempt: with the agent's, restarted ranks can read the previous attempt's
+    # addresses (pytorch/pytorch#135712)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -172,8 +180,9 @@ def _timestamped_lines(proc: subprocess.Popen) -> list[tuple[float, str]]:
     return lines
 
 
-def _kill_node(agent: subprocess.Popen) -> None:
-    """SIGKILL an agent's process group and each of its workers' (torchrun gives them their own sessions)."""
+def kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent's process group and each of its workers' (torchrun gives them their own sessions), as
+    a lost node."""
     workers = []
     for p in Path("/proc").iterdir():
         try:
@@ -209,27 +218,28 @@ def _poll(condition, timeout: float, what: str, agent: subprocess.Popen, lines: 
     return time.time()
 
 
-def recovery(root: Path) -> tuple[Row, dict]:
-    from kilovla.data.synthetic import make_synthetic_dataset
-
-    dataset = make_synthetic_dataset(root / "ds", episodes=6, frames=(16, 24), resolution=(32, 32), seed=4)
-    run, port, lost_at = root / "run", _free_port(), 4
-    args = [f"--run_dir={run}", "--steps=6", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=16",
-            "--batch.token_budget=150", "--checkpoint.every=2", "--progress=false", "--policy.overrides.chunk_size=4"]
-    survivor = _agent(args, port, host=True, env={})
-    lost = _agent(args, port, host=False, env={"KILOVLA_FAULT_HANG": f"*:{lost_at}"})
+def lost_node_recovery(args: list[str], run: Path, *, job: str, lost_at: int = 4) -> tuple[Row, dict]:
+    """Two agents of `kilovla train *args` (run_dir `run`, a checkpoint before step `lost_at` - 1); the second
+    one's rank stops answering at step `lost_at` and the node is SIGKILLed once step `lost_at` - 1 is logged;
+    the survivor must finish the run (a RuntimeError with its output if not). test_elastic reads this run."""
+    port = free_port()
+    survivor = torchrun_agent(args, port, job)
+    lost = torchrun_agent(args, port, job, host=False, env={"KILOVLA_FAULT_HANG": f"*:{lost_at}"})
     lines = _timestamped_lines(survivor)
     try:
         _poll(lambda: len(_train_records(run)) >= lost_at - 1, 600, f"step {lost_at - 1}", survivor, lines)
         t_kill = time.time()
-        _kill_node(lost)
+        kill_node(lost)
         t_step = _poll(lambda: any(r["world_size"] == 1 for r in _train_records(run)), 600, "step on the survivor",
                        survivor, lines)
         survivor.wait(timeout=600)
     finally:
         for agent in (survivor, lost):
             if agent.poll() is None:
-                _kill_node(agent)
+                kill_node(agent)
+    if survivor.returncode != 0:
+        tail = "".join(line for _, line in lines[-60:])
+        raise RuntimeError(f"recovery bench: the survivor ended with exit code {survivor.returncode}:\n{tail}")
     # the restarted rank 0 records its start once the checkpoint is loaded (train/elastic.py), before its first step
     t_start = json.loads((run / "elastic.json").read_text())["started_at"]
     t_detect = min(t_start, next((t for t, line in lines if t >= t_kill and "failed (exitcode" in line), t_kill))
@@ -242,6 +252,16 @@ def recovery(root: Path) -> tuple[Row, dict]:
                            + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.1f} s" for k, v in parts.items()))
     return row, {"recovery_parts_s": parts, "recovery_restart": next(
         (r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "restart"), None)}
+
+
+def recovery(root: Path) -> tuple[Row, dict]:
+    from kilovla.data.synthetic import make_synthetic_dataset
+
+    dataset = make_synthetic_dataset(root / "ds", episodes=6, frames=(16, 24), resolution=(32, 32), seed=4)
+    run = root / "run"
+    args = [f"--run_dir={run}", "--steps=6", f"--dataset.roots=[{dataset}]", "--batch.global_batch_size=16",
+            "--batch.token_budget=150", "--checkpoint.every=2", "--progress=false", "--policy.overrides.chunk_size=4"]
+    return lost_node_recovery(args, run, job="bench-recovery")
 
 
 def run(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, console=None) -> Path:

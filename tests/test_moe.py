@@ -222,8 +222,27 @@ def test_moe_outputs_average_the_losses_and_sum_the_counts_over_layers():
 def test_bad_moe_settings_are_refused_in_one_line():
     with pytest.raises(KilovlaError, match=r"policy.moe.top_k must be in \[1, num_experts=2\], not 3"):
         preset("pi05-tiny", moe={"num_experts": 2, "top_k": 3})
-    with pytest.raises(KilovlaError, match="policy.moe.capacity_factor must be >= 0"):
+    with pytest.raises(KilovlaError, match="policy.moe.capacity_factor must be finite and >= 0"):
         preset("pi05-tiny", moe={"num_experts": 2, "capacity_factor": -1})
+    with pytest.raises(KilovlaError, match="policy.moe.aux_loss_coef must be finite and >= 0, not inf"):
+        preset("pi05-tiny", moe={"num_experts": 2, "aux_loss_coef": float("inf")})
+
+
+def test_capacity_drops_in_training_only():
+    """Outside training every assignment is kept: a served action never depends on its batch companions."""
+    torch.manual_seed(0)
+    mlp = MoEMLP(8, 16, MoEConfig(num_experts=2, top_k=1, capacity_factor=0.5))
+    x = torch.randn(1, 12, 8)
+    trained = Routing()
+    mlp(x, trained)
+    assert int(trained.stats[0].dropped) > 0
+    mlp.eval()
+    served = Routing()
+    with torch.no_grad():
+        together = mlp(x, served)
+        alone = torch.cat([mlp(x[:, i : i + 1]) for i in range(12)], dim=1)
+    assert int(served.stats[0].dropped) == 0
+    torch.testing.assert_close(together, alone)
 
 
 # -- training, policy folders -------------------------------------------------------------------------------
@@ -489,3 +508,21 @@ def test_bench_moe_quick_writes_the_dense_vs_moe_row(tmp_path):
     assert row["name"] == "train_samples_per_s_moe" and row["baseline"] > 0 and row["ours"] > 0
     assert row["ratio"] == pytest.approx(row["ours"] / row["baseline"], rel=1e-2)
     assert (result["expert_mlp"], result["dense_mlp"], result["top_k"]) == (256, 512, 2)
+
+
+def test_an_fsdp_runs_dense_shards_cannot_start_an_moe_model(tmp_path):
+    """Upcycling reads the dense MLPs from model.safetensors; an FSDP run's intermediate checkpoint holds only
+    DCP shards, which load as saved: starting an MoE model from dense ones is refused in one line."""
+    import torch.distributed.checkpoint as dcp
+
+    from kilovla.train.build import _refuse_sharded_upcycling
+
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    dcp.save({"model.expert.layers.0.mlp.gate_proj.weight": torch.zeros(2, 2)}, checkpoint_id=dense / "state",
+             no_dist=True)
+    dcp.save({"model.expert.layers.0.mlp.router.weight": torch.zeros(2, 2)}, checkpoint_id=moe / "state", no_dist=True)
+    with pytest.raises(KilovlaError, match=r"dense: an FSDP run's intermediate checkpoint of a dense model .* upcycle "
+                                           r"from the run's final checkpoint \(model.safetensors\)$"):
+        _refuse_sharded_upcycling(dense, preset("pi05-tiny", moe=MOE))
+    _refuse_sharded_upcycling(moe, preset("pi05-tiny", moe=MOE))  # MoE shards onto the MoE model: loads as saved
+    _refuse_sharded_upcycling(dense, preset("pi05-tiny"))

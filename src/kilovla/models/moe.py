@@ -9,7 +9,7 @@ Dropless (`capacity_factor` 0, the default) computes every token's K experts, so
 depends on the rest of the batch (padded and packed paths agree); a capacity factor c caps each expert at
 ceil(c * tokens * K / E) assignments per forward pass, first come first served in token order, and the
 assignments past it are dropped (their token keeps its residual path and its other experts), counted
-in `moe/dropped_fraction`.
+in `moe/dropped_fraction`. Capacity applies in training only: evaluation and serving are dropless.
 
 The forward is four functions, so expert parallelism can put its all-to-all between `dispatch` and
 `expert_compute`: `route` (router logits -> top-k experts and weights), `dispatch` (assignments sorted by
@@ -74,8 +74,8 @@ class MoEConfig:
             out.append(f"policy.moe.shared_experts must be >= 0 and expert_dim >= 1 (got {self.shared_experts}, "
                        f"{self.expert_dim})")
         for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
-            if not getattr(self, name) >= 0:
-                out.append(f"policy.moe.{name} must be >= 0, not {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < math.inf:
+                out.append(f"policy.moe.{name} must be finite and >= 0, not {getattr(self, name)}")
         return out
 
     def check(self) -> None:
@@ -304,14 +304,16 @@ def _uniform(shape, fan_in: int, generator: torch.Generator) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Linear router, float32 logits."""
+    """Linear router, float32 logits (autocast off: under bf16 autocast F.linear would round them to bf16
+    before the top-k and the z-loss)."""
 
     def __init__(self, width: int, experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())
 
 
 class MoEMLP(nn.Module):
@@ -348,8 +350,12 @@ class MoEMLP(nn.Module):
         w.copy_(_uniform(w.shape, w.shape[-1], torch.Generator().manual_seed(self.init_seed)))
 
     def capacity(self, tokens: int) -> int | None:
+        """Assignments an expert keeps in a training forward pass of `tokens`; None: all (dropless, and always
+        outside training, so an action never depends on the other requests in its batch)."""
         c = self.cfg.capacity_factor
-        return math.ceil(c * tokens * self.cfg.top_k / self.cfg.num_experts) if c > 0 else None
+        if c == 0 or not self.training:
+            return None
+        return math.ceil(c * tokens * self.cfg.top_k / self.cfg.num_experts)
 
     def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         """x (..., W) -> (..., W); tokens `routing.valid` leaves out get 0 (never routed, never counted)."""

@@ -26,11 +26,11 @@ from kilovla.data.meta import DatasetMeta
 from kilovla.errors import KilovlaError
 from kilovla.models.attention import resolve_backend
 from kilovla.models.checkpoints import Checkpoint, is_sharded_policy_folder, load_sharded, load_weights, plan_load
-from kilovla.models.family import chunk_length, family_of, vocab_size
+from kilovla.models.family import chunk_length, family_of, moe_of, vocab_size
 from kilovla.models.presets import build_model, policy_defaults
 from kilovla.models.processor import STATS_FOR, PolicyMeta, Processor
 from kilovla.models.tokenize import find_tokenizer
-from kilovla.policy_folder import Interface, PolicyFolder
+from kilovla.policy_folder import STATE_DIR, Interface, PolicyFolder
 from kilovla.train.config import TrainConfig, named, with_init_model
 
 log = logging.getLogger(__name__)
@@ -220,6 +220,7 @@ def plan_start(cfg: TrainConfig, model_cfg) -> ModelStart:
     overrides = dict(cfg.policy.overrides)
     if cfg.policy.init_from and is_sharded_policy_folder(cfg.policy.init_from):
         # An FSDP run's intermediate checkpoint (weights only in state/): read as load_checkpoint does.
+        _refuse_sharded_upcycling(Path(cfg.policy.init_from).expanduser(), model_cfg)
         return ModelStart(build_model(cfg.policy.preset, device="meta", **overrides), None,
                           {"path": str(Path(cfg.policy.init_from).expanduser().resolve()), "layout": "kilovla"})
     if cfg.policy.init_from:
@@ -228,6 +229,20 @@ def plan_start(cfg: TrainConfig, model_cfg) -> ModelStart:
         plan_load(model, init, upcycle=True)  # an MoE model may start from a dense checkpoint's MLPs
         return ModelStart(model, init, {"path": str(init.path.resolve()), "layout": init.layout})
     return ModelStart()
+
+
+def _refuse_sharded_upcycling(folder: Path, model_cfg) -> None:
+    """Upcycling reads a dense checkpoint's MLPs from its file; an FSDP run's intermediate checkpoint has only
+    DCP shards (state/), which load as they were saved."""
+    from kilovla.safe_load import read_dcp_metadata
+
+    if moe_of(model_cfg) is None:
+        return
+    keys = read_dcp_metadata(folder / STATE_DIR / ".metadata").state_dict_metadata
+    if not any(".router." in k for k in keys):
+        raise KilovlaError(f"{folder}: an FSDP run's intermediate checkpoint of a dense model (DCP shards in "
+                           f"{STATE_DIR}/) cannot start an MoE model: upcycle from the run's final checkpoint "
+                           "(model.safetensors)")
 
 
 def build_weights(cfg: TrainConfig, start: ModelStart, world) -> torch.nn.Module:

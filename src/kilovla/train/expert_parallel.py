@@ -54,8 +54,8 @@ def ep_problems(cfg, world_size: int) -> list[str]:
         problems.append(f"parallel.ep={ep} does not divide policy.moe.num_experts={moe.num_experts}")
     refused = [("ema_decay", bool(cfg.ema_decay)), ("policy.lora", cfg.policy.lora.enabled),
                ("eval.every", bool(cfg.eval.every))]
-    problems += [f"{what} with parallel.ep is not supported yet: drop one of them (evaluate the checkpoints "
-                 "with kilovla eval)"
+    problems += [f"{what} with parallel.ep is not supported yet: drop one of them"
+                 + (" (evaluate the checkpoints with kilovla eval)" if what == "eval.every" else "")
                  for what, on in refused if on]
     return problems
 

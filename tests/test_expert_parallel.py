@@ -19,7 +19,7 @@ MOE = ["--policy.moe.num_experts=4", "--policy.moe.top_k=2", "--policy.moe.aux_l
        "--policy.moe.z_loss_coef=0", *PACKED]
 
 
-def _assert_one_process_gradients(one, run, world_size):
+def _assert_one_process_gradients(one, run, world_size, experts=4):
     records = _metrics(run)
     assert [r["world_size"] for r in records] == [world_size] * 4
     assert min(r["rows_per_rank"] for r in records) >= 2  # every rank accumulates over several rows
@@ -27,8 +27,9 @@ def _assert_one_process_gradients(one, run, world_size):
     assert all(max(r["moe/load"]) > 1.2 * min(r["moe/load"]) for r in records)  # uneven expert loads
     for step in range(1, 5):
         a, b = _gradients(one, step), _gradients(run, step)
-        experts = [k for k in a if ".experts." in k]
-        assert experts and all(b[k].shape[0] == 4 and b[k].abs().amax(dim=(1, 2)).gt(0).all() for k in experts)
+        stacks = [k for k in a if ".experts." in k]
+        assert stacks and all(b[k].shape[0] == experts and b[k].reshape(experts, -1).abs().amax(1).gt(0).all()
+                              for k in stacks)
         assert _relative_error(a, b) < 1e-4, f"step {step}"
     for a, b in zip(_metrics(one), records):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
@@ -36,14 +37,41 @@ def _assert_one_process_gradients(one, run, world_size):
     assert _max_diff(_weights(one, 4), _weights(run, 4)) < 1e-4
 
 
-@pytest.mark.parametrize("nproc,ep,strategy", [(2, 2, "ddp"), (4, 2, "ddp"), (4, 4, "ddp"), (4, 2, "fsdp")])
-def test_expert_parallel_ranks_give_the_one_process_gradients(dataset, references, tmp_path, nproc, ep, strategy):
+@pytest.mark.parametrize("family,nproc,ep,strategy,tp", [("pi05-tiny", 2, 2, "ddp", 1), ("pi05-tiny", 4, 2, "ddp", 1),
+                                                         ("pi05-tiny", 4, 4, "ddp", 1), ("pi05-tiny", 4, 2, "fsdp", 1),
+                                                         ("pi05-tiny", 4, 2, "ddp", 2), ("groot-tiny", 2, 2, "ddp", 1)])
+def test_expert_parallel_ranks_give_the_one_process_gradients(dataset, references, tmp_path, family, nproc, ep,
+                                                              strategy, tp):
     """2 ranks: each holds 2 of the 4 experts; 4 ranks with ep=2: two ep groups, each shard's gradient
     summed over the two ranks that hold it (under FSDP: sharded over them, reduce-scattered); 4 ranks
-    with ep=4: one expert each."""
-    run = _trained(dataset, tmp_path / "ep", "pi05-tiny", nproc=nproc,
-                   extra=[*MOE, f"--parallel.ep={ep}", f"--parallel.strategy={strategy}"])
-    _assert_one_process_gradients(references("pi05-tiny", MOE), run, nproc)
+    with ep=4: one expert each; tp=2 x ep=2: each tp rank exchanges with its own ep group (dp=2: one
+    replica per ep rank); GR00T: the DiT's biased feed-forward experts, biases split with their stacks."""
+    run = _trained(dataset, tmp_path / "ep", family, nproc=nproc,
+                   extra=[*MOE, f"--parallel.ep={ep}", f"--parallel.strategy={strategy}", f"--parallel.tp={tp}"])
+    _assert_one_process_gradients(references(family, MOE), run, nproc)
+
+
+# the routing losses on, and strong enough that leaving a stage's share out moves the router's gradient
+MOE_LOSSES = [*MOE[:2], "--policy.moe.aux_loss_coef=0.1", "--policy.moe.z_loss_coef=0.01", *PACKED]
+
+
+@pytest.mark.parametrize("family,mesh", [("pi05-tiny", "--parallel.tp=2"), ("pi05-tiny", "--parallel.pp=2"),
+                                         ("groot-tiny", "--parallel.pp=2")])
+def test_moe_on_tensor_and_pipeline_parallel_ranks_gives_the_one_process_gradients(dataset, references, tmp_path,
+                                                                                  family, mesh):
+    """One replica over 2 ranks, so its rows are the one process's and the routing losses (means over a
+    forward pass's tokens) are too: they stay on. tp=2: the experts and router stay whole on both ranks;
+    pp=2: each stage's layers' share of the routing losses trains with the hidden states it sends, and the
+    moe/* metrics add up the stages' layers."""
+    model = ["--policy.overrides.dit.depth=4"] if family.startswith("groot") else []  # a MoE block per stage
+    run = _trained(dataset, tmp_path / "run", family, nproc=2, extra=[*MOE_LOSSES, *model, mesh])
+    one = references(family, [*MOE_LOSSES, *model])
+    _assert_one_process_gradients(one, run, 2)
+    for a, b in zip(_metrics(one), _metrics(run)):
+        assert a["moe/aux_loss"] > 0 and a["moe/z_loss"] > 0
+        for key in ("moe/aux_loss", "moe/z_loss", "moe/dropped_fraction"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-12), key
+        assert b["moe/load"] == pytest.approx(a["moe/load"], rel=1e-6)
 
 
 @pytest.mark.parametrize("second,save,strategy", [(1, "sync", "ddp"), (2, "sync", "ddp"), (1, "async", "ddp"),
@@ -73,7 +101,6 @@ E4 = "--policy.moe.num_experts=4"
 @pytest.mark.parametrize("args,world,message", [
     (["--parallel.ep=2"], 2, r"parallel.ep=2 needs routed experts to split: set --policy.moe.num_experts"),
     (["--parallel.ep=0", E4], 2, r"parallel.ep must be >= 1, not 0"),
-    (["--parallel.ep=2", E4, "--policy.preset=groot-tiny"], 2, r"parallel.ep=2 with GR00T's MoE DiT is not supported"),
     (["--parallel.ep=2", E4], 3, r"parallel.ep=2 does not divide the data-parallel size 3"),
     (["--parallel.ep=2", E4], 1, r"parallel.ep=2 does not divide the data-parallel size 1"),
     (["--parallel.ep=4", E4], 2, r"parallel.ep=4 does not divide the data-parallel size 2"),

@@ -9,8 +9,14 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
+
+# Before torch loads (it reads this once): CPU tensors of 2 MB and more go on transparent huge pages. A
+# step's fresh gradient of a wide layer is otherwise page-faulted in 4 KB at a time: at E=8 experts of
+# width 1024 that was a fifth of a CPU training step (`kilovla bench moe`). Linux only; elsewhere ignored.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from kilovla.bench.common import SUITES
 from kilovla.errors import KilovlaError

@@ -122,8 +122,10 @@ def checkpoint_stall(root: Path, quick: bool) -> tuple[Row, dict]:
     first = background()  # a run's first async save allocates the staging buffers
     first_stage_s = time.perf_counter() - t0
     first.finish()
-    step_s = _window(model, 1) if quick else _window(model, 3) / 3
-    matmuls = MATMULS_PER_STEP if quick else max(MATMULS_PER_STEP, round(MATMULS_PER_STEP * 2 * save_s / (steps * step_s)))
+    matmuls = MATMULS_PER_STEP
+    if not quick:
+        step_s = _window(model, 3) / 3
+        matmuls = max(MATMULS_PER_STEP, round(MATMULS_PER_STEP * 2 * save_s / (steps * step_s)))
     bare, with_sync, with_async = [_window(model, steps, matmuls=matmuls)], [], []
     for _ in range(1 if quick else 2):  # interleaved: the disk's and the page cache's drift falls on both alike
         with_sync.append(_window(model, steps, sync, matmuls))

@@ -42,6 +42,7 @@ from kilovla.models.smolvla import SmolVLAConfig, SmolVLAModel
 from kilovla.models.tokenize import BYTE_VOCAB_SIZE, ByteTokenizer, tokenize_batch
 from kilovla.models.vision import ViTConfig
 from kilovla.train.metrics import peak_flops
+from kilovla.train.optim import fused_adamw
 
 BENCH_CPU = Pi05Config(
     vision=ViTConfig(image_size=224, patch_size=14, width=64, depth=2, heads=2, mlp_dim=128),
@@ -243,7 +244,8 @@ def _moe_models(quick: bool, device: str) -> dict[str, tuple]:
                                                                                        expert_dim=width)))):
         torch.manual_seed(0)
         model = Pi05Model(cfg).to(device)
-        models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        params = list(model.parameters())  # AdamW as the trainer builds it (fused where torch has it)
+        models[name] = (model, torch.optim.AdamW(params, lr=1e-4, fused=fused_adamw(params)))
     return models
 
 

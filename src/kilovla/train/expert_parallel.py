@@ -45,9 +45,6 @@ def ep_problems(cfg, world_size: int) -> list[str]:
     moe = moe_of(model_cfg)
     if moe is None:
         return [f"parallel.ep={ep} needs routed experts to split: set --policy.moe.num_experts"]
-    if family_of(model_cfg).name == "groot":  # its experts read local slices (per_expert), but no test runs them split
-        return [f"parallel.ep={ep} with GR00T's MoE DiT is not supported yet (pi0/pi0.5 and SmolVLA run it): "
-                "drop parallel.ep"]
     problems = []
     dp = world_size // (p.tp * p.pp) if world_size % (p.tp * p.pp) == 0 else None
     if dp is not None and dp % ep:
@@ -111,9 +108,6 @@ def apply_ep(model: nn.Module, mesh) -> None:
 
     for m in model.modules():
         if isinstance(m, MoEMLP):
-            if type(m.experts).expert is not GroupedExperts.expert:  # ep_problems refuses such a family first
-                raise KilovlaError(f"parallel.ep: {type(m.experts).__name__} indexes its whole stacks; it cannot "
-                                   "run on a rank's share of the experts")
             for name, p in list(m.experts.named_parameters(recurse=False)):  # every stack is (E, ...)
                 setattr(m.experts, name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
                                                       requires_grad=p.requires_grad))

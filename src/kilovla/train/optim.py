@@ -1,7 +1,8 @@
 """The optimizer side of training, shared by the supervised trainer and the RL learner.
 
 `build_optimizer(model, OptimConfig, steps)`: AdamW over the trainable parameters with linear warmup
-and cosine decay to `lr * min_lr_ratio`; `clip_gradients(params, max_norm)`: the global gradient
+and cosine decay to `lr * min_lr_ratio`, fused (one kernel over all parameters) where torch has it for
+the parameters' device; `clip_gradients(params, max_norm)`: the global gradient
 norm (over all ranks, sharded or not), clipped when max_norm > 0. A supervised run's `optim:` section is
 an `OptimSettings` (every field unset until given), filled by the preset's recipe and then OptimConfig's
 defaults.
@@ -66,10 +67,22 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, steps: int, extra_
     extra = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in extra_groups]
     taken = {id(p) for g in extra for p in g["params"]}
     main = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
-    optimizer = torch.optim.AdamW([{"params": main}, *extra], lr=cfg.lr, betas=tuple(cfg.betas),
-                                  weight_decay=cfg.weight_decay)
     trainable = main + [p for g in extra for p in g["params"]]
+    optimizer = torch.optim.AdamW([{"params": main}, *extra], lr=cfg.lr, betas=tuple(cfg.betas),
+                                  weight_decay=cfg.weight_decay, fused=fused_adamw(trainable))
     return trainable, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg, steps))
+
+
+def fused_adamw(params: list[torch.Tensor]) -> bool | None:
+    """Whether AdamW runs fused: on CPU and CUDA floating-point parameters, all plain or all DTensors (FSDP2),
+    it does. On CPU the default per-parameter loop re-reads every parameter and state tensor once per
+    operation: at E=8 experts of width 1024 it took 40 % of a training step, fused 4 % (`kilovla bench moe`).
+    Fused and the loop agree to ~3e-7 relative after 100 steps (tests/test_optim.py). Elsewhere None, torch's
+    default: other devices, and tensor / expert parallelism, whose DTensors sit beside plain replicated
+    parameters (one fused call cannot take both)."""
+    ok = (bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+          and len({type(p) for p in params}) == 1)
+    return True if ok else None
 
 
 def clip_gradients(trainable: list[torch.Tensor], max_norm: float) -> float:

@@ -26,6 +26,10 @@ same rows, so each stage computes the shapes of what it receives from the row it
 A step with fewer rows than stages runs as well, with a longer bubble (1F1B's warm-up is
 min(pp - stage - 1, rows)).
 
+An MoE's routing losses are a mean over all its layers; each stage adds its own layers' share
+(`moe_outputs(..., layers=)`): the last stage to its loss, a stage before it to the hidden states it
+sends (`carry_loss`), so that share's gradient runs when theirs comes back.
+
 `Schedule` runs one step's rows on one rank: warm-up forwards, then one forward and one backward in
 turn, then the remaining backwards. A send is held back until the rank next receives, and goes out
 with that receive in one `batch_isend_irecv` (Megatron's send-forward-receive-backward): in the
@@ -43,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kilovla.errors import KilovlaError
-from kilovla.models.family import family_of, moe_of
+from kilovla.models.family import family_of
 
 
 def depth(model_cfg) -> int:
@@ -59,11 +63,30 @@ def stage_layers(model_cfg, pp: int, stage: int) -> range:
 
 def pp_problems(model_cfg, pp: int) -> list[str]:
     """What keeps a model config from `pp` stages, from the config alone (checked before any work)."""
-    if moe_of(model_cfg):  # the routing losses of a stage's layers would have to travel to the last stage
-        return [f"parallel.pp={pp} with policy.moe is not supported yet: drop one of them"]
     if depth(model_cfg) % pp:
         return [f"parallel.pp={pp} does not divide the model's {depth(model_cfg)} layers"]
     return []
+
+
+class _CarryLoss(torch.autograd.Function):
+    """Identity on `x`; in backward `loss` also gets gradient 1 (see `carry_loss`)."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        ctx.loss = (loss.dtype, loss.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.loss
+        return grad, torch.ones((), dtype=dtype, device=device)
+
+
+def carry_loss(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """`x`, with `loss` (a scalar) backpropagated when x's gradient arrives: how a stage before the last
+    trains on a loss of its own layers (an MoE's routing losses), with the hidden states it sends, as
+    Megatron's MoEAuxLossAutoScaler does."""
+    return _CarryLoss.apply(x, loss)
 
 
 class _Dropped(nn.Module):

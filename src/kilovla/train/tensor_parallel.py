@@ -5,7 +5,9 @@
 
 - attention: q (and k, v where the key/value heads divide by tp) column-parallel, so each rank
   computes its own heads, the output projection row-parallel (one all-reduce);
-- MLP: gate/up column-parallel, down row-parallel (one all-reduce).
+- MLP: gate/up column-parallel, down row-parallel (one all-reduce). An MoE layer's router and experts
+  stay whole on every rank of a tp group (the family's `tp_split` leaves them out): its input is the
+  same on each, so each routes and computes alike; `--parallel.ep` is the dimension that splits experts.
 
 The model code stays as it is: a layer reads its local head count from the projection's output
 (`view(..., -1, head_dim)`), and the attention kernels (dense and varlen alike) take whatever heads
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kilovla.errors import KilovlaError
-from kilovla.models.family import family_of, moe_of
+from kilovla.models.family import family_of
 
 
 class _SumGradient(torch.autograd.Function):
@@ -64,9 +66,6 @@ def decoder_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
 def tp_problems(model_cfg, tp: int) -> list[str]:
     """What of a model config a tp degree does not divide (query heads, key/value heads that are
     neither divisible nor single, widths), from the config alone: checked before any work."""
-    if moe_of(model_cfg):
-        return [f"parallel.tp={tp} with policy.moe is not supported yet: the routed experts are not split over "
-                "tp ranks (expert parallelism is the mesh dimension meant for them); drop one of them"]
     problems = []
     for part, (heads, kv, mlp) in family_of(model_cfg).tp_parts(model_cfg).items():
         if heads % tp:

@@ -293,7 +293,7 @@ class Trainer:
             loss = training_loss(out) * scale  # the flow-matching loss (+ an MoE's routing losses)
             loss.backward()
         totals.loss += float(out["per_sample"].detach().sum())
-        totals.moe.add(out)
+        totals.moe.add(out, len(out["per_sample"]))
         self._count(row, batch, totals)
 
     def pipeline_forward_backward(self, rows: list[dict], totals: _Totals) -> None:
@@ -305,10 +305,15 @@ class Trainer:
             batch, noise, t, scale = inputs[i]
             with self.autocast:
                 out = self.model.forward_stage(batch, noise=noise, time=t, layers=self.stage_layers, receive=receive)
-            if isinstance(out, dict):  # the last stage
+            samples = len(rows[i]["sample_index"])
+            totals.moe.add(out, samples)  # this stage's layers' routing
+            if "hidden" not in out:  # the last stage
                 totals.loss += float(out["per_sample"].detach().sum())
                 return training_loss(out) * scale
-            return out
+            if "moe_regularizer" in out:  # this stage's routing losses, once per sample as training_loss adds them
+                *rest, last = out["hidden"]
+                return (*rest, pipeline.carry_loss(last, out["moe_regularizer"] * samples * scale))
+            return out["hidden"]
 
         self.schedule.run(len(rows), forward)
         for row, (batch, *_) in zip(rows, inputs):
@@ -396,7 +401,10 @@ class Trainer:
                   "world_size": world.size, "tp": world.tp, "attention_backend": self.backend,
                   "samples": global_n, "tokens": tokens, "tensor_tokens": summed["tensor_tokens"],
                   "capacity": summed["capacity"]}
-        record.update(totals.moe.record(lambda v: distributed.all_reduce_sum(v, world, over="dp")))
+        over_dp = lambda v: distributed.all_reduce_sum(v, world, over="dp")  # noqa: E731
+        # a replica's stages hold different layers: their routing figures add up, their samples are the same
+        record.update(totals.moe.record(lambda v: over_dp(distributed.all_reduce_sum(v, world, over="pp")),
+                                        samples=over_dp))
         if (util := mfu(self.n_trainable, tokens / elapsed / world.size, world.device)) is not None:
             record["mfu"] = util
         if self.cfg.log_sample_ids:

@@ -28,7 +28,7 @@ from kilovla.models.attention import VarlenSpec, additive, resolve_backend
 from kilovla.models.batch import PackedBatch, PaddedBatch, flow_loss, loss_weight
 from kilovla.models.groot.qwen3 import attend, heads
 from kilovla.models.layers import CategoryLinear
-from kilovla.models.moe import GroupedExperts, MoEConfig, MoEMLP, Routing, moe_outputs
+from kilovla.models.moe import GroupedExperts, MoEConfig, MoEMLP, Routing, grouped_linear, moe_outputs
 
 
 def flow_time(beta: torch.Tensor) -> torch.Tensor:
@@ -111,9 +111,10 @@ class FeedForwardExperts(GroupedExperts):
         """A bias draws as its linear's (nn.Linear: U(+-1 / sqrt(in_features)))."""
         return getattr(self, name.replace("_bias", "_proj")).shape[-1]
 
-    def expert(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(F.linear(x, w["up_proj"], w["up_bias"]), approximate="tanh")
-        y = F.linear(F.dropout(h, self.dropout, self.training), w["down_proj"], w["down_bias"])
+    def compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        s = self.stacks()
+        h = F.gelu(grouped_linear(x, s["up_proj"], counts, s["up_bias"]), approximate="tanh")
+        y = grouped_linear(F.dropout(h, self.dropout, self.training), s["down_proj"], counts, s["down_bias"])
         return F.dropout(y, self.dropout, self.training)
 
 
@@ -335,7 +336,8 @@ class GrootHead:
         """`forward` over the DiT blocks `layers` only: one pipeline stage's share (train/pipeline.py;
         the first stage also runs the backbone and the VL self-attention). A later stage passes
         `receive(vl, x) -> (vl, x)`, given zeros of the VL features' and the DiT tokens' shapes (both
-        follow from the batch); returns the loss dict after the last block, else (vl features, x)."""
+        follow from the batch); returns the loss dict after the last block, else {"hidden": (vl features, x)};
+        with MoE either holds the stage's routing (`moe_outputs`: its blocks' part of the model's means)."""
         actions = self._check_actions(batch)
         depth = self.config.dit.depth
         layers = range(depth) if layers is None else layers
@@ -351,11 +353,11 @@ class GrootHead:
         routing = Routing() if self.config.moe.enabled else None  # the DiT's tokens: none is padding, all routed
         x = self._dit_blocks(layers, x, temb, vl, routing)
         if layers.stop < depth:
-            return vl.x, x
-        v = self._decode(x, temb, x_t.shape[1], emb)
-        out = flow_loss(v, target, loss_weight(batch, target))
+            out = {"hidden": (vl.x, x)}
+        else:
+            out = flow_loss(self._decode(x, temb, x_t.shape[1], emb), target, loss_weight(batch, target))
         if routing is not None:  # the routing losses beside the flow-matching loss (models/moe.py)
-            out.update(moe_outputs(routing.stats, self.config.moe))
+            out.update(moe_outputs(routing.stats, self.config.moe, layers=depth))
         return out
 
     def velocity_field(self, batch: PaddedBatch | PackedBatch):

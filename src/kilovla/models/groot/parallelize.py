@@ -12,6 +12,7 @@ from collections.abc import Callable
 from torch import nn
 
 from kilovla.models.family import TPSplit
+from kilovla.models.moe import MoEMLP
 
 
 def fsdp_units(model) -> list[list[nn.Module]]:
@@ -28,9 +29,10 @@ def tp_layers(model) -> list[tuple[nn.Module, int]]:
 
 
 def tp_split(block) -> TPSplit:
-    """diffusers' names."""
-    a, ff = block.attn1, block.ff.net
-    return TPSplit(column=(a.to_q, ff[0].proj), kv=(a.to_k, a.to_v), row=(a.to_out[0], ff[2]))
+    """diffusers' names; an MoE feed-forward stays whole (train/tensor_parallel.py)."""
+    a = block.attn1
+    column, row = ((), ()) if isinstance(block.ff, MoEMLP) else ((block.ff.net[0].proj,), (block.ff.net[2],))
+    return TPSplit(column=(a.to_q, *column), kv=(a.to_k, a.to_v), row=(a.to_out[0], *row))
 
 
 def tp_parts(cfg) -> dict[str, tuple[int, int, int]]:

@@ -425,7 +425,8 @@ class Pi05Model(nn.Module):
         which is given zeros of the two streams' shapes and returns the hidden states the stage
         before sent (the shapes follow from the batch, which every stage of a replica reads);
         positions, attention plans and the adaRMS condition are computed here from the batch. Returns
-        the loss dict after the last layer, else the hidden states (x_pre, x_suf) for the next stage."""
+        the loss dict after the last layer, else {"hidden": (x_pre, x_suf)} for the next stage; with MoE
+        either holds the stage's routing (`moe_outputs`: its layers' part of the model's means)."""
         depth = self.config.lm.depth
         layers = range(depth) if layers is None else layers
         if batch.actions is None:
@@ -443,11 +444,11 @@ class Pi05Model(nn.Module):
         x_pre, x_suf = (pre.x, suf.x) if receive is None else receive(pre.x, suf.x)
         x_pre, x_suf, _ = self._run_layers(layers, x_pre, x_suf, pre, suf, attention)
         if layers.stop < depth:
-            return x_pre, x_suf
-        v_t = finish(self.expert.norm(x_suf, suf.cond)[0])
-        out = flow_loss(v_t, u_t, loss_weight(batch, u_t))
+            out = {"hidden": (x_pre, x_suf)}
+        else:
+            out = flow_loss(finish(self.expert.norm(x_suf, suf.cond)[0]), u_t, loss_weight(batch, u_t))
         if suf.routing is not None:  # the routing losses beside the flow-matching loss (models/moe.py)
-            out.update(moe_outputs(suf.routing.stats, self.config.moe))
+            out.update(moe_outputs(suf.routing.stats, self.config.moe, layers=self.config.expert.depth))
         return out
 
     # -- inference -------------------------------------------------------------------------------------

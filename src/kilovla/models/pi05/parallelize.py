@@ -11,6 +11,7 @@ from collections.abc import Callable
 from torch import nn
 
 from kilovla.models.family import TPSplit
+from kilovla.models.moe import MoEMLP
 
 
 def fsdp_units(model) -> list[list[nn.Module]]:
@@ -28,8 +29,10 @@ def tp_layers(model) -> list[tuple[nn.Module, int]]:
 
 
 def tp_split(layer) -> TPSplit:
+    """Attention and the MLP; an MoE MLP stays whole (train/tensor_parallel.py)."""
     a, m = layer.self_attn, layer.mlp
-    return TPSplit(column=(a.q_proj, m.gate_proj, m.up_proj), kv=(a.k_proj, a.v_proj), row=(a.o_proj, m.down_proj))
+    column, row = ((), ()) if isinstance(m, MoEMLP) else ((m.gate_proj, m.up_proj), (m.down_proj,))
+    return TPSplit(column=(a.q_proj, *column), kv=(a.k_proj, a.v_proj), row=(a.o_proj, *row))
 
 
 def tp_parts(cfg) -> dict[str, tuple[int, int, int]]:

@@ -159,6 +159,15 @@ def test_packed_sampling_equals_padded_sampling():
     torch.testing.assert_close(model.sample_actions(batch, noise=noise), padded, **TOL)
 
 
+def test_the_flow_time_is_n17s_not_n15s():
+    # NVIDIA's N1.7 samples t = (1 - Beta(1.5, 1)) * 0.999 (N1.5: (0.999 - beta) / 0.999); the trainer
+    # draws through the family's flow_time, the model's forward through sample_time
+    beta = torch.tensor([0.0, 0.5, 1.0])
+    torch.testing.assert_close(family_of(preset("groot-n17-tiny")).flow_time(beta), torch.tensor([0.999, 0.4995, 0.0]))
+    t = _model().sample_time(4096, torch.device("cpu"))
+    assert 0 <= float(t.min()) and float(t.max()) <= 0.999
+
+
 def test_state_dropout_zeroes_the_state_token_in_training_only():
     model = _model(state_dropout=1.0)
     batch = _batch(model.config)

@@ -10,7 +10,9 @@ them, loads NVIDIA's state dict into `GrootN17Model` with `load_state_dict(stric
 head left out: the module trees are the same) and compares, as max |kilovla - NVIDIA| and as that error
 scaled by max(1, |NVIDIA|) elementwise:
 
-- backbone features: the truncated Qwen3-VL's output before vlln, at real tokens;
+- backbone features: the truncated Qwen3-VL's output before vlln, at real tokens; which are image tokens;
+- the training flow time drawn from the global RNG (seed 3), and the loss with forward's own noise and
+  time draws (seed 4);
 - v_t: the velocity for the reference's noise and t; (u_t - v_t)^2 masked per element; the loss;
 - v_t and the loss through the packed path (`packing=True`);
 - the velocity of each of the 4 Euler steps of `get_action`, and the sampled actions.
@@ -126,7 +128,11 @@ def compare(case: str, out_dir: Path, venv: Path) -> dict[str, dict[str, float]]
     with torch.no_grad():
         feats, valid = model.backbone_features(batch)
         diff["backbone features"] = feats[valid], ref["backbone_features"][valid]
-        diff["image tokens"] = (batch.tokens == s["image_token_id"]).float(), ref["image_mask"].float()
+        diff["image tokens"] = model.encode(batch).image.float(), ref["image_mask"].float()
+        torch.manual_seed(3)
+        diff["flow time draws (seed 3)"] = model.sample_time(64, torch.device("cpu")), ref["time_drawn"]
+        torch.manual_seed(4)
+        diff["loss, own noise and t (seed 4)"] = model(batch)["loss"].reshape(1), ref["loss_drawn"]
         out = model(batch, noise=ref["noise"], time=ref_in["time"])
         weight = ref_in["action_mask"]
         diff["v_t"] = out["v_t"], ref["v_t"]

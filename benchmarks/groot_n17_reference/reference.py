@@ -106,6 +106,12 @@ def run(model, x: dict, s: dict) -> dict:
     head.action_decoder.register_forward_hook(lambda mod, args, out: seen.append(out.detach().clone()))
     out = {}
     with torch.no_grad():
+        torch.manual_seed(3)  # the training flow time, NVIDIA's own draw
+        out["time_drawn"] = head.sample_time(64, torch.device("cpu"), torch.float32)
+        torch.manual_seed(4)  # the loss with forward's own noise and time draws
+        out["loss_drawn"] = model.forward({**vl, **act, "action": x["action"], "action_mask": x["action_mask"]})[
+            "loss"].reshape(1)
+        seen.clear()
         bb = model.backbone(model.backbone.prepare_input(dict(vl)))
         out["backbone_features"] = bb["backbone_features"]
         out["image_mask"] = bb["image_mask"].to(torch.uint8)

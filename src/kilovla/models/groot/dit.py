@@ -3,8 +3,8 @@ DiT over [state | (N1.5: future tokens) | actions] with AdaLayerNorm on the disc
 per-embodiment state / action encoders and action decoder, vlln and an optional VL self-attention
 stack, with the module names of NVIDIA's checkpoints (`action_head.*`).
 
-Flow matching in GR00T's convention (opposite to openpi): t = (0.999 - Beta(1.5, 1)) / 0.999,
-x_t = (1 - t) * noise + t * actions, target velocity = actions - noise, the DiT sees
+Flow matching in GR00T's convention (opposite to openpi): t = (0.999 - Beta(1.5, 1)) / 0.999 (N1.5;
+N1.7's `flow_time` is (1 - Beta(1.5, 1)) * 0.999), x_t = (1 - t) * noise + t * actions, target velocity = actions - noise, the DiT sees
 floor(t * 1000); sampling integrates from t = 0 (noise) to 1 in `num_inference_steps` Euler steps.
 
 `GrootHead` is what both models do past their backbones (training loss, velocity, sampling); a model
@@ -240,6 +240,8 @@ class GrootHead:
     `config`, `action_head` and `encode(batch, run) -> VL`). Hooks a model fills in: `_extra_tokens`
     (DiT tokens between state and actions) and `_cross_attention` (what each cross-attention block sees)."""
 
+    flow_time = staticmethod(flow_time)  # Beta(1.5, 1) draw -> flow time; N1.7 has its own
+
     def _backend(self, device) -> str:
         return resolve_backend(self.config.attention_backend, device)
 
@@ -311,7 +313,7 @@ class GrootHead:
 
     def sample_time(self, n: int, device) -> torch.Tensor:
         beta = torch.distributions.Beta(torch.tensor(1.5, device=device), torch.tensor(1.0, device=device))
-        return flow_time(beta.sample((n,)))
+        return self.flow_time(beta.sample((n,)))
 
     def _embodiment(self, batch) -> torch.Tensor:
         if batch.embodiment_id is not None:

@@ -131,6 +131,12 @@ class GrootN17Config(CameraSlots):
         return 1 + self.action_horizon
 
 
+def flow_time(beta: torch.Tensor) -> torch.Tensor:
+    """N1.7's flow time from a Beta(1.5, 1) draw: (1 - beta) * 0.999, in [0, 0.999] (NVIDIA's
+    `sample_time`; N1.5's is (0.999 - beta) / 0.999)."""
+    return (1 - beta) * 0.999
+
+
 # -- Qwen3-VL vision tower -------------------------------------------------------------------------------
 def patchify(images: torch.Tensor, v: QwenViTConfig) -> torch.Tensor:
     """Images (N, 3, H, W) in [0, 1] -> Qwen3-VL's pixel_values (N, patches, 3 * T * P * P): normalised by
@@ -346,6 +352,8 @@ class _Layout:
 
 
 class GrootN17Model(GrootHead, nn.Module):
+    flow_time = staticmethod(flow_time)
+
     def __init__(self, config: GrootN17Config):
         super().__init__()
         self.config = config

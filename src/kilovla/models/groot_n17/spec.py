@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from kilovla.models.family import Family, KeyMap, ModelSettings
-from kilovla.models.groot.dit import flow_time
 from kilovla.models.groot_n17 import parallelize
-from kilovla.models.groot_n17.model import GrootN17Config, GrootN17Model
+from kilovla.models.groot_n17.model import GrootN17Config, GrootN17Model, flow_time
 from kilovla.models.groot_n17.presets import PRESETS, RECIPES
 
 _DIT = r"action_head\.model\.transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))"

@@ -5,11 +5,12 @@ random weights and inputs at tiny shapes, fp32 on CPU.
     PYTHONPATH=src python benchmarks/groot_n17_reference/parity.py [--venv DIR] [--out DIR] [--json OUT.json]
 
 Per case this writes the inputs (pre-tokenized prompts with Qwen3-VL's vision start / image pad / vision
-end tokens, images in [0, 1] and the pixel_values kilovla's `patchify` makes of them), runs NVIDIA's code on
-them, loads NVIDIA's state dict into `GrootN17Model` with `load_state_dict(strict=True)` (its unused LM
+end tokens, images in [0, 1], which the reference turns into pixel_values with transformers' Qwen3-VL
+image processor, no resize, mean = std = 0.5), runs NVIDIA's code on them, loads NVIDIA's state dict into `GrootN17Model` with `load_state_dict(strict=True)` (its unused LM
 head left out: the module trees are the same) and compares, as max |kilovla - NVIDIA| and as that error
 scaled by max(1, |NVIDIA|) elementwise:
 
+- pixel_values: kilovla's `patchify` against the image processor's;
 - backbone features: the truncated Qwen3-VL's output before vlln, at real tokens; which are image tokens;
 - the training flow time drawn from the global RNG (seed 3), and the loss with forward's own noise and
   time draws (seed 4);
@@ -102,10 +103,7 @@ def make_inputs(s: dict, padded: bool) -> tuple[PaddedBatch, dict]:
                         token_mask=mask, state=torch.randn(b, s["max_state_dim"], generator=g),
                         actions=torch.randn(b, h, a, generator=g), action_is_pad=is_pad, action_dim_mask=dims,
                         embodiment_id=torch.tensor([1, 0]))
-    grid = s["image_size"] // s["patch_size"]
-    pixels = patchify(images[present], config_of(s).vision)
-    ref = {"input_ids": tokens, "attention_mask": mask.long(), "pixel_values": pixels.flatten(0, 1),
-           "image_grid_thw": torch.tensor([[1, grid, grid]] * len(pixels)), "state": batch.state[:, None],
+    ref = {"input_ids": tokens, "attention_mask": mask.long(), "images": images[present], "state": batch.state[:, None],
            "action": batch.actions, "action_mask": ((~is_pad)[..., None] & dims).float(),
            "embodiment_id": batch.embodiment_id, "time": torch.tensor([0.3, 0.8])}
     return batch, ref
@@ -128,6 +126,7 @@ def compare(case: str, out_dir: Path, venv: Path) -> dict[str, dict[str, float]]
     with torch.no_grad():
         feats, valid = model.backbone_features(batch)
         diff["backbone features"] = feats[valid], ref["backbone_features"][valid]
+        diff["pixel_values"] = patchify(ref_in["images"], model.config.vision).flatten(0, 1), ref["pixel_values"]
         diff["image tokens"] = model.encode(batch).image.float(), ref["image_mask"].float()
         torch.manual_seed(3)
         diff["flow time draws (seed 3)"] = model.sample_time(64, torch.device("cpu")), ref["time_drawn"]

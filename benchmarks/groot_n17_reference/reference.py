@@ -98,13 +98,26 @@ def build(s: dict):
     return model
 
 
+def pixels(images: torch.Tensor, s: dict) -> dict:
+    """pixel_values and image_grid_thw of images (N, 3, H, W) in [0, 1] by the image processor Qwen3-VL's
+    processor uses, without its resize and at Qwen3-VL's mean = std = 0.5."""
+    import transformers
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    slow = IMAGE_PROCESSOR_MAPPING_NAMES["qwen3_vl"][0]  # the class AutoImageProcessor gives Qwen3-VL
+    proc = getattr(transformers, slow)(do_resize=False, do_rescale=False, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                 patch_size=s["patch_size"], temporal_patch_size=2, merge_size=2)
+    out = proc(images=list(images.numpy()), return_tensors="pt", input_data_format="channels_first")
+    return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"]}
+
+
 def run(model, x: dict, s: dict) -> dict:
     head, horizon = model.action_head, s["action_horizon"]
-    vl = {k: x[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
+    vl = {"input_ids": x["input_ids"], "attention_mask": x["attention_mask"], **pixels(x["images"], s)}
     act = {"state": x["state"], "embodiment_id": x["embodiment_id"]}
     seen = []
     head.action_decoder.register_forward_hook(lambda mod, args, out: seen.append(out.detach().clone()))
-    out = {}
+    out = {"pixel_values": vl["pixel_values"]}
     with torch.no_grad():
         torch.manual_seed(3)  # the training flow time, NVIDIA's own draw
         out["time_drawn"] = head.sample_time(64, torch.device("cpu"), torch.float32)

@@ -78,6 +78,7 @@ from kilovla.models.checkpoints import check_fits, read_safetensors, save_safete
 from kilovla.models.lora import ADAPTER_EMA_FILE, ADAPTER_FILE, LoraSettings, merge_state
 from kilovla.policy_folder import STATE_DIR, PolicyFolder, write_policy_json
 from kilovla.train import distributed
+from kilovla.train.optim import fused_adamw
 
 PINNED = "pinned"
 ABANDONED = "abandoned-"
@@ -596,6 +597,8 @@ def load(folder: Path, model, ema: dict | None, optimizer, scheduler, world, ada
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast, strict=not adapters)
         set_model_state_dict(model, weights, options=options)
         set_optimizer_state_dict(model, optimizer, optim, options=options)
+    for group in optimizer.param_groups:  # fused or not is this mesh's choice; loading took the saving run's
+        group["fused"] = fused_adamw(group["params"])
     ema_file = folder / (ADAPTER_EMA_FILE if adapters else "ema.safetensors")
     if ema is not None and ema_file.is_file():
         for k, v in read_safetensors(ema_file).items():

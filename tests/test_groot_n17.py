@@ -1,5 +1,6 @@
 """GR00T N1.7: the published shapes, Qwen3-VL's multimodal RoPE, the DiT's image / non-image
-cross-attention, packing against the padded path, state dropout, and a training run through the CLI.
+cross-attention, packing against the padded path, state dropout, a training run through the CLI, and
+the issue's Meta-World packing check with the trained folder quantized, evaluated and served.
 Equality with NVIDIA's code: benchmarks/groot_n17_reference/parity.py."""
 
 import dataclasses
@@ -204,3 +205,62 @@ def test_the_cli_trains_the_tiny_preset_packed_and_records_the_family(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows)
     policy = next(run.rglob("policy.json"))
     assert json.loads(policy.read_text())["family"] == "groot-n17"
+
+
+def test_every_trainable_parameter_gets_a_gradient():
+    # DDP (no find_unused_parameters) needs it; the LLM's final norm is frozen: the feature is taken before it
+    model = _model().train()
+    model(_batch(model.config))["loss"].backward()
+    assert [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
+    assert not model.qwen.language_model.norm.weight.requires_grad
+
+
+@pytest.fixture(scope="module")
+def packed_run(reach_demos, tmp_path_factory):
+    """The issue's packing check: the tiny preset on Meta-World's two 32-px cameras, packed into 600-token rows."""
+    run = tmp_path_factory.mktemp("n17") / "run"
+    assert main(["train", f"--run_dir={run}", "--steps=2", f"--dataset.roots=[{reach_demos}]",
+                 "--policy.preset=groot-n17-tiny", "--policy.overrides.packing=true", "--batch.token_budget=600",
+                 "--progress=false"]) == 0
+    return run
+
+
+def test_meta_world_samples_pack_several_to_a_600_token_row(packed_run):
+    rows = [json.loads(line) for line in (packed_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["capacity"] == 600 * r["rows_per_rank"] and r["samples"] >= 2 * r["rows_per_rank"], r
+    meta = json.loads((packed_run / "checkpoints" / "step_000002" / "policy.json").read_text())
+    assert len(meta["camera_map"]) == 2  # both cameras feed the model
+
+
+def test_a_trained_folder_quantizes_evaluates_and_serves(packed_run, tmp_path):
+    """`kilovla quantize` (the LLM and the DiT, never the vision tower), `kilovla eval` of the result,
+    and the serving engine: a batch of requests answers as each request alone."""
+    import numpy as np
+
+    from kilovla.quant.fp8 import select_layers
+    from kilovla.serve.engine import PolicyEngine, Request
+    from kilovla.serve.protocol import to_policy_observation
+
+    folder = packed_run / "checkpoints" / "step_000002"
+    assert main(["quantize", str(folder), f"--output_dir={tmp_path / 'q'}", "--quant.latency_repeats=1"]) == 0
+    modules = json.loads((tmp_path / "q" / "policy.json").read_text())["quantization_config"]["modules"]
+    assert set(modules) == set(select_layers(build_model("groot-n17-tiny", device="meta")))
+    assert len(modules) == 3 * 7 + 4 * 6 and not any(".visual." in m for m in modules)
+    assert main(["eval", f"--policy.path={tmp_path / 'q'}", "--env.task=reach-v3", "--eval.n_episodes=1",
+                 "--env.max_steps=6", "--eval.videos=0", f"--output_dir={tmp_path / 'ev'}"]) == 0
+    assert json.loads((tmp_path / "ev" / "report.json").read_text())["per_task"]["reach-v3"]["episodes"] == 1
+
+    engine = PolicyEngine.load(folder, device="cpu")
+    assert engine.metadata()["rtc"] is False  # the family refuses RTC
+    rng = np.random.default_rng(0)
+    requests = [Request(to_policy_observation({
+        "observation.images.scene": rng.integers(0, 255, (32, 32, 3), dtype=np.uint8),
+        "observation.images.wrist": rng.integers(0, 255, (32, 32, 3), dtype=np.uint8),
+        "observation.state": rng.standard_normal(4), "task": task}, engine.inputs()), seed=i)
+        for i, task in enumerate(["reach the goal", "reach"])]
+    batched, _ = engine.infer(requests)
+    for r, got in zip(requests, batched):
+        [alone], _ = engine.infer([r])
+        np.testing.assert_allclose(got, alone, atol=1e-5)

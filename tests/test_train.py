@@ -45,7 +45,7 @@ def _gradients(run, step):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("family", ["pi05-tiny", "groot-tiny", "smolvla-tiny"])
+@pytest.mark.parametrize("family", ["pi05-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"])
 def test_two_gloo_ranks_accumulating_several_rows_train_like_one(dataset, references, tmp_path, family, strategy):
     one = references(family)
     two = _trained(dataset, tmp_path / "two", family, nproc=2, extra=[f"--parallel.strategy={strategy}"])

@@ -359,6 +359,9 @@ class GrootN17Model(GrootHead, nn.Module):
         self.config = config
         self.backbone = _Backbone(config)
         self.action_head = _ActionHead(config)
+        # The feature is the last kept layer's output before the final norm (NVIDIA's too): the norm stays
+        # in the state dict but takes no gradient, so DDP finds a gradient for every trainable parameter.
+        self.qwen.language_model.norm.requires_grad_(False)
 
     @property
     def qwen(self) -> _Qwen3VLModel:

@@ -106,11 +106,11 @@ def test_fsdp_gathers_one_layer_at_a_time(tmp_path):
     parameters and one layer unit are whole at once (measured with module hooks)."""
     script = Path(__file__).parent / "distributed" / "fsdp_units.py"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
-                           "pi05-tiny", "groot-tiny", "smolvla-tiny"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           "pi05-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["family"] for r in results] == ["pi05-tiny", "groot-tiny", "smolvla-tiny"]
+    assert [r["family"] for r in results] == ["pi05-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"]
     for r in results:
         assert r["units"] >= 10
         assert 0.49 < r["resident"] / r["total"] < 0.55

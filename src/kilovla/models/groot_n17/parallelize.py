@@ -10,9 +10,10 @@ from kilovla.errors import KilovlaError
 
 
 def fsdp_units(model) -> list[list[nn.Module]]:
-    """ViT blocks, Qwen layers, VL self-attention blocks, DiT blocks: one unit each."""
-    head = model.action_head
-    blocks = [*model.qwen.visual.blocks, *model.qwen.language_model.layers,
+    """ViT blocks, the patch merger and each DeepStack merger (at the 3B, 4 x 25M parameters the root would
+    otherwise hold whole), Qwen layers, VL self-attention blocks, DiT blocks: one unit each."""
+    head, visual = model.action_head, model.qwen.visual
+    blocks = [*visual.blocks, visual.merger, *visual.deepstack_merger_list, *model.qwen.language_model.layers,
               *head.vl_self_attention.transformer_blocks, *head.model.transformer_blocks]
     return [[b] for b in blocks]
 

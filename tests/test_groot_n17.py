@@ -264,3 +264,14 @@ def test_a_trained_folder_quantizes_evaluates_and_serves(packed_run, tmp_path):
     for r, got in zip(requests, batched):
         [alone], _ = engine.infer([r])
         np.testing.assert_allclose(got, alone, atol=1e-5)
+
+
+def test_a_chat_template_prompt_is_refused_by_the_processor_in_one_line():
+    # the model places images at placeholder runs (the chat-template tests above); the processor builds only
+    # N1.5's Eagle prompt, which would be the wrong template here
+    from kilovla.models.processor import PolicyMeta, Processor
+
+    cfg = preset("groot-n17-tiny", image_token_id=IMAGE, llm={"vocab_size": 300})
+    stats = {k: {"q01": [-1.0] * 4, "q99": [1.0] * 4} for k in ("observation.state", "action")}
+    with pytest.raises(KilovlaError, match="GR00T N1.7's chat template is not built yet"):
+        Processor(cfg, PolicyMeta(preset="groot-n17-tiny", state_dim=4, action_dim=4, stats=stats))

@@ -275,3 +275,23 @@ def test_a_chat_template_prompt_is_refused_by_the_processor_in_one_line():
     stats = {k: {"q01": [-1.0] * 4, "q99": [1.0] * 4} for k in ("observation.state", "action")}
     with pytest.raises(KilovlaError, match="GR00T N1.7's chat template is not built yet"):
         Processor(cfg, PolicyMeta(preset="groot-n17-tiny", state_dim=4, action_dim=4, stats=stats))
+
+
+@pytest.mark.parametrize("prefix", ["", "_groot_model."], ids=["isaac-gr00t", "lerobot"])
+def test_the_published_layout_loads_strictly_onto_the_meta_device(prefix, tmp_path):
+    # NVIDIA's keys (sharded, with the tied LM head) and LeRobot's under `_groot_model.`
+    from kilovla.models.checkpoints import CheckpointError, load_checkpoint, save_sharded
+
+    source = build_model("groot-n17-tiny", seed=5)
+    state = dict(source.state_dict())
+    state["backbone.model.lm_head.weight"] = state["backbone.model.model.language_model.embed_tokens.weight"]
+    state = {prefix + k: v.clone() for k, v in state.items()}
+    files = save_sharded({k: (tuple(v.shape), v.dtype) for k, v in state.items()}, state.__getitem__, tmp_path,
+                         max_shard_bytes=200_000)
+    assert len(files) > 1
+    model = build_model("groot-n17-tiny", device="meta")
+    assert load_checkpoint(model, tmp_path) == ("lerobot-groot" if prefix else "groot")
+    for key, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    with pytest.raises(CheckpointError, match="missing"):  # strict: the N1.5 preset's tree is not this one
+        load_checkpoint(build_model("groot-tiny", device="meta"), tmp_path)

@@ -48,8 +48,8 @@ FAMILY = Family(
     checkpoint_names=("groot-n17",),
     checkpoint_name=lambda cfg: "groot-n17",
     # NVIDIA's layout (`backbone.model.*`: transformers' Qwen3-VL tree; `action_head.*`); its tied LM head
-    # is never used. Reading the published checkpoint (sharded, LeRobot's `_groot_model.` prefix) is not
-    # wired yet.
+    # is never used. Its files (sharded, or LeRobot's under `_groot_model.`) load as N1.5's layouts do; the
+    # checkpoint's processor assets (embodiment tags, modality config) are not read yet.
     keys=KeyMap(embed="backbone.model.model.language_model.embed_tokens.weight", tied="backbone.model.lm_head.weight",
                 rename=lambda key, name: key, own_prefixes=("backbone.model.",)),
     supports_rtc=False,

@@ -230,6 +230,7 @@ def test_meta_world_samples_pack_several_to_a_600_token_row(packed_run):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["capacity"] == 600 * r["rows_per_rank"] and r["samples"] >= 2 * r["rows_per_rank"], r
+        assert r["padding_fraction"] == 0.0 and r["tokens"] == r["tensor_tokens"]  # the plan counts what runs
     meta = json.loads((packed_run / "checkpoints" / "step_000002" / "policy.json").read_text())
     assert len(meta["camera_map"]) == 2  # both cameras feed the model
 

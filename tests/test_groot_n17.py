@@ -193,6 +193,8 @@ def test_bad_shapes_are_refused_in_one_line():
         _run(_model(), _batch(preset("groot-n17-tiny", vision={"image_size": 64})))
     with pytest.raises(KilovlaError, match="no tensor-parallel plan"):
         family_of(preset("groot-n17-tiny")).tp_parts(preset("groot-n17-tiny"))
+    with pytest.raises(KilovlaError, match="no pipeline-parallel plan"):
+        family_of(preset("groot-n17-tiny")).pp_depth(preset("groot-n17-tiny"))
 
 
 def test_the_cli_trains_the_tiny_preset_packed_and_records_the_family(tmp_path):

@@ -168,6 +168,16 @@ def test_groot_default_takes_the_llm_layers_and_the_dit():
     assert not any(k in n for n in chosen for k in ("vision_model", "vl_self_attention", "norm1", "proj_out", "mlp1"))
 
 
+def test_groot_n17_default_takes_the_llm_layers_and_the_dit_and_never_the_vision_tower():
+    model = build_model("groot-n17-3b", device="meta")
+    chosen = set(select_layers(model))
+    llm = {f"backbone.model.model.language_model.layers.{i}.{p}" for i in range(16) for p in PROJECTIONS}
+    dit = {f"action_head.model.transformer_blocks.{i}.{p}" for i in range(32)
+           for p in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")}
+    assert chosen == llm | dit
+    assert not any(".visual." in n for n in select_layers(model, scope="all"))
+
+
 def test_smolvla_default_takes_the_text_decoder_and_the_expert():
     """The family spec's scope: the 16 kept SmolLM2 layers and the expert's, never the SigLIP tower; scope
     "all" adds the connector, the token table and the action / state projections."""

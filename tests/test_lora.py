@@ -46,7 +46,7 @@ def _loss(model, batch):
     return model(batch, noise=noise, time=t)["per_sample"]
 
 
-@pytest.mark.parametrize("family", ["pi05-tiny", "groot-tiny", "smolvla-tiny"])
+@pytest.mark.parametrize("family", ["pi05-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"])
 def test_b_zero_gives_the_base_loss_exactly_and_only_adapters_get_gradients(family):
     model = build_model(family, seed=1)
     batch = _batch(model)
@@ -72,7 +72,7 @@ def test_b_zero_gives_the_base_loss_exactly_and_only_adapters_get_gradients(fami
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the merged weights did
 
 
-@pytest.mark.parametrize("family", ["pi05-tiny", "groot-tiny", "smolvla-tiny"])
+@pytest.mark.parametrize("family", ["pi05-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"])
 def test_merged_weights_compute_what_the_adapters_compute(family):
     settings = LoraSettings(rank=4, alpha=8)
     model = apply_lora(build_model(family, seed=2), settings)

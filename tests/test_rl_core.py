@@ -305,7 +305,7 @@ def _actor_critic(name):
 
 
 @pytest.mark.parametrize("stochastic", ["one", "all"])
-@pytest.mark.parametrize("name", ["pi05-tiny", "pi0-tiny", "groot-tiny", "smolvla-tiny"])
+@pytest.mark.parametrize("name", ["pi05-tiny", "pi0-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"])
 def test_a_stored_chain_is_rescored_exactly_and_the_ratio_moves_with_the_weights(name, stochastic):
     model = _policy_model(name)
     batch = _obs_batch(model.config)
@@ -352,9 +352,10 @@ def test_deterministic_sampling_stays_the_default_outside_rl():
     torch.testing.assert_close(model.sample_actions(batch, noise=noise), x)
 
 
-def test_groot_sampling_through_the_field_equals_its_own_convention():
+@pytest.mark.parametrize("name", ["groot-tiny", "groot-n17-tiny"])
+def test_groot_sampling_through_the_field_equals_its_own_convention(name):
     """GR00T integrates from t = 0 (noise) to 1; the field turns that into openpi's convention."""
-    model = _policy_model("groot-tiny")
+    model = _policy_model(name)
     batch = _obs_batch(model.config)
     cfg = model.config
     noise = torch.randn(3, cfg.action_horizon, cfg.max_action_dim)
@@ -587,7 +588,7 @@ def test_awr_loss_by_hand():
     assert stats["awr_weight_max"] == 20.0
 
 
-@pytest.mark.parametrize("name", ["pi05-tiny", "pi0-tiny", "groot-tiny", "smolvla-tiny"])
+@pytest.mark.parametrize("name", ["pi05-tiny", "pi0-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"])
 def test_the_flow_matching_error_is_the_supervised_loss(name):
     """flow_matching_error through the velocity field equals the model's own training loss on the same
     chunk, t and noise (GR00T: its time runs the other way), and is 0 for a field that knows the chunk."""
@@ -797,7 +798,7 @@ def test_training_seeds_of_different_slots_workers_and_runs_never_meet():
     assert all(b - a >= 10_000 for a, b in zip(starts, starts[1:]))  # room for 10_000 episodes per slot
 
 
-@pytest.mark.parametrize("name", ["pi0-tiny", "groot-tiny", "smolvla-tiny"])
+@pytest.mark.parametrize("name", ["pi0-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"])
 def test_the_critic_sees_the_state_the_prefix_does_not_carry(name):
     """pi0 and GR00T put the state in the action stream: the value head must read it itself, or two
     observations with the same images and prompt but the hand elsewhere get the same value (SmolVLA's

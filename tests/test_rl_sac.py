@@ -47,7 +47,7 @@ def _obs(n, seed=0):
             "task": ["reach the red goal"] * n}
 
 
-@pytest.mark.parametrize("preset", ["pi0-tiny", "groot-tiny", "smolvla-tiny"])
+@pytest.mark.parametrize("preset", ["pi0-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"])
 def test_a_fresh_residual_returns_the_base_chunk_exactly(preset):
     from kilovla.models.presets import build_model
     from kilovla.models.processor import PolicyMeta, Processor

@@ -45,7 +45,7 @@ def _gradients(run, step):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("family", ["pi05-tiny", "groot-tiny", "smolvla-tiny"])
+@pytest.mark.parametrize("family", ["pi05-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"])
 def test_two_gloo_ranks_accumulating_several_rows_train_like_one(dataset, references, tmp_path, family, strategy):
     one = references(family)
     two = _trained(dataset, tmp_path / "two", family, nproc=2, extra=[f"--parallel.strategy={strategy}"])
@@ -106,11 +106,11 @@ def test_fsdp_gathers_one_layer_at_a_time(tmp_path):
     parameters and one layer unit are whole at once (measured with module hooks)."""
     script = Path(__file__).parent / "distributed" / "fsdp_units.py"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
-                           "pi05-tiny", "groot-tiny", "smolvla-tiny"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           "pi05-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["family"] for r in results] == ["pi05-tiny", "groot-tiny", "smolvla-tiny"]
+    assert [r["family"] for r in results] == ["pi05-tiny", "groot-tiny", "smolvla-tiny", "groot-n17-tiny"]
     for r in results:
         assert r["units"] >= 10
         assert 0.49 < r["resident"] / r["total"] < 0.55

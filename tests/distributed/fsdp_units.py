@@ -59,7 +59,8 @@ def main() -> None:
     world = distributed.init()
     deep = {"pi05-tiny": dict(lm={"depth": 6}, expert={"depth": 6}, vision={"depth": 4}),
             "groot-tiny": dict(llm={"depth": 4}, dit={"depth": 6, "heads": 2, "head_dim": 16, "output_dim": 32}),
-            "smolvla-tiny": dict(text={"depth": 6}, num_vlm_layers=6, vision={"depth": 4})}
+            "smolvla-tiny": dict(text={"depth": 6}, num_vlm_layers=6, vision={"depth": 4}),
+            "groot-n17-tiny": dict(llm={"depth": 6}, vision={"depth": 4}, dit={"depth": 8})}
     results = [measure(name, world, **deep[name]) for name in sys.argv[1:]]
     if world.is_main:
         for r in results:

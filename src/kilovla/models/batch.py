@@ -143,3 +143,17 @@ def padded_prefix(image_tokens: torch.Tensor, image_masks: torch.Tensor, text_to
     tokens = torch.cat([image_tokens.reshape(b, c * p, -1), text_tokens], dim=1)
     valid = torch.cat([image_masks[:, :, None].expand(b, c, p).reshape(b, c * p), token_mask], dim=1)
     return tokens, valid
+
+
+def place_images(text: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None, images: torch.Tensor,
+                 image_token_id: int) -> torch.Tensor:
+    """A chat template's images (Eagle's, Qwen3-VL's): the i-th image's tokens replace the i-th run of
+    placeholders `image_token_id` among the real tokens (in sample order, then camera order).
+    text (..., W) embeddings of tokens (...); images (N, P, W) the present images' tokens."""
+    slots = tokens == image_token_id
+    if valid is not None:
+        slots &= valid
+    if int(slots.sum()) != images.shape[0] * images.shape[1]:
+        raise KilovlaError(f"the prompts hold {int(slots.sum())} image placeholders, the batch has "
+                           f"{images.shape[0]} images of {images.shape[1]} tokens")
+    return text.masked_scatter(slots[..., None], images.to(text.dtype))

@@ -43,7 +43,7 @@ from kilovla.errors import KilovlaError
 from kilovla.models.attention import BACKENDS
 from kilovla.models.images import ImageAugmentation
 
-FAMILY_MODULES = ("kilovla.models.pi05", "kilovla.models.groot", "kilovla.models.smolvla")
+FAMILY_MODULES = ("kilovla.models.pi05", "kilovla.models.groot", "kilovla.models.smolvla", "kilovla.models.groot_n17")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -71,14 +71,24 @@ class SwiGLU(GatedMLP):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10_000.0) -> torch.Tensor:
-    """Rotary embedding on the last dim of x (..., T, H, D) at integer positions (..., T), float32 math."""
+def rope_angles(positions: torch.Tensor, dim: int, theta: float = 10_000.0) -> torch.Tensor:
+    """The rotary angles of integer positions (..., T) for heads of `dim`: (..., T, dim / 2)."""
+    freq = theta ** (-torch.arange(dim // 2, device=positions.device, dtype=torch.float32) * 2.0 / dim)
+    return positions.float()[..., None] * freq
+
+
+def rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (halves rotated, as Llama / Qwen) on the last dim of x (..., T, H, D) by angles
+    (..., T, D / 2), float32 math."""
     half = x.shape[-1] // 2
-    freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) * 2.0 / x.shape[-1])
-    angles = positions.float()[..., None] * freq  # (..., T, half)
     sin, cos = angles.sin()[..., None, :], angles.cos()[..., None, :]
     x1, x2 = x.float()[..., :half], x.float()[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10_000.0) -> torch.Tensor:
+    """Rotary embedding on the last dim of x (..., T, H, D) at integer positions (..., T), float32 math."""
+    return rotate(x, rope_angles(positions, x.shape[-1], theta))
 
 
 def sincos_time_embedding(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:

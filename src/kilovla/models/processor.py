@@ -126,6 +126,11 @@ class Processor:
                                f"tokenizer {tok.path}")
         if self.image_token_id is None:
             return
+        fam = family_of(cfg)
+        if fam.name != "groot":  # eagle_prompt_ids below is GR00T N1.5's template
+            raise KilovlaError(f"{self.meta.preset}: image_token_id is set, but {fam.title}'s chat template is not built "
+                               "yet (only GR00T N1.5's Eagle prompt is); leave image_token_id unset: the images then "
+                               "go before the prompt")
         if tok.kind != "qwen3":
             raise KilovlaError(f"{self.meta.preset} builds Eagle chat prompts with <IMG_CONTEXT> placeholders: it needs "
                                f"a Qwen3 tokenizer (--policy.tokenizer=PATH), not the {tok.kind} tokenizer")

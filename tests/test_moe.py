@@ -344,7 +344,7 @@ def test_policy_moe_goes_into_the_model_overrides_and_a_family_without_moe_refus
     monkeypatch.setitem(family._FAMILIES, "groot", dataclasses.replace(family.family("groot"), moe=None))
     groot = load_config(TrainConfig, None, ["--policy.preset=groot-tiny", "--policy.moe.num_experts=4"])
     with pytest.raises(KilovlaError, match=r"^policy.moe: GR00T \(groot-tiny\) has no mixture-of-experts option; "
-                                           r"the families with one: pi0/pi0.5, SmolVLA$"):
+                                           r"the families with one: pi0/pi0.5, SmolVLA, GR00T N1.7$"):
         with_init_model(groot)
 
 

@@ -231,6 +231,9 @@ def test_demo_takes_dotted_overrides_of_its_recipe(capsys):
     other = _config(["demo", "--quick", "--policy.preset=pi05-tiny", "--policy.overrides.expert.width=128"]).recipe()
     assert (other.preset, other.model) == ("pi05-tiny", {"expert": {"width": 128}})
     assert _config(["demo", "--policy.preset=groot-tiny"]).recipe().preset_model() == {}
+    # train's --policy.moe.* goes into the model overrides, beside the recipe's wide expert
+    moe = _config(["demo", "--quick", "--policy.moe.num_experts=4", "--policy.moe.top_k=2"]).recipe()
+    assert moe.model == {"expert": {"width": 64, "mlp_dim": 256}, "moe": {"num_experts": 4, "top_k": 2}}
     assert _config(["demo"]).recipe() == FULL and _config(["demo", "--quick", "--out", "x"]).recipe() == QUICK
     assert main(["demo", "--policy.overides.x=1"]) == 2
     assert "unknown config key 'policy.overides.x' (did you mean 'policy.overrides'?)" in capsys.readouterr().err
@@ -242,6 +245,8 @@ def test_demo_takes_dotted_overrides_of_its_recipe(capsys):
      "error: unknown config key 'policy.overrides.expert.widht' (did you mean 'policy.overrides.expert.width'?)"),
     ("--policy.overrides.expert.width=wide", "error: config key 'policy.overrides.expert.width': 'wide' is not an int"),
     ("--policy.preset=pi0-huge", "error: --policy.preset=pi0-huge: unknown model preset 'pi0-huge'"),
+    ("--policy.moe.num_expert=4",
+     "error: unknown config key 'policy.overrides.moe.num_expert' (did you mean 'policy.overrides.moe.num_experts'?)"),
     ("--policy.preset=pi0-tny", "error: --policy.preset=pi0-tny: unknown model preset 'pi0-tny' (did you mean "
      "'pi0-tiny'?); available: pi05-tiny, pi0-tiny, "),
 ])

@@ -238,6 +238,8 @@ class DemoPolicySection:
     overrides: dict = _f({}, "model config overrides merged into the recipe's for the preset (pi0-tiny's: a wide "
                          "action expert; other presets': none), as --policy.overrides.KEY=VALUE "
                          "(e.g. --policy.overrides.expert.width=128) or one JSON/YAML mapping")
+    moe: dict = _f({}, "the action expert as a mixture of experts, train's --policy.moe.* (e.g. "
+                   "--policy.moe.num_experts=4 --policy.moe.top_k=2): the same as --policy.overrides.moe.*")
 
 
 @dataclass
@@ -260,8 +262,11 @@ class DemoCommand:
 
             check_preset(self.policy.preset, "--policy.preset")
             recipe = recipe.replace(preset=self.policy.preset)
-        if self.policy.overrides:  # over the recipe's model for its preset (the wide expert for pi0-tiny only)
-            recipe = recipe.replace(model=_merged(recipe.preset_model(), self.policy.overrides))
+        overrides = dict(self.policy.overrides)
+        if self.policy.moe:  # train's dialect, written into the model overrides as train does
+            overrides = _merged(overrides, {"moe": self.policy.moe})
+        if overrides:  # over the recipe's model for its preset (the wide expert for pi0-tiny only)
+            recipe = recipe.replace(model=_merged(recipe.preset_model(), overrides))
         if self.seed is not None:
             recipe = recipe.replace(collect_seed=self.seed, train_seed=self.seed, eval_seed=self.seed + 1)
         return recipe

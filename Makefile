@@ -58,7 +58,7 @@ demo: system venv
 # the sync and kill -9 Ray runs) on two pytest workers, then the other slow ones alone, since they time out
 # hung workers and ranks and compare speeds. --no-loadscope-reorder keeps tests/conftest.py's order (the long
 # shares_cpu modules first; xdist's default, most tests first, left the canary's one test running alone at
-# the end). ~13 minutes on 2 cores; plain `pytest` (not slow, not gpu) takes ~6.
+# the end). ~18 minutes on 2 cores (13 + 5); plain `pytest` (not slow, not gpu) takes ~6.
 # KILOVLA_REQUIRE_TORCHCODEC: both video decoders are tested; a torchcodec that fails to load fails.
 TEST_ENV = KILOVLA_REQUIRE_TORCHCODEC=$(if $(strip $(TORCHCODEC)),1,0) KILOVLA_LIBERO_OFFICIAL=$(LIBERO_OFFICIAL)
 # pytest exits 5 when it collects no test: that is a broken suite here, not a pass.

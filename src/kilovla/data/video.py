@@ -294,6 +294,11 @@ class VideoEncoder:
     """Appends RGB frames to one mp4: yuv420p, a keyframe every `gop` frames.
 
     Defaults follow LeRobot's: AV1 through SVT-AV1, crf 30, preset 12, g=2.
+
+    Packets are held and written in decode (dts) order at `close`: SVT-AV1's threads can hand back its
+    last packets out of order when the flush races a busy CPU (seen: frame 32 before 8..31, 7 after 31),
+    which the mp4 muxer refuses as "non monotonically increasing dts". An episode's packets are a few
+    KB a frame, so holding them costs little.
     """
 
     def __init__(self, path: str | Path, width: int, height: int, fps: int, codec: str = "libsvtav1",
@@ -314,20 +319,30 @@ class VideoEncoder:
         self._stream.pix_fmt = "yuv420p"
         self.frames = 0
         self.bytes_written = 0
+        self._packets = []
 
     def add(self, frame: np.ndarray) -> None:
         import av
 
         video_frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
-        for packet in self._stream.encode(video_frame):
-            self.bytes_written += packet.size
-            self._container.mux(packet)
+        self._hold(self._stream.encode(video_frame))
         self.frames += 1
 
-    def close(self) -> None:
-        for packet in self._stream.encode():
+    def _hold(self, packets) -> None:
+        for packet in packets:
             self.bytes_written += packet.size
+            self._packets.append(packet)
+
+    def close(self) -> None:
+        self._hold(self._stream.encode())
+        self._packets.sort(key=lambda p: p.dts)
+        dts = [p.dts for p in self._packets]
+        if any(a >= b for a, b in zip(dts, dts[1:])):
+            raise RuntimeError(f"{self.path}: the {self._stream.codec_context.name} encoder gave two packets "
+                               "the same decode timestamp")
+        for packet in self._packets:
             self._container.mux(packet)
+        self._packets = []
         self._container.close()
 
     def __enter__(self) -> VideoEncoder:

@@ -225,7 +225,10 @@ def train_process(args, nproc=1, env=None, timeout=300):
     if nproc == 1:
         cmd = [sys.executable, "-m", "kilovla", "train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "kilovla", "train", *args]
+        # --standalone: a rendezvous on a free port per launch. torchrun's default, port 29500, is one for both
+        # pytest workers: two launches at once meet in one store (an EP run failed so under -n 2).
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "kilovla", "train", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 

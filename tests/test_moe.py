@@ -421,34 +421,71 @@ def test_a_dense_policy_folder_fine_tunes_into_an_moe_expert(name, train_dataset
 
 
 # -- adapters, FP8 --------------------------------------------------------------------------------------------
-def _quantized_with_experts_kept(checkpoint, out):
-    """FP8 PTQ of an MoE policy folder -> (report, original, quantized): the report says the experts and routers
-    stay bf16, as its table does."""
+def _check_fp8_experts(checkpoint, out, dataset, stacks):
+    """FP8 PTQ of an MoE policy folder: each expert stack in `stacks` is FP8 in its own experts' blocks (a
+    slice quantized alone gives the same payload and scales), bias stacks and routers keep their values at
+    bf16, the report has each stack's SQNRs, and the folder reloads to what was quantized."""
     from kilovla.policy_folder import load_policy_folder
-    from kilovla.quant.fp8 import Fp8Config
+    from kilovla.quant.fp8 import FP8, Fp8Config, Fp8GroupedExperts, quantize_fp8_blockwise
     from kilovla.quantize.folder import quantize_policy_folder
-    from kilovla.quantize.report import report_rows
 
-    report = quantize_policy_folder(checkpoint, out, Fp8Config(), latency_repeats=1)
+    report = quantize_policy_folder(checkpoint, out, Fp8Config(), dataset=dataset, samples=8, latency_repeats=1)
     original, quantized = load_policy_folder(checkpoint), load_policy_folder(out)
-    n = sum(p.numel() for m in original.model.modules() if isinstance(m, MoEMLP) for p in m.parameters())
-    assert report["moe_experts"] == {"quantized": False, "stored_as": "bfloat16", "params": n}
-    assert ("MoE experts", "", "bfloat16, not FP8",
-            f"{n} params of routed / shared experts and routers kept unquantized") in report_rows(report)
-    return report, original, quantized
+    before, after = original.model.state_dict(), quantized.model.state_dict()
+    for stack in stacks:
+        layer = quantized.model.get_submodule(stack)
+        assert isinstance(layer, Fp8GroupedExperts) and layer.payloads, stack
+        for name in layer.payloads:
+            w, q, scales = before[f"{stack}.{name}"], after[f"{stack}.{name}"], after[f"{stack}.{name}_scale_inv"]
+            assert q.dtype == FP8 and scales.shape[0] == len(w)
+            for e in range(len(w)):
+                q_e, s_e = quantize_fp8_blockwise(w[e])
+                assert torch.equal(scales[e], s_e) and torch.equal(q[e].view(torch.uint8), q_e.view(torch.uint8))
+        fp8_keys = {f"{stack}.{name}" for name in layer.payloads}
+        for key, value in before.items():  # the MoE layer's other weights: bias stacks, the router
+            if key.startswith(stack.rpartition(".")[0] + ".") and key not in fp8_keys:
+                assert torch.equal(after[key], value.to(torch.bfloat16).float()), key
+        entry = report["layers"][stack]
+        assert entry["weight_sqnr_db"] > 25 and entry["output_sqnr_db"] > 20, entry
+    assert report["actions"]["relative"] < 0.05, report["actions"]
+    return report
 
 
-def test_fp8_ptq_keeps_the_experts_in_bf16_and_says_so_in_the_report(moe_run, tmp_path):
-    from kilovla.quant.fp8 import Fp8BlockLinear
-
+def test_fp8_ptq_quantizes_each_expert_in_its_own_blocks(moe_run, train_dataset, tmp_path):
     checkpoint, _ = moe_run
-    report, original, quantized = _quantized_with_experts_kept(checkpoint, tmp_path / "fp8")
-    expert = [name for name in report["layers"] if "gemma_expert" in name]
-    assert expert and not any(".mlp" in name for name in expert)  # the action expert's attention only
-    assert any(isinstance(m, Fp8BlockLinear) for m in quantized.model.modules())
-    for key, value in original.model.state_dict().items():
-        if ".mlp.experts." in key or ".mlp.router." in key:
-            assert torch.equal(quantized.model.state_dict()[key], value.to(torch.bfloat16).float()), key
+    report = _check_fp8_experts(checkpoint, tmp_path / "fp8", train_dataset,
+                                [f"{m}.experts" for m in MOE_LAYERS["pi05-tiny"]])
+    assert not any(".mlp.router" in name for name in report["layers"])
+
+
+def test_fp8_ptq_quantizes_groot_and_smolvla_experts(family_moe_run, train_dataset, tmp_path):
+    name, checkpoint, _ = family_moe_run
+    _check_fp8_experts(checkpoint, tmp_path / "fp8", train_dataset, [f"{m}.experts" for m in MOE_LAYERS[name]])
+
+
+def test_fp8_shared_experts_and_an_excluded_stack():
+    """Shared experts are quantized like routed ones, and the layer computes exactly what it does with the
+    dequantized weights as plain stacks; `--quant.exclude` keeps one stack, the default takes the rest."""
+    import re
+
+    from kilovla.quant.fp8 import Fp8Config, Fp8GroupedExperts, quantize_model
+
+    moe, layers = {**MOE, "shared_experts": 1}, MOE_LAYERS["groot-tiny"]
+    torch.manual_seed(0)
+    model = build_model("groot-tiny", moe=moe).eval()
+    torch.manual_seed(0)
+    reference = build_model("groot-tiny", moe=moe).eval()
+    sqnr = quantize_model(model, Fp8Config(exclude=rf"^{re.escape(layers[1])}\.experts$"))
+    assert {f"{layers[0]}.experts", f"{layers[0]}.shared", f"{layers[1]}.shared"} <= set(sqnr)
+    assert not isinstance(model.get_submodule(f"{layers[1]}.experts"), Fp8GroupedExperts)
+    with torch.no_grad():
+        for group in ("experts", "shared"):
+            fp8, plain = model.get_submodule(f"{layers[0]}.{group}"), reference.get_submodule(f"{layers[0]}.{group}")
+            for name in fp8.payloads:
+                getattr(plain, name).copy_(fp8.dequantized_weight(name=name))
+        x = torch.randn(7, model.get_submodule(layers[0]).router.weight.shape[1])
+        got, want = model.get_submodule(layers[0])(x), reference.get_submodule(layers[0])(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_lora_leaves_the_experts_frozen_trains_them_in_full_when_named_and_refuses_them_as_targets():
@@ -465,23 +502,6 @@ def test_lora_leaves_the_experts_frozen_trains_them_in_full_when_named_and_refus
     assert merge_state(model.state_dict(), LoraSettings(rank=2)).keys() == plain.keys()
     with pytest.raises(KilovlaError, match=rf"names MoE experts or routers \({mlp}.experts\).*policy.lora.full=\[{mlp}\]"):
         apply_lora(build_model("pi05-tiny", moe=MOE), LoraSettings(rank=2, targets=r".*layers\.1\.mlp\.experts"))
-
-
-# each family's action-expert attention, which FP8 quantizes beside the experts it keeps
-EXPERT_ATTENTION = {"groot-tiny": r"action_head\.model\.transformer_blocks\.\d+\.attn1\.",
-                    "smolvla-tiny": r"vlm_with_expert\.lm_expert\.layers\.\d+\.self_attn\."}
-
-
-def test_fp8_ptq_keeps_groot_and_smolvla_experts_in_bf16(family_moe_run, tmp_path):
-    import re
-
-    name, checkpoint, _ = family_moe_run
-    report, original, quantized = _quantized_with_experts_kept(checkpoint, tmp_path / "fp8")
-    in_moe = [layer for layer in report["layers"] if any(layer.startswith(f"{m}.") for m in MOE_LAYERS[name])]
-    assert in_moe == [] and any(re.match(EXPERT_ATTENTION[name], layer) for layer in report["layers"])
-    for key, value in original.model.state_dict().items():
-        if any(key.startswith(f"{m}.") for m in MOE_LAYERS[name]):
-            assert torch.equal(quantized.model.state_dict()[key], value.to(torch.bfloat16).float()), key
 
 
 @pytest.mark.parametrize("name", OTHERS)

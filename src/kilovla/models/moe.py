@@ -180,9 +180,10 @@ class GroupedExperts(nn.Module):
         h = self.activation(grouped_linear(x, s["gate_proj"], counts)) * grouped_linear(x, s["up_proj"], counts)
         return grouped_linear(h, s["down_proj"], counts)
 
-    def forward(self, x: torch.Tensor, plan: Dispatch, k: int) -> torch.Tensor:
-        """`expert_compute` as a module call, for hooks that wrap one (FSDP's gather of expert shards)."""
-        return expert_compute(self, x, plan, k)
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """`compute` as a module call, for hooks that wrap one (FSDP's gather of expert shards, the FP8
+        report's capture of each layer's inputs)."""
+        return self.compute(x, counts)
 
     def fan_in(self, name: str) -> int:
         """The inputs of the linear a stack's slices are (nn.Linear draws U(+-1 / sqrt(fan_in)))."""
@@ -191,7 +192,7 @@ class GroupedExperts(nn.Module):
     def all_summed(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, summed (the shared experts)."""
         n = len(self.down_proj)
-        return self.compute(x.repeat(n, 1), [len(x)] * n).view(n, *x.shape).sum(0)
+        return self(x.repeat(n, 1), [len(x)] * n).view(n, *x.shape).sum(0)
 
 
 class SwiGLUExperts(GroupedExperts):
@@ -212,7 +213,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 def expert_compute(experts: GroupedExperts, x: torch.Tensor, plan: Dispatch, k: int) -> torch.Tensor:
     """Each expert on its assigned tokens: x (N, W) -> (M, W), one row per kept assignment, in `plan` order."""
-    return experts.compute(x[plan.assignment // k], plan.counts.tolist())
+    return experts(x[plan.assignment // k], plan.counts.tolist())
 
 
 class _GroupedLinear(torch.autograd.Function):

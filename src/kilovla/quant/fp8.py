@@ -29,6 +29,9 @@ language model and the action expert (GR00T: the LLM layers and the DiT) and kee
 layers, the token table (`Fp8BlockEmbedding`: rows dequantized as they are looked up) and GR00T's
 per-embodiment Linear (`Fp8BlockCategoryLinear`: a (C, in, out) stack blocked matrix by matrix). Those
 two are weight-only (no GEMM reads a token table; no batched block-scaled GEMM exists for the stack).
+An MoE layer's expert stacks (`Fp8GroupedExperts`: each (E, out, in) stack blocked expert by expert) go
+with the dense MLP they replace, in the family default and under "all"; weight-only too, for the same
+reason as the per-embodiment stack.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from torch import nn
 from kilovla.errors import KilovlaError
 from kilovla.models.family import family_of
 from kilovla.models.layers import CategoryLinear
+from kilovla.models.moe import GroupedExperts
 
 log = logging.getLogger(__name__)
 
@@ -202,15 +206,24 @@ def sqnr_db(reference: torch.Tensor, test: torch.Tensor, chunk: int = 1 << 24) -
 
 # -- the layers ------------------------------------------------------------------------------------
 class Fp8Weights(nn.Module):
-    """What every FP8 module shares: a float8 payload buffer ``PAYLOAD`` and its float32 inverse
-    scales ``PAYLOAD + "_scale_inv"``, which keep their dtypes when the model is cast."""
+    """What every FP8 module shares: float8 payload buffers (one, ``PAYLOAD``, except for an MoE layer's
+    expert stacks) and beside each its float32 inverse scales ``<payload>_scale_inv``, which keep their
+    dtypes when the model is cast. ``out_dtype``, where a module has one, follows the model's casts."""
 
     PAYLOAD = "weight"
+    out_dtype: torch.dtype | None = None
+
+    @classmethod
+    def payload_names(cls, module: nn.Module) -> tuple[str, ...]:
+        """The weights of `module` (the layer to quantize, or its FP8 module) that are stored in FP8."""
+        return (cls.PAYLOAD,)
 
     def _apply(self, fn, recurse=True):
-        # `.float()` / `.to(bfloat16)` on the whole model may move the FP8 payload and its scales,
+        # `.float()` / `.to(bfloat16)` on the whole model may move the FP8 payloads and their scales,
         # never re-type them: q cast to bf16 reads as wrong weights, silently.
-        keys = (self.PAYLOAD, self.PAYLOAD + "_scale_inv")
+        if self.out_dtype is not None:
+            self.out_dtype = fn(torch.zeros((), dtype=self.out_dtype)).dtype
+        keys = [key for name in self.payload_names(self) for key in (name, name + "_scale_inv")]
         payload = {key: self._buffers[key] for key in keys}
         super()._apply(fn, recurse)
         for key, before in payload.items():
@@ -219,15 +232,15 @@ class Fp8Weights(nn.Module):
                 self._buffers[key] = before.to(after.device)
         return self
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_fp8_blockwise(self._buffers[self.PAYLOAD], self._buffers[self.PAYLOAD + "_scale_inv"],
-                                        self.block, dtype)
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32, name: str | None = None) -> torch.Tensor:
+        name = name or self.PAYLOAD
+        return dequantize_fp8_blockwise(self._buffers[name], self._buffers[name + "_scale_inv"], self.block, dtype)
 
-    def _register_payload(self, shape, block: int, device) -> None:
-        self.block = block
-        self.register_buffer(self.PAYLOAD, torch.empty(shape, dtype=FP8, device=device))
-        self.register_buffer(self.PAYLOAD + "_scale_inv", torch.ones(scale_shape(shape, block), dtype=torch.float32,
-                                                                     device=device))
+    def _register_payload(self, shape, block: int, device, name: str | None = None) -> None:
+        self.block, name = block, name or self.PAYLOAD
+        self.register_buffer(name, torch.empty(shape, dtype=FP8, device=device))
+        self.register_buffer(name + "_scale_inv", torch.ones(scale_shape(shape, block), dtype=torch.float32,
+                                                             device=device))
 
     @classmethod
     def empty_like(cls, module: nn.Module, block: int = 128, activations: str = "1x128") -> Fp8Weights:
@@ -236,14 +249,16 @@ class Fp8Weights(nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.Module, block: int = 128, activations: str = "1x128") -> Fp8Weights:
-        """`module` quantized: its weight (named like ``PAYLOAD``) block-wise FP8, its other parameters
-        (bias) copied, frozen."""
+        """`module` quantized: its weights (`payload_names`) block-wise FP8, its other parameters (biases)
+        copied, frozen."""
         new = cls.empty_like(module, block, activations)
-        q, s = quantize_fp8_blockwise(getattr(module, cls.PAYLOAD), block)
-        new._buffers[cls.PAYLOAD].copy_(q)
-        new._buffers[cls.PAYLOAD + "_scale_inv"].copy_(s)
+        payloads = cls.payload_names(module)
+        for name in payloads:
+            q, s = quantize_fp8_blockwise(getattr(module, name), block)
+            new._buffers[name].copy_(q)
+            new._buffers[name + "_scale_inv"].copy_(s)
         for name, p in module.named_parameters(recurse=False):
-            if name != cls.PAYLOAD:
+            if name not in payloads:
                 setattr(new, name, nn.Parameter(p.detach().clone(), requires_grad=False))
         return new
 
@@ -299,10 +314,6 @@ class Fp8BlockEmbedding(Fp8Weights):
         return cls(table.num_embeddings, table.embedding_dim, block=block, device=table.weight.device,
                    dtype=table.weight.dtype)
 
-    def _apply(self, fn, recurse=True):
-        self.out_dtype = fn(torch.zeros((), dtype=self.out_dtype)).dtype  # follow the model's casts
-        return super()._apply(fn, recurse)
-
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, block={self.block}"
 
@@ -338,6 +349,56 @@ class Fp8BlockCategoryLinear(Fp8Weights):
     def forward(self, x: torch.Tensor, cat: torch.Tensor) -> torch.Tensor:
         w = dequantize_fp8_blockwise(self.W[cat], self.W_scale_inv[cat], self.block, x.dtype)
         return torch.bmm(x, w) + self.b[cat][:, None].to(x.dtype)
+
+
+class Fp8GroupedExperts(Fp8Weights):
+    """An MoE layer's expert stacks (models/moe.py: `GroupedExperts` or another kind of it) in block-wise
+    FP8: each weight stack (E, out, in) as float8 with (E, ceil(out/block), ceil(in/block)) scales, so every
+    expert has its own block x block tiles (none spans two experts); bias stacks (E, out) kept. Weight-only:
+    the stacks are dequantized to the model's dtype and the kind's own math runs on them, as the
+    per-embodiment stack does (no grouped block-scaled GEMM is called)."""
+
+    def __init__(self, kind: type[GroupedExperts], shapes: dict[str, tuple[int, ...]], *, block: int = 128,
+                 device=None, dtype: torch.dtype = torch.float32, dropout: float = 0.0):
+        super().__init__()
+        self.kind, self.out_dtype, self.dropout = kind, dtype, dropout
+        self.payloads = tuple(name for name, shape in shapes.items() if len(shape) == 3)
+        for name, shape in shapes.items():  # in the stacks' own order, as their state dict lists them
+            if name in self.payloads:
+                self._register_payload(shape, block, device, name)
+            else:
+                setattr(self, name, nn.Parameter(torch.zeros(shape, device=device), requires_grad=False))
+
+    @classmethod
+    def payload_names(cls, module: nn.Module) -> tuple[str, ...]:
+        if isinstance(module, Fp8GroupedExperts):
+            return module.payloads
+        return tuple(name for name, p in module.named_parameters(recurse=False) if p.ndim == 3)
+
+    @classmethod
+    def empty_like(cls, experts: GroupedExperts, block: int = 128, activations: str = "1x128") -> Fp8GroupedExperts:
+        first = next(experts.parameters())
+        return cls(type(experts), {name: tuple(p.shape) for name, p in experts.named_parameters(recurse=False)},
+                   block=block, device=first.device, dtype=first.dtype, dropout=getattr(experts, "dropout", 0.0))
+
+    def extra_repr(self) -> str:
+        return f"{self.kind.__name__}, experts={len(self.down_proj)}, block={self.block}"
+
+    def stacks(self) -> dict[str, torch.Tensor]:
+        kept = {name: p for name, p in self.named_parameters(recurse=False)}
+        return {**kept, **{name: self.dequantized_weight(self.out_dtype, name) for name in self.payloads}}
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kind.activation(x)
+
+    def compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return self.kind.compute(self, x, counts)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return self.compute(x, counts)
+
+    def all_summed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kind.all_summed(self, x)
 
 
 def _emulate(layer: Fp8BlockLinear, x: torch.Tensor) -> torch.Tensor:
@@ -488,6 +549,8 @@ def fp8_class(name: str, module: nn.Module) -> type[Fp8Weights] | None:
     as token tables (``embed_tokens``, read by index); positional tables are read whole as ``.weight``."""
     if isinstance(module, nn.Embedding):
         return Fp8BlockEmbedding if _TOKEN_TABLE.search(name) else None
+    if isinstance(module, GroupedExperts):
+        return Fp8GroupedExperts
     return {nn.Linear: Fp8BlockLinear, CategoryLinear: Fp8BlockCategoryLinear}.get(type(module))
 
 
@@ -498,7 +561,8 @@ def select_layers(model: nn.Module, include: str | None = None, exclude: str | N
     With ``include`` the regex is searched in the names of the modules that own parameters, and a
     match whose weight cannot be blocked (a norm's 1-D weight, a conv's 4-D kernel, a positional
     table read whole) stops with a message naming it. Without it, ``scope`` decides: "default" is the
-    family's regex (its `fp8_layers`), "all" every layer that can be blocked outside the vision tower.
+    family's regex (its `fp8_layers`) and every MoE layer's expert stacks (where a family's default
+    takes the dense MLP they replace), "all" every layer that can be blocked outside the vision tower.
     ``exclude`` then removes matches.
     """
     if any(isinstance(m, Fp8Weights) for m in model.modules()):
@@ -513,7 +577,9 @@ def select_layers(model: nn.Module, include: str | None = None, exclude: str | N
         regex = include if include is not None else family_of(model).fp8_layers
         inc = re.compile(regex)
         pattern = f"--quant.include={regex!r}{f' --quant.exclude={exclude!r}' if exclude else ''}"
-        chosen = [(n, m) for n, m in owners if inc.search(n) and not (exc and exc.search(n))]
+        experts = include is None  # the default's MoE stacks, which no family's regex names
+        chosen = [(n, m) for n, m in owners
+                  if (inc.search(n) or (experts and isinstance(m, GroupedExperts))) and not (exc and exc.search(n))]
     if not chosen:
         raise KilovlaError(f"{pattern} selects no layer; layers look like {', '.join(n for n, _ in owners[:3])}")
     bad = [f"{n} ({type(m).__name__}, weight {tuple(next(m.parameters(recurse=False)).shape)})"
@@ -535,7 +601,7 @@ def quantize_model(model: nn.Module, config: Fp8Config) -> dict[str, float]:
     """Replace the selected layers by their FP8 modules in place; returns each layer's weight SQNR
     (dB) against its original weight."""
     names = select_layers(model, config.include, config.exclude, config.scope)
-    weights = {n: getattr(model.get_submodule(n), fp8_class(n, model.get_submodule(n)).PAYLOAD) for n in names}
+    weights = {n: _payload_values(fp8_class(n, model.get_submodule(n)), model.get_submodule(n)) for n in names}
     # Checked before any layer is replaced, so a refusal leaves the model as it was.
     bad = [f"{n} ({int(c)} of {w.numel()} values)" for n, w in weights.items() if (c := (~torch.isfinite(w)).sum())]
     if bad:
@@ -546,9 +612,16 @@ def quantize_model(model: nn.Module, config: Fp8Config) -> dict[str, float]:
     for name in names:
         module = model.get_submodule(name)
         layer = fp8_class(name, module).from_module(module, config.block, config.activations)
-        sqnr[name] = sqnr_db(weights[name], layer.dequantized_weight())
+        sqnr[name] = sqnr_db(weights[name], _payload_values(type(layer), layer))
         _replace(model, name, layer)
     return sqnr
+
+
+def _payload_values(cls: type[Fp8Weights], module: nn.Module) -> torch.Tensor:
+    """Every FP8 weight of `module` (the layer, or its FP8 module dequantized), flattened into one vector."""
+    if isinstance(module, Fp8Weights):
+        return torch.cat([module.dequantized_weight(name=n).reshape(-1) for n in module.payload_names(module)])
+    return torch.cat([getattr(module, n).detach().reshape(-1) for n in cls.payload_names(module)])
 
 
 def quantization_config(config: Fp8Config, layers: list[str], model: nn.Module) -> dict:
@@ -628,11 +701,11 @@ def _check_block_size(model: nn.Module, folder, source: str) -> None:
     if written is not None and written != str(block):
         raise KilovlaError(f"{source}: weight_block_size [{block}, {block}] does not match the {written}x{written} "
                            f"blocks {path.name} was quantized with; restore weight_block_size [{written}, {written}]")
-    for name, layer in layers.items():
-        key = f"{layer.PAYLOAD}_scale_inv"
+    for name, layer, payload in [(n, m, p) for n, m in layers.items() for p in m.payload_names(m)]:
+        key = f"{payload}_scale_inv"
         t, want = stored.get(f"{name}.{key}"), layer._buffers[key]
         if t is not None and tuple(t.shape) != tuple(want.shape):
-            shape = "x".join(map(str, layer._buffers[layer.PAYLOAD].shape))
+            shape = "x".join(map(str, layer._buffers[payload].shape))
             mismatch = (f"a {shape} weight in {block}x{block} blocks has {tuple(want.shape)} scales, the file stores "
                         f"{tuple(t.shape)}")
             if written is None:  # no block size in the file's metadata: either side may be wrong
@@ -646,11 +719,11 @@ def _check_scales(model: nn.Module, path) -> None:
     """Every loaded inverse scale finite and positive: a NaN or zero scale turns its whole tile into
     NaN or zeros, silently."""
     for name, layer in model.named_modules():
-        if isinstance(layer, Fp8Weights):
-            scales = layer._buffers[f"{layer.PAYLOAD}_scale_inv"]
+        for payload in layer.payload_names(layer) if isinstance(layer, Fp8Weights) else ():
+            scales = layer._buffers[f"{payload}_scale_inv"]
             bad = int((~(torch.isfinite(scales) & (scales > 0))).sum())
             if bad:
-                raise KilovlaError(f"{path}: {name}.{layer.PAYLOAD}_scale_inv has {bad} scales that are not finite "
+                raise KilovlaError(f"{path}: {name}.{payload}_scale_inv has {bad} scales that are not finite "
                                    "positive numbers; the file is damaged")
 
 
@@ -673,10 +746,10 @@ def checkpoint_bytes(model: nn.Module, layers: list[str], block: int = 128, kept
     chosen = set(layers)
     baseline = quantized = fp8_params = 0
     for name, module in model.named_modules():
-        payload = fp8_class(name, module).PAYLOAD if name in chosen else None
+        payloads = fp8_class(name, module).payload_names(module) if name in chosen else ()
         for pname, p in module.named_parameters(recurse=False):
             baseline += p.numel() * kept_bytes
-            if pname == payload:
+            if pname in payloads:
                 quantized += p.numel() + 4 * math.prod(scale_shape(p.shape, block))
                 fp8_params += p.numel()
             else:

@@ -159,22 +159,13 @@ def _write_folder(folder: Path, policy, config: Fp8Config, layers: list[str]) ->
     `config.dtype` and policy.json with the `quantization_config`, which is returned as written."""
     kept = _DTYPES[config.dtype]
     fp8_keys = {f"{n}.{b}" for n, m in policy.model.named_modules() if isinstance(m, Fp8Weights)
-                for b in (m.PAYLOAD, m.PAYLOAD + "_scale_inv")}
+                for p in m.payload_names(m) for b in (p, p + "_scale_inv")}
     state = {k: v if k in fp8_keys or not v.is_floating_point() else v.to(kept)
              for k, v in policy.model.state_dict().items()}
     qconfig = quantization_config(config, layers, policy.model)
     save_policy(policy, folder, state=state, quantization=qconfig,
                 metadata={"format": "pt", "quant_method": "fp8", "weight_block_size": str(config.block)})
     return PolicyFolder.open(folder).quantization  # as it reads back (JSON lists, not tuples)
-
-
-def moe_experts_kept(model, dtype: str) -> dict:
-    """An MoE expert's routed and shared experts and routers (models/moe.py) stay unquantized, stored as the
-    other kept layers (`dtype`): no block-scaled grouped GEMM runs them here. {} without MoE."""
-    from kilovla.models.moe import MoEMLP
-
-    params = sum(p.numel() for m in model.modules() if isinstance(m, MoEMLP) for p in m.parameters())
-    return {"moe_experts": {"quantized": False, "stored_as": dtype, "params": params}} if params else {}
 
 
 def _latency_batch(policy, rows: list[dict] | None):
@@ -201,7 +192,6 @@ def _report(source, out, folder, qconfig, baseline, quantized, config, weight_sq
     sizes.update(fp8_params=counts["fp8_params"], total_params=counts["total_params"])
     report = {"source": str(source), "out": str(out), "quantization_config": qconfig,
               "size": sizes, "layers": {n: {"weight_sqnr_db": s} for n, s in weight_sqnr.items()}}
-    report.update(moe_experts_kept(base_of(baseline.model), config.dtype))
     rows = None
     if dataset is not None:
         try:

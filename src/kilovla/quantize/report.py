@@ -65,13 +65,13 @@ def compare_actions(baseline, quantized, rows: list[dict], seed: int = 0) -> dic
     # layer names of the bases (an RL folder's residual actor is not quantized): what weight_sqnr is keyed by
     base, quantized_base = base_of(baseline.model), base_of(quantized.model)
     names = {n for n, m in quantized_base.named_modules() if isinstance(m, Fp8Weights)}
-    captured: dict[str, list[tuple]] = {n: [] for n in names}  # whole calls: GR00T's per-embodiment layers take two inputs
+    captured: dict[str, list[tuple]] = {n: [] for n in names}  # whole calls: GR00T's per-embodiment layers take two inputs, expert stacks their row counts
     counts = dict.fromkeys(names, 0)
 
     def capture(name):
         def hook(module, args):
             if counts[name] < CAPTURE_ROWS:
-                captured[name].append(tuple(a.detach().cpu() for a in args))
+                captured[name].append(tuple(a.detach().cpu() if isinstance(a, torch.Tensor) else a for a in args))
                 x = args[0]
                 counts[name] += x.numel() // x.shape[-1] if x.is_floating_point() else x.numel()
         return hook
@@ -113,7 +113,8 @@ def _output_sqnr(baseline, quantized, names, captured) -> dict[str, float | None
         if not captured[name]:  # pi0.5's last prefix layer: q, o and MLP weights that inference never reads
             layers[name] = None
             continue
-        calls = [tuple(a.to(baseline.device) for a in args) for args in captured[name]]
+        calls = [tuple(a.to(baseline.device) if isinstance(a, torch.Tensor) else a for a in args)
+                 for args in captured[name]]
         ref, got = base_of(baseline.model).get_submodule(name), base_of(quantized.model).get_submodule(name)
         layers[name] = sqnr_db(torch.cat([ref(*a).flatten() for a in calls]), torch.cat([got(*a).flatten() for a in calls]))
     return layers
@@ -195,10 +196,6 @@ def report_rows(report: dict) -> list[tuple[str, str, str, str]]:
     layers = report["layers"]
     rows.append(("min weight SQNR", "", f"{min(v['weight_sqnr_db'] for v in layers.values()):.1f} dB",
                  f"{len(layers)} FP8 layers"))
-    if "moe_experts" in report:
-        moe = report["moe_experts"]
-        rows.append(("MoE experts", "", f"{moe['stored_as']}, not FP8",
-                     f"{moe['params']} params of routed / shared experts and routers kept unquantized"))
     a = report.get("actions")
     if a:
         name, value = min_output_sqnr(report)

@@ -96,7 +96,7 @@ class ExpertExchange:
         expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), counts.reshape(-1))
         order = torch.argsort(expert_of, stable=True)
         mine = counts.sum(0)
-        y = experts(got, Dispatch(order, mine, mine), 1)  # (R, W), by my expert: expert_compute
+        y = experts(got[order], mine.tolist())  # (R, W), by my expert
         return _AllToAll.apply(y[torch.argsort(order)], send, recv, self.group)
 
 

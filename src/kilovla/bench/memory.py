@@ -2,9 +2,9 @@
 
 Each configuration runs in a fresh process (`python -m kilovla.bench.memory --child ...`) so that one
 peak cannot hide another: random weights of the published shapes (pi05-3b, groot-n15-3b,
-groot-n17-3b, smolvla-base) in float32, a batch of 1 at the LIBERO layout (2 cameras present, 48 language tokens, 8-D state, the model's
-action chunk), gradient checkpointing on (pi0 / pi0.5; GR00T has none), one forward, backward and
-AdamW step. Peak: `ru_maxrss` on the CPU, `torch.cuda.max_memory_allocated` on a GPU.
+groot-n17-3b, smolvla-base) in float32, a batch of 1 at the LIBERO layout (2 cameras present, 48
+language tokens, 8-D state, the model's action chunk), gradient checkpointing on (pi0 / pi0.5; GR00T
+has none), one forward, backward and AdamW step. Peak: `ru_maxrss` on the CPU, `torch.cuda.max_memory_allocated` on a GPU.
 
 - full: every parameter trainable.
 - expert_only: pi0.5 with its VLM frozen (the action expert and projections train); smolvla-base

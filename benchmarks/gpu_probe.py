@@ -51,7 +51,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from types import SimpleNamespace
 
 _SRC = Path(__file__).resolve().parents[1] / "src"
 if _SRC.is_dir():  # the checkout's kilovla, installed or not (a bare GPU machine has only torch)
@@ -62,6 +61,7 @@ import torch  # noqa: E402
 from kilovla.bench.common import Row, _fmt, machine_info  # noqa: E402
 from kilovla.bench.models import _backends_to_compare, _model_flops, libero_batch, token_counts  # noqa: E402
 from kilovla.models.attention import resolve_backend  # noqa: E402
+from kilovla.models.family import chunk_length  # noqa: E402
 from kilovla.models.groot import GrootModel  # noqa: E402
 from kilovla.models.pi05 import OPENPI_CAMERAS  # noqa: E402
 from kilovla.models.presets import build_model  # noqa: E402
@@ -157,13 +157,6 @@ def seconds_of(probe: Probe, fn: Callable[[], object]) -> float:
 
 
 # -- training ---------------------------------------------------------------------------------------
-def libero_layout(cfg):
-    """The fields `bench.models.libero_batch` reads, for either family (GR00T calls its chunk the action horizon)."""
-    return SimpleNamespace(max_language_tokens=cfg.max_language_tokens, max_action_dim=cfg.max_action_dim,
-                           max_state_dim=cfg.max_state_dim, vision=cfg.vision, cameras=cfg.cameras,
-                           chunk_size=getattr(cfg, "chunk_size", None) or cfg.action_horizon)
-
-
 def groot_token_counts(cfg, batch) -> tuple[int, int]:
     """(tokens the padded path processes, real tokens): VL tokens plus the 49 action-head tokens per sample,
     which packing cannot shorten."""
@@ -292,7 +285,7 @@ def run_train(probe: Probe, family: str, rows: list[Row], extra: dict, budget: B
     tag = shape_tag(name)
     model = build_model(name, device=probe.device, seed=0, **overrides).train()  # fp32 weights, as `kilovla train`
     cfg = model.config
-    batches = [libero_batch(libero_layout(cfg), size.global_batch, seed).to(probe.device) for seed in (0, 1)]
+    batches = [libero_batch(cfg, size.global_batch, seed).to(probe.device) for seed in (0, 1)]
     counts = groot_token_counts if family == "groot" else token_counts
     padded, real = map(sum, zip(*(counts(cfg, b) for b in batches)))
     auto = resolve_backend("auto", probe.device)
@@ -309,7 +302,7 @@ def run_train(probe: Probe, family: str, rows: list[Row], extra: dict, budget: B
     precision = "bf16 autocast" if probe.cuda else probe.fallback("fp32, not bf16: kilovla computes in fp32 on a CPU")
     layout = (f"{name} random weights{_overrides_note(overrides)}, {probe.device.type}, {precision}; LIBERO layout "
               f"(3 cameras x {cfg.vision.tokens} image tokens, third blank; language <= {cfg.max_language_tokens}; "
-              f"horizon 10-{libero_layout(cfg).chunk_size}); global batch {size.global_batch}")
+              f"horizon 10-{chunk_length(cfg)}); global batch {size.global_batch}")
     limit = round(padded / real, 3)
     base = timings["padded"]
 

@@ -156,7 +156,7 @@ def test_micro_batches_cut_the_per_sample_tensors(gpu_probe):
     from kilovla.bench.models import libero_batch
     from kilovla.models.presets import preset
 
-    batch = libero_batch(gpu_probe.libero_layout(preset("pi05-tiny", chunk_size=16)), 5, seed=0)
+    batch = libero_batch(preset("pi05-tiny", chunk_size=16), 5, seed=0)
     parts = list(gpu_probe.micro_batches(batch, 2))
     assert [p.batch_size for p in parts] == [2, 2, 1]
     assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens)
@@ -185,7 +185,7 @@ def test_out_of_memory_halves_the_micro_batch_and_says_so(gpu_probe):
 
     probe = gpu_probe.Probe(gpu_probe.TINY, torch.device("cpu"))
     model = Tight()
-    batch = libero_batch(gpu_probe.libero_layout(preset("pi05-tiny", chunk_size=16)), 8, seed=0)
+    batch = libero_batch(preset("pi05-tiny", chunk_size=16), 8, seed=0)
     timing = gpu_probe.TrainTiming(micro_batch=8, global_batch=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     assert gpu_probe.timed_step(probe, model, opt, list(model.parameters()), batch, {}, timing) > 0

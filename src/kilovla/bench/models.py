@@ -1,4 +1,4 @@
-"""`kilovla bench packing`, `pruning` and `moe`: training-step throughput of pi0.5 (and SmolVLA).
+"""`kilovla bench packing`, `pruning` and `moe`: training-step throughput of pi0.5 (and SmolVLA, GR00T N1.7).
 
 The batch follows pi0.5 on LIBERO as openpi feeds it: 3 camera slots x 256 tokens (224 px, patch
 14) with the third camera blank, language padded to 200 tokens (real prompts 8-48 tokens), action
@@ -12,6 +12,11 @@ packed path uses the `auto` attention backend.
   per-segment loop; the fastest on CPU is `models.attention.CPU_AUTO`. Row `train_samples_per_s_smolvla`:
   the same comparison for SmolVLA at its LIBERO layout as LeRobot feeds it (2 cameras x 64 tokens after
   the pixel shuffle, language padded to 48, one state token, chunk 50), at a CPU width (`BENCH_SMOLVLA`).
+  Row `train_samples_per_s_groot_n17`: the same for GR00T N1.7 at its LIBERO layout as NVIDIA's N1.7 LIBERO
+  fine-tunes feed it (cameras image and wrist_image, 256 px cropped to 230, which the Qwen3-VL processor
+  rounds to 224 px: 49 merged tokens each, as groot-n17-3b's config; language padded to the config's 200;
+  one state token; every sample the full 40-step horizon, since the DiT runs it all), at a CPU width
+  (`BENCH_GROOT_N17`: the release's image size, language limit and horizon, narrow layers).
 - pruning: baseline = blank camera masked + 200-token language (openpi); ours = blank camera pruned
   before the ViT + per-batch (dynamic) language padding, both in the padded path.
 - moe: baseline = the dense action expert (MLP 2048) at pi05-base's expert width (1024); ours = an
@@ -34,7 +39,9 @@ import torch
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
 from kilovla.models.attention import resolve_backend
 from kilovla.models.batch import PaddedBatch
-from kilovla.models.family import family_of
+from kilovla.models.family import chunk_length, family_of
+from kilovla.models.groot.dit import DiTConfig
+from kilovla.models.groot_n17 import GrootN17Config, GrootN17Model
 from kilovla.models.language import DecoderConfig
 from kilovla.models.moe import MoEConfig
 from kilovla.models.pi05 import Pi05Config, Pi05Model
@@ -56,12 +63,20 @@ BENCH_SMOLVLA = SmolVLAConfig(
     num_vlm_layers=4, chunk_size=50, max_action_dim=8, max_state_dim=8, max_language_tokens=48,
     cameras=("image", "wrist_image"),
 )
+_N17 = GrootN17Config()  # nvidia/GR00T-N1.7-3B's shapes: camera size, language limit and horizon kept below
+BENCH_GROOT_N17 = GrootN17Config(
+    vision=dataclasses.replace(_N17.vision, width=32, depth=2, heads=2, mlp_dim=64, deepstack_layers=(0, 1)),
+    llm=DecoderConfig(width=64, depth=3, heads=2, kv_heads=1, head_dim=32, mlp_dim=128, vocab_size=BYTE_VOCAB_SIZE),
+    mrope_section=(6, 5, 5), vl_self_attention_depth=1, vl_self_attention_heads=2, vl_self_attention_head_dim=32,
+    dit=DiTConfig(depth=4, heads=2, head_dim=32, output_dim=64), hidden_size=64, max_action_dim=8, max_state_dim=8,
+    num_embodiments=2, cameras=("image", "wrist_image"),
+)
 WORDS = "pick up the black bowl on the cookie box and place it on the plate near the stove drawer".split()
 
 
-def libero_batch(cfg, batch_size: int, seed: int) -> PaddedBatch:
-    """Prompts of 8-48 byte tokens padded to the model's limit, horizons 10 to the chunk, the first two
-    camera slots present (a third, as pi0.5 has, blank and masked)."""
+def libero_batch(cfg, batch_size: int, seed: int, min_horizon: int = 10) -> PaddedBatch:
+    """Prompts of 8-48 byte tokens padded to the model's limit, horizons `min_horizon` to the chunk (the
+    family's `chunk_length`), the first two camera slots present (a third, as pi0.5 has, blank and masked)."""
     rng = np.random.default_rng(seed)
     prompts = []
     for _ in range(batch_size):
@@ -71,24 +86,27 @@ def libero_batch(cfg, batch_size: int, seed: int) -> PaddedBatch:
     tokens, mask = tokenize_batch(ByteTokenizer(), prompts, cfg.max_language_tokens)
     pad = cfg.max_language_tokens - tokens.shape[1]
     tokens, mask = torch.nn.functional.pad(tokens, (0, pad)), torch.nn.functional.pad(mask, (0, pad))
-    horizons = torch.as_tensor(rng.integers(10, cfg.chunk_size + 1, batch_size))
+    chunk = chunk_length(cfg)
+    horizons = torch.as_tensor(rng.integers(min_horizon, chunk + 1, batch_size))
     g = torch.Generator().manual_seed(seed)
     image_masks = torch.ones(batch_size, len(cfg.cameras), dtype=torch.bool)
     image_masks[:, 2:] = False  # LIBERO has no right wrist camera: openpi feeds a blank one, masked
     s = cfg.vision.image_size
     return PaddedBatch(
-        images=torch.rand(batch_size, 3, 3, s, s, generator=g), image_masks=image_masks, camera_names=cfg.cameras,
-        tokens=tokens, token_mask=mask, state=torch.randn(batch_size, cfg.max_state_dim, generator=g),
-        actions=torch.randn(batch_size, cfg.chunk_size, cfg.max_action_dim, generator=g),
-        horizon_mask=torch.arange(cfg.chunk_size)[None] < horizons[:, None])
+        images=torch.rand(batch_size, len(cfg.cameras), 3, s, s, generator=g), image_masks=image_masks,
+        camera_names=cfg.cameras, tokens=tokens, token_mask=mask,
+        state=torch.randn(batch_size, cfg.max_state_dim, generator=g),
+        actions=torch.randn(batch_size, chunk, cfg.max_action_dim, generator=g),
+        horizon_mask=torch.arange(chunk)[None] < horizons[:, None])
 
 
 def token_counts(cfg, batch: PaddedBatch) -> tuple[int, int]:
     """(tokens the padded path processes, real tokens) in the LM + expert streams, counted as the
     family's token plan counts them (a state token with the action tokens)."""
     fam = family_of(cfg)
-    p, rest = fam.camera_tokens(cfg), fam.action_tokens(cfg) - cfg.chunk_size
-    padded = batch.batch_size * (len(cfg.cameras) * p + cfg.max_language_tokens + cfg.chunk_size + rest)
+    chunk = fam.chunk_length(cfg)
+    p, rest = fam.camera_tokens(cfg), fam.action_tokens(cfg) - chunk
+    padded = batch.batch_size * (len(cfg.cameras) * p + cfg.max_language_tokens + chunk + rest)
     real = (int(batch.image_masks.sum()) * p + int(batch.token_mask.sum()) + int(batch.horizon_mask.sum())
             + batch.batch_size * rest)
     return padded, real
@@ -138,13 +156,14 @@ def _compare(model, opt, batches, base: dict, ours: dict, repeats: int, autocast
     return result["base"], result["ours"]
 
 
-def _setup(quick: bool, device: str, model_class=Pi05Model, config=BENCH_CPU):
+def _setup(quick: bool, device: str, model_class=Pi05Model, config=BENCH_CPU, min_horizon: int = 10):
     torch.manual_seed(0)
     cuda = device == "cuda"
     model = model_class(dataclasses.replace(config, attention_backend="auto")).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch_size = 4 if quick else 8
-    batches = [libero_batch(model.config, batch_size, seed).to(device) for seed in range(2 if quick else 3)]
+    batches = [libero_batch(model.config, batch_size, seed, min_horizon).to(device)
+               for seed in range(2 if quick else 3)]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     return model, opt, batches, autocast
 
@@ -154,19 +173,39 @@ def _mfu(model, batch, samples_per_s: float) -> float | None:
     return None if peak is None else _model_flops(model, batch) / batch.batch_size * samples_per_s / peak
 
 
-def _smolvla_packing(quick: bool, device: str) -> tuple[Row, dict]:
-    """SmolVLA padded vs packed at its LIBERO layout, in the same process as the pi0.5 rows."""
-    model, opt, batches, autocast = _setup(quick, device, SmolVLAModel, BENCH_SMOLVLA)
+def _family_packing(quick: bool, device: str, name: str, model_class, config, note: str,
+                    min_horizon: int = 10) -> tuple[Row, dict]:
+    """Another family padded vs packed at its LIBERO layout, in the same process as the pi0.5 rows; `note`
+    names the device as {device}."""
+    model, opt, batches, autocast = _setup(quick, device, model_class, config, min_horizon)
     padded, real = map(sum, zip(*(token_counts(model.config, b) for b in batches)))
     base, ours = _compare(model, opt, batches, {"packing": False}, {"packing": True}, 1 if quick else 3, autocast)
-    cfg = model.config
-    row = Row.compare("train_samples_per_s_smolvla", "samples/s", base, ours, higher_is_better=True,
-                      limit=round(padded / real, 3),
-                      note=f"SmolVLA LIBERO layout (2x{family_of(cfg).camera_tokens(cfg)} img tokens; lang<=48; "
-                           f"1 state token; horizon 10-50 of 50), {device}; fixed padding vs packing + varlen; "
+    row = Row.compare(name, "samples/s", base, ours, higher_is_better=True, limit=round(padded / real, 3),
+                      note=note.format(device=device))
+    return row, {"padded_tokens": padded, "real_tokens": real, "fraction_of_ideal": (ours / base) / (padded / real)}
+
+
+def _smolvla_packing(quick: bool, device: str) -> tuple[Row, dict]:
+    cfg = BENCH_SMOLVLA
+    return _family_packing(quick, device, "train_samples_per_s_smolvla", SmolVLAModel, cfg,
+                           f"SmolVLA LIBERO layout (2x{family_of(cfg).camera_tokens(cfg)} img tokens; lang<=48; "
+                           f"1 state token; horizon 10-50 of 50), {{device}}; fixed padding vs packing + varlen; "
                            f"limit = padded/real tokens of the LM + expert; the ViT's {cfg.vision.tokens} patches a "
                            f"camera run the same either way")
-    return row, {"padded_tokens": padded, "real_tokens": real, "fraction_of_ideal": (ours / base) / (padded / real)}
+
+
+def _groot_n17_packing(quick: bool, device: str) -> tuple[Row, dict]:
+    """Every sample has the whole chunk: the DiT runs all 1 + horizon tokens in both paths (a horizon mask
+    would only weight the loss), so they count as real."""
+    cfg = BENCH_GROOT_N17
+    v, horizon = cfg.vision, chunk_length(cfg)
+    return _family_packing(quick, device, "train_samples_per_s_groot_n17", GrootN17Model, cfg,
+                           f"GR00T N1.7 LIBERO layout (2x{family_of(cfg).camera_tokens(cfg)} img tokens: 256 px "
+                           f"cropped to 230, which the Qwen3-VL processor rounds to a multiple of "
+                           f"{v.patch_size * v.merge_size}, {v.image_size} px; lang<={cfg.max_language_tokens}; "
+                           f"1 state token; every sample the full horizon {horizon}: the DiT runs it all), "
+                           f"{{device}}; fixed padding vs packing + varlen; limit = padded/real tokens of the "
+                           f"LLM + DiT", min_horizon=horizon)
 
 
 def _backends_to_compare(device: str) -> list[str]:
@@ -206,10 +245,12 @@ def run_packing(*, quick: bool = False, out_dir: str | Path = DEFAULT_OUT, devic
         rows.append(Row.compare("attention_backend_flex", "samples/s", speeds["sdpa_segments"], None,
                                 higher_is_better=True, note="flex_attention has no backward on CPU: cannot train"))
     smolvla_row, smolvla = _smolvla_packing(quick, device)
-    rows.append(smolvla_row)
+    groot_n17_row, groot_n17 = _groot_n17_packing(quick, device)
+    rows += [smolvla_row, groot_n17_row]
     extra = {"padded_tokens": padded, "real_tokens": real, "ideal_ratio": padded / real,
              "fraction_of_ideal": (ours / base) / (padded / real), "device": device, "attention_backend": backend,
-             "backend_samples_per_s": speeds, "smolvla": smolvla}
+             "backend_samples_per_s": speeds, "smolvla": smolvla,
+             "groot_n17": groot_n17}
     return write_suite("packing", rows, quick=quick, out_dir=out_dir, extra=extra, console=console)
 
 

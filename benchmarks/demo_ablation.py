@@ -1,6 +1,7 @@
 """What limits the demo's learned policy: one `DemoRecipe` field changed per row, each a measured run.
 
     PYTHONPATH=src nice -n 10 python benchmarks/demo_ablation.py --out ablation baseline state_token ...
+    PYTHONPATH=src python benchmarks/demo_ablation.py --out ablation --seeds 0,1,2 full final_weights
     python benchmarks/demo_ablation.py --out ablation --table      # the rows so far, as markdown
 
 Each variant is `kilovla demo`'s own code path (collect -> train -> evaluate on seeds disjoint from
@@ -10,7 +11,9 @@ that sets train_steps itself keeps its ratio to the base. Datasets are shared be
 record the same demonstrations, and a variant that changes only `n_action_steps` re-evaluates the
 checkpoint of the run it shares everything else with. Rows go to OUT/ablation.jsonl: success overall
 and per task with 95 % Wilson intervals, wall and CPU seconds per stage (CPU seconds compare better
-than wall time when others share the machine).
+than wall time when others share the machine). `--seeds S,...` runs each variant once per seed as
+`kilovla demo --seed=S` does (demonstrations and training on S, evaluation on S + 1), rows named
+`variant@S`.
 """
 
 from __future__ import annotations
@@ -56,7 +59,15 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "small_batch": ("half the tokens per step, twice the steps",
                     dict(NARROW, batch_tokens=6000, train_steps=2 * FULL.train_steps)),
     "lr_2e-3": ("learning rate 2e-3", dict(NARROW, lr=2e-3)),
+    # issue 46: the EMA (decay 0.995, ~200 steps) trailed the final weights in 5 of 6 runs at 1000 steps
+    "final_weights": ("the final weights evaluated, no EMA", dict(ema_decay=None)),
+    "final_1500": ("the final weights, 1500 steps", dict(ema_decay=None, train_steps=1500)),
 }
+
+
+def seeded(recipe: DemoRecipe, seed: int) -> DemoRecipe:
+    """The recipe `kilovla demo --seed=S` runs: demonstrations and training on S, evaluation on S + 1."""
+    return recipe.replace(collect_seed=seed, train_seed=seed, eval_seed=seed + 1)
 
 
 def _key(recipe: DemoRecipe, fields: tuple[str, ...]) -> str:
@@ -97,7 +108,7 @@ def run_variant(name: str, recipe: DemoRecipe, out: Path) -> dict:
         stage("train", lambda: train_policy(recipe, data, run, progress=False))
     summary = json.loads(summary_file.read_text())
     learned, expert = stage("evaluate", lambda: evaluate_both(recipe, summary["checkpoint"], out / "evals" / name, seeds))
-    row = {"name": name, "change": VARIANTS.get(name, ("", {}))[0], "recipe": dataclasses.asdict(recipe),
+    row = {"name": name, "change": VARIANTS.get(name.partition("@")[0], ("", {}))[0], "recipe": dataclasses.asdict(recipe),
            "success": learned["overall_success_rate"], "ci95": learned["overall_success_ci95"],
            "expert": expert["overall_success_rate"],
            "per_task": {t: r["success_rate"] for t, r in learned["per_task"].items()},
@@ -127,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="ablation")
     p.add_argument("--steps", type=int, default=None, help="train steps of the base recipe (reduced scale)")
     p.add_argument("--eval-episodes", type=int, default=None)
+    p.add_argument("--seeds", default=None, help="comma-separated: each variant once per seed (rows variant@S)")
     p.add_argument("--table", action="store_true", help="print the rows of OUT/ablation.jsonl as markdown")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -140,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
             recipe = recipe.replace(train_steps=round(recipe.train_steps * args.steps / FULL.train_steps))
         if args.eval_episodes:
             recipe = recipe.replace(eval_episodes=args.eval_episodes)
-        row = run_variant(name, recipe, out)
-        print(json.dumps({k: row[k] for k in ("name", "success", "ci95", "per_task", "wall_s", "cpu_s")}), flush=True)
+        runs = [(name, recipe)] if args.seeds is None else \
+            [(f"{name}@{s}", seeded(recipe, int(s))) for s in args.seeds.split(",")]
+        for label, each in runs:
+            row = run_variant(label, each, out)
+            print(json.dumps({k: row[k] for k in ("name", "success", "ci95", "per_task", "wall_s", "cpu_s")}), flush=True)
     if args.table:
         rows = [json.loads(line) for line in (out / "ablation.jsonl").read_text().splitlines() if line.strip()]
         print(table(rows))

@@ -256,7 +256,7 @@ def test_a_trained_folder_quantizes_evaluates_and_serves(packed_run, tmp_path):
     assert json.loads((tmp_path / "ev" / "report.json").read_text())["per_task"]["reach-v3"]["episodes"] == 1
 
     engine = PolicyEngine.load(folder, device="cpu")
-    assert engine.metadata()["rtc"] is False  # the family refuses RTC
+    assert engine.metadata()["rtc"] is True
     rng = np.random.default_rng(0)
     requests = [Request(to_policy_observation({
         "observation.images.scene": rng.integers(0, 255, (32, 32, 3), dtype=np.uint8),

@@ -252,7 +252,7 @@ def test_serve_answers_an_rl_folder_with_the_residual_and_refuses_rtc_for_it(rl_
     base = policy.processor.unnormalize_actions(policy.model.base.sample_actions(batch, noise).numpy())[0]
     np.testing.assert_allclose(served[0] if served[0].ndim == 2 else served, want, atol=1e-5)
     assert np.abs(want[:4] - base[:4]).max() > 1e-4  # the residual acts
-    assert not engine.supports_rtc and engine.no_rtc == "an RL residual policy"
+    assert not engine.supports_rtc
 
 
 def test_quantize_takes_the_base_of_an_rl_folder_and_keeps_its_residual(rl_folder, reach_demos, tmp_path):

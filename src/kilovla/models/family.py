@@ -22,7 +22,6 @@ What a family answers, by who asks:
   `tp_split` and `tp_parts`, `pp_depth` and `keep_stage`;
 - adapters and quantization: `lora_targets`, `fp8_layers` and `vision_tower` (regexes);
 - checkpoints: `checkpoint_name` (which key map: "pi05", "pi0", "groot") and `keys` (`KeyMap`);
-- serving: `supports_rtc`;
 - a mixture-of-experts option (models/moe.py): `moe` (config -> its `MoEConfig`; None: the family has
   none), read through `moe_of`.
 
@@ -174,7 +173,6 @@ class Family:
     checkpoint_names: tuple[str, ...]  # the key maps' names: "pi05", "pi0"
     checkpoint_name: Callable[[object], str]  # a config's
     keys: KeyMap
-    supports_rtc: bool
     # how a tokenizer file is read (models/tokenize.py load_tokenizer), and so which prompt the processor builds:
     # "smolvlm2" (SmolVLA's); None: by the file (a .model: PaliGemma's, else Qwen3's)
     tokenizer_kind: str | None = None

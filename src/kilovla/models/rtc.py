@@ -1,4 +1,6 @@
-"""Real-time chunking (Black, Galliker, Levine 2025), guided mode, as LeRobot implements it for pi0 / pi0.5.
+"""Real-time chunking (Black, Galliker, Levine 2025), guided mode, as LeRobot implements it for pi0 / pi0.5,
+for every family: each answers `velocity_field` in openpi's time convention (GR00T's flow, whose time runs
+the other way, converts in its own; its Euler steps land on the same times as its `sample_actions`).
 
 While a robot executes the rest of its last chunk, the next chunk is sampled so that it continues it:
 each Euler step of the flow pulls the predicted clean chunk x0 = x_t - t v(x_t) towards the given
@@ -63,14 +65,9 @@ def guidance_weight(tau: float, max_weight: torch.Tensor) -> torch.Tensor:
 
 def sample_actions_rtc(model, batch, noise: torch.Tensor, prefix: torch.Tensor, weights: torch.Tensor,
                        max_guidance_weight: float | torch.Tensor = 10.0) -> torch.Tensor:
-    """Euler sampling of a pi0 / pi0.5 model (openpi's convention: noise at t = 1, actions at t = 0)
+    """Euler sampling of a model's `velocity_field` (openpi's convention: noise at t = 1, actions at t = 0)
     with RTC guidance. noise, prefix (B, H, A) normalised and zero-padded; weights (B, H, A);
     max_guidance_weight: one beta, or one per row (B,), so rows of a batch do not share theirs."""
-    from kilovla.models.family import family_of
-
-    if not family_of(model).supports_rtc:
-        raise KilovlaError(f"real-time chunking is implemented for pi0 / pi0.5 policies; {family_of(model).title} "
-                           "refuses rtc")
     n = model.config.num_inference_steps
     with torch.no_grad():
         field, _ = model.velocity_field(batch)

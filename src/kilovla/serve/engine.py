@@ -24,7 +24,7 @@ import torch
 from kilovla.errors import KilovlaError
 from kilovla.folders import policy_folder
 from kilovla.machine import resolve_device
-from kilovla.models.family import chunk_length, family_of
+from kilovla.models.family import chunk_length
 from kilovla.models.images import resize_images
 from kilovla.models.rtc import prefix_weights, sample_actions_rtc
 from kilovla.policy_folder import Interface, PolicyFolder
@@ -72,14 +72,8 @@ class PolicyEngine:
         self.horizon = chunk_length(cfg)
         self.width = cfg.max_action_dim
         self._generator = torch.Generator().manual_seed(0)
-        self.supports_rtc = not self.meta.residual and family_of(self.model).supports_rtc
+        self.supports_rtc = not self.meta.residual  # RTC would not guide an RL residual's correction
         self._lock = threading.Lock()  # one forward at a time, whichever thread asks
-
-    @property
-    def no_rtc(self) -> str:
-        """What a refused rtc request is told the policy is: an RL residual (RTC would not guide its correction)
-        or GR00T's flow."""
-        return "an RL residual policy" if self.meta.residual else "GR00T"
 
     @classmethod
     def load(cls, folder: str | Path, device: str = "auto", ema: bool = False, precision: str = "auto",

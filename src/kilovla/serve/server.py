@@ -165,8 +165,8 @@ class PolicyServer:
         if spec is None:
             return None
         if not self.engine.supports_rtc:
-            raise BadRequest(f"rtc: real-time chunking is for pi0 / pi0.5 policies; {self.metadata['model']} "
-                             f"({self.engine.no_rtc}) refuses it")
+            raise BadRequest(f"rtc: {self.metadata['model']} is an RL residual policy, whose correction real-time "
+                             "chunking would not guide; it refuses rtc")
         if not isinstance(spec, dict) or "prefix" not in spec or "inference_delay" not in spec:
             raise BadRequest("rtc must be a map with 'inference_delay' and 'prefix'")
         unknown = sorted(set(spec) - set(RTC_FIELDS), key=str)

@@ -52,6 +52,5 @@ FAMILY = Family(
     # checkpoint's processor assets (embodiment tags, modality config) are not read yet.
     keys=KeyMap(embed="backbone.model.model.language_model.embed_tokens.weight", tied="backbone.model.lm_head.weight",
                 rename=lambda key, name: key, own_prefixes=("backbone.model.",)),
-    supports_rtc=False,
     moe=lambda cfg: cfg.moe,
 )

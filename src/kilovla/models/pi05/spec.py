@@ -70,6 +70,5 @@ FAMILY = Family(
                 tied="paligemma_with_expert.paligemma.lm_head.weight",
                 unused=re.compile(r"paligemma_with_expert\.gemma_expert\.lm_head\.weight$"),
                 rename=rename, own_prefixes=("paligemma_with_expert.",), layouts=("openpi", "lerobot")),
-    supports_rtc=True,
     moe=lambda cfg: cfg.moe,
 )

@@ -54,7 +54,6 @@ FAMILY = Family(
     keys=KeyMap(embed="vlm_with_expert.vlm.model.text_model.embed_tokens.weight",
                 tied="vlm_with_expert.vlm.lm_head.weight",
                 rename=lambda key, name: key, own_prefixes=("vlm_with_expert.",)),
-    supports_rtc=True,
     tokenizer_kind="smolvlm2",
     moe=lambda cfg: cfg.moe,
 )

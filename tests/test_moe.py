@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from test_groot import _batch as _groot_batch
+from test_groot_n17 import _batch as _groot_n17_batch
 from test_pi05 import _batch
 from test_smolvla import _batch as _smolvla_batch
 
@@ -20,9 +21,11 @@ MOE = {"num_experts": 4, "top_k": 2}
 # each tiny preset's MoE layers: its action expert's MLPs, nothing else
 MOE_LAYERS = {"pi05-tiny": [f"paligemma_with_expert.gemma_expert.model.layers.{i}.mlp" for i in range(2)],
               "groot-tiny": [f"action_head.model.transformer_blocks.{i}.ff" for i in range(2)],
-              "smolvla-tiny": [f"vlm_with_expert.lm_expert.layers.{i}.mlp" for i in range(4)]}
-OTHERS = ["groot-tiny", "smolvla-tiny"]  # the families beside pi0/pi0.5
-ROUTED = {"pi05-tiny": 16, "groot-tiny": 3 * 13, "smolvla-tiny": 16}  # real action tokens of `_family_batch`
+              "smolvla-tiny": [f"vlm_with_expert.lm_expert.layers.{i}.mlp" for i in range(4)],
+              "groot-n17-tiny": [f"action_head.model.transformer_blocks.{i}.ff" for i in range(4)]}
+OTHERS = ["groot-tiny", "smolvla-tiny", "groot-n17-tiny"]  # the families beside pi0/pi0.5
+# real action tokens of `_family_batch`; GR00T N1.7's: 1 state + 8 actions a sample
+ROUTED = {"pi05-tiny": 16, "groot-tiny": 3 * 13, "smolvla-tiny": 16, "groot-n17-tiny": 3 * 9}
 
 
 def _inputs(batch, seed=5):
@@ -34,8 +37,8 @@ def _family_batch(cfg):
     """Three samples with padding (language, a blank camera) and, where the family reads them, horizons 8, 3, 5;
     GR00T's action-head tokens (1 state + 4 future + 8 actions each) are never padding."""
     name = family_of(cfg).name
-    if name == "groot":
-        return _groot_batch(cfg)
+    if name.startswith("groot"):
+        return (_groot_batch if name == "groot" else _groot_n17_batch)(cfg)
     return (_smolvla_batch if name == "smolvla" else _batch)(cfg, horizons=[8, 3, 5])
 
 
@@ -249,7 +252,8 @@ def test_capacity_drops_in_training_only():
 # each tiny preset's training flags here (pi0.5: a 4-step chunk; GR00T and SmolVLA keep theirs)
 TRAINED = {"pi05-tiny": ["--policy.overrides={chunk_size: 4, packing: true}"],
            "groot-tiny": ["--policy.preset=groot-tiny", "--policy.overrides={packing: true}"],
-           "smolvla-tiny": ["--policy.preset=smolvla-tiny", "--policy.overrides={packing: true}"]}
+           "smolvla-tiny": ["--policy.preset=smolvla-tiny", "--policy.overrides={packing: true}"],
+           "groot-n17-tiny": ["--policy.preset=groot-n17-tiny", "--policy.overrides={packing: true}"]}
 
 
 def _train_moe(dataset, run, *extra, steps=2, name="pi05-tiny"):

@@ -127,11 +127,26 @@ def test_convert_takes_weights_cameras_dims_and_stats_of_the_chosen_tag(tmp_path
     assert json.loads((dst / "policy.json").read_text())["init_from"]["embodiment_tag"] == tag
 
 
-def test_the_only_tag_needs_no_robot_flag(tmp_path):
+def test_the_only_tag_needs_no_robot_flag_and_the_assets_may_lie_in_processor(tmp_path):
+    from kilovla.policy_folder import load_policy_folder
+
     src = tmp_path / "one"
     write_nvidia_folder(src, tags={"libero_sim": TAGS["libero_sim"]})
+    (src / "processor").mkdir()
+    for name in ("processor_config.json", "statistics.json", "embodiment_id.json"):
+        (src / name).rename(src / "processor" / name)
     assert _convert(src, tmp_path / "out") == 0
-    assert (tmp_path / "out" / "policy.json").is_file()
+    assert load_policy_folder(tmp_path / "out").meta.embodiment_id == IDS["libero_sim"]
+    from kilovla.serve.engine import PolicyEngine, Request
+    from kilovla.serve.protocol import to_policy_observation
+
+    engine = PolicyEngine.load(tmp_path / "out", device="cpu")  # what `kilovla serve --policy.path=DST` runs
+    rng = np.random.default_rng(0)
+    one = {"task": "put the bowl on the plate", "observation.state": rng.normal(size=5).astype(np.float32),
+           **{f"observation.images.{v}": rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)
+              for v in ("image", "wrist_image")}}
+    [served], _ = engine.infer([Request(to_policy_observation(one, engine.inputs()), seed=0)])
+    assert served.shape[-1] == 4 and np.isfinite(served).all()
 
 
 @pytest.mark.parametrize("case, said", [

@@ -11,6 +11,7 @@ Isaac-GR00T's ``save_pretrained`` of the model and of ``Gr00tN1d7Processor``), a
                            action_configs) and use_percentiles, use_relative_action, apply_sincos_state_encoding
     statistics.json        {tag: {"state" | "action" | "relative_action": {key: {min, max, mean, std, q01, q99}}}}
     embodiment_id.json     {tag: projector index}; absent: Isaac-GR00T's built-in table (`BUILTIN_IDS`)
+    (these three beside the weights, where Gr00tPolicy's AutoProcessor reads them, or in processor/)
 
 One embodiment tag (``--policy.robot=TAG``, or the only tag with statistics) becomes the policy: its video
 keys the cameras (``observation.images.<key>``), its state and action keys concatenated in the modality
@@ -134,6 +135,7 @@ def _lookup(cfg: dict, key: str, where: Path):
 class Embodiment:
     """One embodiment tag of processor_config.json and statistics.json, in kilovla's terms."""
 
+    folder: Path  # where processor_config.json lies
     tag: str
     embodiment_id: int
     cameras: tuple[str, ...]  # the video keys
@@ -144,6 +146,10 @@ class Embodiment:
 
     @classmethod
     def read(cls, folder: Path, robot: str | None) -> Embodiment:
+        """`folder`'s processor assets: beside the weights (Gr00tPolicy's AutoProcessor.from_pretrained), or
+        in a processor/ subfolder (as some training runs save them)."""
+        if not (folder / PROCESSOR).is_file() and (folder / "processor" / PROCESSOR).is_file():
+            folder = folder / "processor"
         where = folder / PROCESSOR
         kwargs = read_json(where, HOLDS).get("processor_kwargs")
         configs = kwargs.get("modality_configs") if isinstance(kwargs, dict) else None
@@ -173,8 +179,8 @@ class Embodiment:
         _check_representable(kwargs, state, action, where)
         mode = _mode(kwargs, state, action, where)
         tag_stats = stats[tag] if isinstance(stats[tag], dict) else {}
-        return cls(tag=tag, embodiment_id=_embodiment_id(folder, tag), cameras=tuple(video["modality_keys"]),
-                   horizon=horizon, normalization=mode,
+        return cls(folder=folder, tag=tag, embodiment_id=_embodiment_id(folder, tag),
+                   cameras=tuple(video["modality_keys"]), horizon=horizon, normalization=mode,
                    state_stats=_concatenated(tag_stats, "state", state["modality_keys"], mode, stats_file, tag),
                    action_stats=_concatenated(tag_stats, "action", action["modality_keys"], mode, stats_file, tag))
 
@@ -259,11 +265,11 @@ def convert_groot_n17_policy(source: str | Path, output: str | Path, tokenizer: 
         overrides["cameras"] = list(body.cameras)
     cfg = preset(name, **overrides)
     if body.embodiment_id >= cfg.num_embodiments:
-        raise KilovlaError(f"{source / EMBODIMENT_IDS}: {body.tag}'s projector index {body.embodiment_id} is not "
+        raise KilovlaError(f"{body.folder / EMBODIMENT_IDS}: {body.tag}'s projector index {body.embodiment_id} is not "
                            f"below config.json's max_num_embodiments {cfg.num_embodiments}")
     if body.horizon > cfg.action_horizon:
-        raise KilovlaError(f"{source / PROCESSOR}: {body.tag}'s action horizon {body.horizon} exceeds config.json's "
-                           f"action_horizon {cfg.action_horizon}")
+        raise KilovlaError(f"{body.folder / PROCESSOR}: {body.tag}'s action horizon {body.horizon} exceeds "
+                           f"config.json's action_horizon {cfg.action_horizon}")
     tok = find_tokenizer("qwen3", tokenizer, [source], name, near_flag=f"the Isaac-GR00T folder {source}")
     meta = PolicyMeta(preset=name, overrides=overrides, camera_map={IMAGES + c: c for c in body.cameras},
                       state_keys=[STATE], state_dim=len(next(iter(body.state_stats.values()))),

@@ -452,11 +452,14 @@ def cmd_serve(args) -> int:
 
 def cmd_convert_policy(args) -> int:
     from kilovla.lerobot_policy import convert_lerobot_policy
+    from kilovla.nvidia_policy import convert_groot_n17_policy, is_groot_n17
 
     cfg = args.cfg  # cli_config.ConvertPolicyCommand
     p = cfg.policy
-    out = convert_lerobot_policy(p.path, cfg.output_dir, tokenizer=p.tokenizer, preset_name=p.preset, robot=p.robot)
-    print(f"converted {p.path} (LeRobot SmolVLA) -> {out} (policy folder: kilovla eval / serve --policy.path={out})")
+    convert, what = ((convert_groot_n17_policy, "Isaac-GR00T N1.7") if is_groot_n17(p.path)
+                     else (convert_lerobot_policy, "LeRobot SmolVLA"))
+    out = convert(p.path, cfg.output_dir, tokenizer=p.tokenizer, preset_name=p.preset, robot=p.robot)
+    print(f"converted {p.path} ({what}) -> {out} (policy folder: kilovla eval / serve --policy.path={out})")
     return 0
 
 
@@ -591,9 +594,10 @@ def _serve_parser(sub) -> None:
 def _convert_policy_parser(sub) -> None:
     from kilovla.cli_config import CONVERT_POLICY_POSITIONAL, ConvertPolicyCommand, add_config_flags
 
-    p = sub.add_parser("convert-policy", allow_abbrev=False, help="a LeRobot SmolVLA policy folder -> a kilovla "
-                       "policy folder (for eval, serve, train)", description="kilovla convert-policy SRC DST "
-                       "[--policy.tokenizer=PATH] [--policy.preset=NAME] [--policy.robot=NAME]")
+    p = sub.add_parser("convert-policy", allow_abbrev=False, help="a LeRobot SmolVLA or Isaac-GR00T N1.7 "
+                       "folder -> a kilovla policy folder (for eval, serve, train)",
+                       description="kilovla convert-policy SRC DST [--policy.tokenizer=PATH] [--policy.preset=NAME] "
+                       "[--policy.robot=NAME]")
     add_config_flags(p, ConvertPolicyCommand, positional=CONVERT_POLICY_POSITIONAL)
     p.set_defaults(func=cmd_convert_policy)
 

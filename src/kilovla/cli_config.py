@@ -210,20 +210,24 @@ SERVE_ALIASES = {
 }
 @dataclass
 class ConvertPolicySection:
-    path: str | None = _f(None, "the LeRobot SmolVLA policy folder: config.json, model.safetensors, "
-                          "policy_preprocessor.json / policy_postprocessor.json and their normalizer stats",
-                          path=True, required=True)
-    tokenizer: str | None = _f(None, "SmolVLM2's tokenizer.json or its folder (default: looked for in policy.path)",
-                               path=True)
+    path: str | None = _f(None, "the published folder: LeRobot SmolVLA's (config.json, model.safetensors, "
+                          "policy_preprocessor.json / policy_postprocessor.json and their normalizer stats) or "
+                          "Isaac-GR00T N1.7's (config.json, sharded model*.safetensors, processor_config.json, "
+                          "statistics.json, embodiment_id.json)", path=True, required=True)
+    tokenizer: str | None = _f(None, "the VLM's tokenizer.json or its folder: SmolVLM2's, or Cosmos-Reason2-2B's "
+                               "for N1.7 (default: looked for in policy.path)", path=True)
     preset: str | None = _f(None, "the kilovla preset with the VLM's shapes (default: from config.json's "
-                            "vlm_model_name: smolvla-base for HuggingFaceTB/SmolVLM2-500M-Video-Instruct)")
+                            "vlm_model_name: smolvla-base for HuggingFaceTB/SmolVLM2-500M-Video-Instruct; "
+                            "model_name: groot-n17-3b for nvidia/Cosmos-Reason2-2B)")
     robot: str | None = _f(None, "the robot whose stats to take where the stats file keeps them per robot "
-                           "(so100 of so100.buffer.action.mean; default: the only one)")
+                           "(so100 of so100.buffer.action.mean; N1.7: the embodiment tag, libero_sim; default: "
+                           "the only one)")
 
 
 @dataclass
 class ConvertPolicyCommand:
-    """`kilovla convert-policy`: a LeRobot SmolVLA folder -> a kilovla policy folder (lerobot_policy.py)."""
+    """`kilovla convert-policy`: a LeRobot SmolVLA or Isaac-GR00T N1.7 folder -> a kilovla policy folder
+    (lerobot_policy.py, nvidia_policy.py)."""
 
     policy: ConvertPolicySection = _f(ConvertPolicySection(), "")
     output_dir: str | None = _f(None, "the new kilovla policy folder (must not exist)", path=True, required=True)

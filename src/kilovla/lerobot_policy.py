@@ -53,10 +53,13 @@ UNSUPPORTED = (("n_obs_steps", 1), ("add_image_special_tokens", False), ("attent
 IMAGES, STATE, ACTION = "observation.images.", "observation.state", "action"
 
 
-def read_json(path: Path) -> dict:
+HOLDS = f"a LeRobot SmolVLA folder holds {CONFIG}, model.safetensors, {PREPROCESSOR} and {POSTPROCESSOR}"
+
+
+def read_json(path: Path, holds: str = HOLDS) -> dict:
+    """A JSON object; missing, unreadable or not an object: one line naming `path` (`holds`: what the folder has)."""
     if not path.is_file():
-        raise KilovlaError(f"{path}: missing (a LeRobot SmolVLA folder holds {CONFIG}, model.safetensors, "
-                           f"{PREPROCESSOR} and {POSTPROCESSOR})")
+        raise KilovlaError(f"{path}: missing ({holds})")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -202,22 +205,9 @@ def _robot_prefix(tensors: dict, feature: str, robot: str | None, path: Path) ->
 def convert_lerobot_policy(source: str | Path, output: str | Path, tokenizer: str | None = None,
                            preset_name: str | None = None, robot: str | None = None) -> Path:
     """`source` (a LeRobot SmolVLA folder) as the kilovla policy folder `output` (which must not exist)."""
-    from kilovla.models.checkpoints import DTYPES, Checkpoint, load_weights, plan_load
-    from kilovla.models.policy import VLAPolicy
-    from kilovla.models.presets import build_model
-    from kilovla.folders import check_parent
     from kilovla.models.tokenize import find_tokenizer
-    from kilovla.policy_folder import save_policy
-    from kilovla.staging import remove_stale_staging, staging_path
 
-    source, output = Path(source).expanduser(), Path(output).expanduser().absolute()
-    if not source.is_dir():
-        raise KilovlaError(f"{source}: no such folder (a LeRobot SmolVLA policy folder)")
-    if output.exists():
-        raise KilovlaError(f"{output}: already exists; convert-policy writes a new folder")
-    check_parent(output)
-    if (source / "policy.json").is_file() and not (source / CONFIG).is_file():
-        raise KilovlaError(f"{source}: a kilovla policy folder already (policy.json); use it as it is")
+    source, output = check_conversion(source, output, "a LeRobot SmolVLA policy folder")
     if tokenizer == "byte":
         raise KilovlaError("--policy.tokenizer=byte: LeRobot's SmolVLA reads SmolVLM2's tokens; give its tokenizer.json")
     spec = LeRobotSmolVLA.read(source, preset_name)
@@ -234,12 +224,40 @@ def convert_lerobot_policy(source: str | Path, output: str | Path, tokenizer: st
                       normalization=spec.normalization, n_action_steps=spec.n_action_steps, tokenizer=tok,
                       image_resize=spec.image_resize, image_size=spec.image_size,
                       init_from={"path": str(source.resolve()), "layout": "lerobot"})
-    model = build_model(spec.preset, device="meta", **spec.overrides)
-    ckpt = Checkpoint.open(source, layout="lerobot")
+    return write_converted(meta, source, output, layout="lerobot")
+
+
+def check_conversion(source: str | Path, output: str | Path, what: str) -> tuple[Path, Path]:
+    """`source` and `output` as paths, once `source` is a folder and `output` a new one (`what`: the kind
+    of folder `source` should be)."""
+    from kilovla.folders import check_parent
+
+    source, output = Path(source).expanduser(), Path(output).expanduser().absolute()
+    if not source.is_dir():
+        raise KilovlaError(f"{source}: no such folder ({what})")
+    if output.exists():
+        raise KilovlaError(f"{output}: already exists; convert-policy writes a new folder")
+    check_parent(output)
+    if (source / "policy.json").is_file() and not (source / CONFIG).is_file():
+        raise KilovlaError(f"{source}: a kilovla policy folder already (policy.json); use it as it is")
+    return source, output
+
+
+def write_converted(meta: PolicyMeta, source: Path, output: Path, layout: str) -> Path:
+    """`source`'s weights (of `layout`) under `meta` as the policy folder `output`, which appears only whole;
+    each tensor keeps its stored dtype (bf16 stays bf16: no bigger than the published folder)."""
+    from kilovla.models.checkpoints import DTYPES, Checkpoint, load_weights, plan_load
+    from kilovla.models.policy import VLAPolicy
+    from kilovla.models.presets import build_model
+    from kilovla.policy_folder import save_policy
+    from kilovla.staging import remove_stale_staging, staging_path
+
+    model = build_model(meta.preset, device="meta", **meta.overrides)
+    ckpt = Checkpoint.open(source, layout=layout)
     stored = {k: DTYPES[t.dtype] for k, t in plan_load(model, ckpt).items()}  # refused here before any read
     load_weights(model, ckpt)
     policy = VLAPolicy(model, meta)  # the processor checks the tokenizer, stats and cameras
-    state = {k: v.to(stored[k]) for k, v in model.state_dict().items()}  # bf16 stays bf16: no bigger than LeRobot's
+    state = {k: v.to(stored[k]) for k, v in model.state_dict().items()}
     output.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(output)
     tmp = staging_path(output)

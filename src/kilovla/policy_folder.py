@@ -61,9 +61,9 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", STATE_DIR, "adap
 def not_a_policy_folder(path: str | Path, lacks: str, flag: str | None = None) -> str:
     """The one message for a folder that lacks `lacks` (policy.json or its weights), whichever command reads it."""
     said = f"{flag} {path}" if flag else str(path)
-    if (Path(path) / "config.json").is_file() and not (Path(path) / POLICY_JSON).is_file():  # LeRobot's layout
-        return (f"{said}: a LeRobot policy folder (config.json), not a kilovla one: convert it first, "
-                f"`kilovla convert-policy {path} NEW_FOLDER` (LeRobot SmolVLA)")
+    if (Path(path) / "config.json").is_file() and not (Path(path) / POLICY_JSON).is_file():  # a published layout
+        return (f"{said}: a published policy folder (config.json), not a kilovla one: convert it first, "
+                f"`kilovla convert-policy {path} NEW_FOLDER` (LeRobot SmolVLA, Isaac-GR00T N1.7)")
     return f"{said}: not a policy folder (no {lacks}; a policy folder holds policy.json and model.safetensors)"
 
 

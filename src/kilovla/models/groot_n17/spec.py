@@ -49,7 +49,7 @@ FAMILY = Family(
     checkpoint_name=lambda cfg: "groot-n17",
     # NVIDIA's layout (`backbone.model.*`: transformers' Qwen3-VL tree; `action_head.*`); its tied LM head
     # is never used. Its files (sharded, or LeRobot's under `_groot_model.`) load as N1.5's layouts do; the
-    # checkpoint's processor assets (embodiment tags, modality config) are not read yet.
+    # checkpoint's processor assets (embodiment tags, modality config) are read by kilovla/nvidia_policy.py.
     keys=KeyMap(embed="backbone.model.model.language_model.embed_tokens.weight", tied="backbone.model.lm_head.weight",
                 rename=lambda key, name: key, own_prefixes=("backbone.model.",)),
     moe=lambda cfg: cfg.moe,

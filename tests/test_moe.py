@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,6 +274,26 @@ def _train_moe(dataset, run, *extra, steps=2, name="pi05-tiny"):
 @pytest.fixture(scope="module")
 def moe_run(train_dataset, tmp_path_factory):
     return _train_moe(train_dataset, tmp_path_factory.mktemp("moe") / "run")
+
+
+def test_resuming_an_moe_run_without_its_moe_settings_is_refused_in_one_line(moe_run, train_dataset, tmp_path):
+    """Its experts would not fit the dense model (or another E): one line naming each setting, not the key list."""
+    import shutil
+
+    from kilovla.config import load_config
+    from kilovla.train.trainer import TrainConfig, train
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(moe_run[0]).parents[1], run)
+    base = [f"--run_dir={run}", "--steps=3", f"--dataset.roots=[{train_dataset}]", "--batch.global_batch_size=8",
+            "--batch.token_budget=150", "--progress=false", *TRAINED["pi05-tiny"], "--optim.warmup_steps=0"]
+    for extra, said in (([], "moe.num_experts=None (the checkpoint's: 4)"),
+                        (["--policy.moe.num_experts=8"], "moe.num_experts=8 (the checkpoint's: 4)")):
+        with pytest.raises(KilovlaError, match=rf"cannot resume with .*{re.escape(said)}.*--policy.moe settings again"):
+            train(load_config(TrainConfig, None, [*base, *extra]), resume="auto")
+    summary = train(load_config(TrainConfig, None, [*base, "--policy.moe.num_experts=4", "--policy.moe.top_k=2"]),
+                    resume="auto")
+    assert summary["checkpoint"].endswith("step_000003")
 
 
 @pytest.fixture(scope="module", params=OTHERS)

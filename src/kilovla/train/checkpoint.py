@@ -461,6 +461,25 @@ def check_same_model(folder: Path, preset: str) -> PolicyFolder:
     return saved
 
 
+def check_same_moe(folder: Path, saved: dict, mine: dict) -> None:
+    """Refuse, in one line, resuming a checkpoint whose mixture-of-experts settings (policy.json's
+    overrides.moe, the routing-loss weights and capacity aside) are not this run's: the experts' stacks would
+    not fit the model, or fit another routing. `saved`, `mine`: the two runs' policy overrides."""
+    from kilovla.train.config import TRAINING_OVERRIDES, named
+
+    skip = {key.removeprefix("moe.") for key in TRAINING_OVERRIDES}
+    theirs, ours = saved.get("moe") or {}, mine.get("moe") or {}
+    if not (theirs.get("num_experts") or ours.get("num_experts")):
+        return  # both dense
+    differ = [f"moe.{k}={ours.get(k)!r} (the checkpoint's: {theirs.get(k)!r})" for k in sorted(theirs.keys() | ours.keys())
+              if k not in skip and theirs.get(k) != ours.get(k)]
+    if differ:
+        raise KilovlaError(f"{folder}: cannot resume with {', '.join(differ)}: give the checkpoint's "
+                           f"{named('policy.moe', '--policy.moe')} settings again (or --config RUN/config.yaml), "
+                           f"or fine-tune from it in a new run_dir ({named('policy.init_from', '--policy.init_from')}"
+                           f"={folder})")
+
+
 def check_resumed_settings(folder: Path, cfg) -> None:
     """Refuse, in one line naming each key with both values, optim settings that differ from those the
     checkpoint in `folder` was trained with (its config.yaml): the saved optimizer and schedule would

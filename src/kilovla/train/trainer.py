@@ -217,6 +217,7 @@ class Trainer:
 
     def load_checkpoint(self, folder: Path) -> None:
         saved = ckpt.check_same_model(folder, self.cfg.policy.preset).meta
+        ckpt.check_same_moe(folder, saved.overrides or {}, dict(self.cfg.policy.overrides))
         if self.lora is not None:
             check_resume_lora(folder, saved.lora, self.lora_section)
         elif saved.lora:

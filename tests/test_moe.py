@@ -514,6 +514,25 @@ def test_fp8_shared_experts_and_an_excluded_stack():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_upcycling_under_lora_is_refused_unless_the_moe_layers_train_in_full(train_dataset, tmp_path):
+    """LoRA freezes experts and routers: an upcycled MoE would stay the dense model with random routers."""
+    from kilovla.config import load_config
+    from kilovla.train.trainer import TrainConfig, train
+
+    common = [f"--dataset.roots=[{train_dataset}]", "--steps=1", "--batch.global_batch_size=4", "--progress=false",
+              "--policy.overrides={chunk_size: 4}"]
+    dense = train(load_config(TrainConfig, None, [f"--run_dir={tmp_path / 'dense'}", *common]))["checkpoint"]
+    upcycle = [*common, f"--policy.init_from={dense}", "--policy.moe.num_experts=4", "--policy.lora.rank=2"]
+    with pytest.raises(KilovlaError, match=r"policy.lora.rank=2 on an MoE model upcycled .* every router at its "
+                                           rf"random start; .*policy.lora.full=\[{re.escape(EXPERT_MLP.format(0).rstrip('.'))}"):
+        train(load_config(TrainConfig, None, [f"--run_dir={tmp_path / 'lora'}", *upcycle]))
+    assert not (tmp_path / "lora").exists()
+    layers = ", ".join(EXPERT_MLP.format(i).rstrip(".") for i in range(2))
+    summary = train(load_config(TrainConfig, None, [f"--run_dir={tmp_path / 'full'}", *upcycle,
+                                                    f"--policy.lora.full=[{layers}]"]))
+    assert summary["checkpoint"].endswith("step_000001")
+
+
 def test_lora_leaves_the_experts_frozen_trains_them_in_full_when_named_and_refuses_them_as_targets():
     from kilovla.models.lora import LoraSettings, apply_lora, merge_state
 

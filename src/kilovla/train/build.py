@@ -310,6 +310,13 @@ def build_lora(model: torch.nn.Module, settings, cfg: TrainConfig, start: ModelS
                     "adapters train; give --policy.init_from, or name modules to train in full with "
                     "--policy.lora.full")
     apply_lora(model, settings)
+    if start.init is not None and start.init.fresh_routers and not any(
+            p.requires_grad for n, p in model.named_parameters() if n.endswith(".router.weight")):
+        raise KilovlaError(f"{named('policy.lora.rank')}={settings.rank} on an MoE model upcycled from the dense "
+                           f"{cfg.policy.init_from}: LoRA keeps experts and routers frozen, so every expert would stay "
+                           "a copy of the dense MLP and every router at its random start; train the MoE layers in full "
+                           f"({named('policy.lora.full', '--policy.lora.full')}=[{start.init.fresh_routers[0]}, ...]) or upcycle "
+                           "without LoRA")
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("LoRA rank %d: %d trainable parameters of %d (%.2f%%)", settings.rank, n, total, 100 * n / total)

@@ -446,3 +446,31 @@ def test_the_unknown_seeds_warning_names_the_flag_typed(caplog):
     caplog.clear()
     assert demonstration_seeds([Seeded()], start) is None
     assert f"policy.init_from={start['path']} record(s)" in caplog.text and "--policy.path" not in caplog.text
+
+
+def test_a_state_dim_constant_in_each_episode_keeps_its_range_with_the_datasets_stats(reach_demos, caplog):
+    """stats.json averages each episode's quantiles (LeRobot's aggregation): reach-v3's goal (the last 3 dims of
+    environment_state, fixed within an episode, drawn per episode) has q01 == q99 there. Training on those stats
+    (--policy.stats=dataset) widens the dims to min/max, so the policy sees the goal instead of a constant 0."""
+    from kilovla.data.lerobot import LeRobotDataset
+    from kilovla.models.presets import preset
+    from kilovla.models.processor import _normalizer
+    from kilovla.train.build import policy_meta, with_policy_defaults
+    from kilovla.train.config import with_init_model
+
+    ds = LeRobotDataset(reach_demos)
+    stored = json.loads((reach_demos / "meta" / "stats.json").read_text())["observation.environment_state"]
+    assert np.allclose(stored["q01"][-3:], stored["q99"][-3:]) and not np.allclose(stored["min"][-3:], stored["max"][-3:])
+    cfg = with_policy_defaults(with_init_model(load_config(TrainConfig, None, [
+        f"--dataset.roots=[{reach_demos}]", "--policy.state_keys=[observation.state, observation.environment_state]",
+        "--policy.stats=dataset"])))
+    meta = policy_meta(cfg, preset(cfg.policy.preset), [ds.meta])
+    env = meta.stats["observation.environment_state"]
+    np.testing.assert_allclose(env["q01"][-3:], stored["min"][-3:])
+    np.testing.assert_allclose(env["q99"][-3:], stored["max"][-3:])
+    assert env["q01"][:3] == stored["q01"][:3]  # dims whose quantiles did not meet keep them
+    assert "36, 37, 38]" in caplog.text  # and the objects' start positions (4, 5; 22, 23 a frame later)
+    goals = ds.get_batch(np.array([0, ds.meta.episodes.row_to[0]]))["observation.environment_state"]
+    assert not np.allclose(goals[0, -3:], goals[1, -3:])  # the two episodes' goals differ, and so do their inputs
+    normalise = _normalizer(env, "quantile")[0]
+    assert not np.allclose(normalise(goals[0])[-3:], normalise(goals[1])[-3:])

@@ -28,7 +28,7 @@ from kilovla.models.attention import resolve_backend
 from kilovla.models.checkpoints import Checkpoint, is_sharded_policy_folder, load_sharded, load_weights, plan_load
 from kilovla.models.family import chunk_length, family_of, moe_of, vocab_size
 from kilovla.models.presets import build_model, policy_defaults
-from kilovla.models.processor import STATS_FOR, PolicyMeta, Processor
+from kilovla.models.processor import CONSTANT, STATS_FOR, PolicyMeta, Processor
 from kilovla.models.tokenize import find_tokenizer
 from kilovla.policy_folder import STATE_DIR, Interface, PolicyFolder
 from kilovla.train.config import TrainConfig, named, with_init_model
@@ -129,6 +129,8 @@ def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta], init_from
         if lacking:
             raise KilovlaError(f"{first.files.path(stats_rel)}: no {'/'.join(mode_keys)} stats for {lacking} "
                                "(`kilovla data stats PATH` recomputes them)")
+        if cfg.policy.normalization == "quantile":
+            stats = {**stats, **widen_collapsed_quantiles({k: stats[k] for k in needed}, first.files.path(stats_rel))}
     else:  # train/config.py check() refused any other name
         raise AssertionError(cfg.policy.stats)
     state_dim = int(sum(np.prod(first.features[k].shape) for k in cfg.policy.state_keys))
@@ -141,6 +143,32 @@ def policy_meta(cfg: TrainConfig, model_cfg, metas: list[DatasetMeta], init_from
                       embodiment_id=cfg.policy.embodiment_id, tokenizer=cfg.policy.tokenizer,
                       image_resize=cfg.policy.image_resize, augmentation=dict(cfg.policy.augmentation),
                       init_from=init_from, demonstration_seeds=demonstration_seeds(metas, init_from))
+
+
+def widen_collapsed_quantiles(stats: dict, source) -> dict:
+    """`stats` with q01 / q99 set to min / max in the dimensions where the quantiles met but the values vary.
+
+    With --policy.stats=dataset (the default recomputes quantiles over every frame, which do not meet): a
+    dataset's stats.json holds each episode's quantiles averaged over episodes (LeRobot's aggregation), so a
+    dimension constant within every episode and different across them (Meta-World's goal position, an object's
+    start) gets q01 == q99: quantile normalisation then reads it as constant and feeds the policy 0, the goal
+    invisible. min / max is its real range. One warning names the features and dimensions."""
+    out, widened = {}, []
+    for key, s in stats.items():
+        if not all(f in s for f in ("q01", "q99", "min", "max")):
+            out[key] = s
+            continue
+        lo, hi, mn, mx = (np.asarray(s[f], np.float64) for f in ("q01", "q99", "min", "max"))
+        collapsed = (hi - lo < CONSTANT) & (mx - mn >= CONSTANT)
+        if collapsed.any():
+            widened.append(f"{key} {np.flatnonzero(collapsed).tolist()}")
+            s = {**s, "q01": np.where(collapsed, mn, lo).tolist(), "q99": np.where(collapsed, mx, hi).tolist()}
+        out[key] = s
+    if widened:
+        log.warning("%s: the averaged per-episode quantiles of %s meet (each episode constant there, the episodes "
+                    "not): quantile normalisation would feed the policy 0; those dimensions use min/max instead",
+                    source, "; ".join(widened))
+    return out
 
 
 def demonstration_seeds(metas: list[DatasetMeta], init_from: dict | None = None) -> dict[str, list[int]] | None:

@@ -404,6 +404,7 @@ def test_a_quantized_folder_stores_the_hf_fp8_layout(folders):
                if isinstance(m, nn.Linear)}
     assert set(qcfg["modules_to_not_convert"]) == linears - set(qcfg["modules"])
     assert any("vision_tower" in n for n in qcfg["modules_to_not_convert"])
+    assert qcfg["weight_only_modules"] == []  # every default FP8 layer of pi0.5 is a Linear: W8A8
     for name in qcfg["modules"]:
         q, s = state[f"{name}.weight"], state[f"{name}.weight_scale_inv"]
         want_q, want_s = quantize_fp8_blockwise(source[f"{name}.weight"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -452,7 +453,7 @@ def _check_fp8_experts(checkpoint, out, dataset, stacks):
     slice quantized alone gives the same payload and scales), bias stacks and routers keep their values at
     bf16, the report has each stack's SQNRs, and the folder reloads to what was quantized."""
     from kilovla.policy_folder import load_policy_folder
-    from kilovla.quant.fp8 import FP8, Fp8Config, Fp8GroupedExperts, quantize_fp8_blockwise
+    from kilovla.quant.fp8 import FP8, Fp8BlockLinear, Fp8Config, Fp8GroupedExperts, quantize_fp8_blockwise
     from kilovla.quantize.folder import quantize_policy_folder
 
     report = quantize_policy_folder(checkpoint, out, Fp8Config(), dataset=dataset, samples=8, latency_repeats=1)
@@ -474,6 +475,9 @@ def _check_fp8_experts(checkpoint, out, dataset, stacks):
         entry = report["layers"][stack]
         assert entry["weight_sqnr_db"] > 25 and entry["output_sqnr_db"] > 20, entry
     assert report["actions"]["relative"] < 0.05, report["actions"]
+    qconfig = json.loads((Path(out) / "policy.json").read_text())["quantization_config"]
+    assert qconfig["activations"] == "1x128" and set(stacks) <= set(qconfig["weight_only_modules"])
+    assert not any(isinstance(quantized.model.get_submodule(n), Fp8BlockLinear) for n in qconfig["weight_only_modules"])
     return report
 
 

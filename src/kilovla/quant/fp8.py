@@ -211,6 +211,7 @@ class Fp8Weights(nn.Module):
     dtypes when the model is cast. ``out_dtype``, where a module has one, follows the model's casts."""
 
     PAYLOAD = "weight"
+    WEIGHT_ONLY = True  # activations never quantized (no GEMM of its own reads them in FP8)
     out_dtype: torch.dtype | None = None
 
     @classmethod
@@ -270,6 +271,8 @@ class Fp8BlockLinear(Fp8Weights):
     ``kernel`` chooses the GEMM ("auto", "scaled_mm", "torchao", "emulate"); the choice is made per
     device on the first call and can be read back from ``kernel_used``.
     """
+
+    WEIGHT_ONLY = False  # with activations "1x128", W8A8
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, block: int = 128,
                  activations: str = "1x128", device=None):
@@ -631,7 +634,9 @@ def quantization_config(config: Fp8Config, layers: list[str], model: nn.Module) 
     ``weight_block_size``, ``modules_to_not_convert`` (every Linear of `model` that is not in `layers`)
     and, for 1x128 activations only, ``activation_scheme: "dynamic"`` (HF knows no weight-only scheme,
     so a weight-only folder carries none). kilovla's own keys: ``activations`` ("1x128" or "none",
-    what the loader runs), ``modules`` (the FP8 layers), ``kept_dtype``, ``scope``, ``include``, ``exclude``.
+    what the loader runs), ``modules`` (the FP8 layers), ``weight_only_modules`` (those of them that run
+    weight-only whatever ``activations`` says: token tables, per-embodiment and expert stacks),
+    ``kept_dtype``, ``scope``, ``include``, ``exclude``.
     A module's kind (Linear, token table, per-embodiment Linear) is the model's own at that name."""
     chosen = set(layers)
     fields = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [config.block, config.block]}
@@ -639,8 +644,13 @@ def quantization_config(config: Fp8Config, layers: list[str], model: nn.Module) 
         fields["activation_scheme"] = "dynamic"
     fields["modules_to_not_convert"] = sorted(n for n, m in model.named_modules()
                                               if isinstance(m, nn.Linear) and n not in chosen)
+    def kind(name):
+        module = model.get_submodule(name)
+        return type(module) if isinstance(module, Fp8Weights) else fp8_class(name, module)
+
     fields.update(activations=config.activations, kept_dtype=config.dtype, scope=config.scope,
-                  include=config.include, exclude=config.exclude, modules=list(layers))
+                  include=config.include, exclude=config.exclude, modules=list(layers),
+                  weight_only_modules=[n for n in layers if kind(n).WEIGHT_ONLY])
     return fields
 
 

@@ -384,6 +384,10 @@ def test_upcycling_starts_every_expert_as_the_dense_mlp_and_keeps_the_dense_outp
     cfg = {"num_experts": 3, "top_k": 2, "shared_experts": 1}
     with pytest.raises(CheckpointError, match="missing keys: .*mlp.experts"):  # loading stays strict elsewhere
         load_weights(build_model("pi05-tiny", device="meta", moe=cfg), tmp_path / "model.safetensors")
+    narrow = build_model("pi05-tiny", device="meta", moe={**cfg, "expert_dim": 8})  # not the dense MLP's width
+    with pytest.raises(KilovlaError, match=r"upcycling copies its dense MLP .*mlp.gate_proj.weight \(\d+, \d+\) into "
+                                           r"every expert, but .*\(3, 8, \d+\): leave policy.moe.expert_dim unset"):
+        load_weights(narrow, tmp_path / "model.safetensors", upcycle=True)
     moe = build_model("pi05-tiny", device="meta", seed=2, moe=cfg)  # the router draws from the seed
     ckpt = load_weights(moe, tmp_path / "model.safetensors", upcycle=True)
     assert len(ckpt.fresh_routers) == 2

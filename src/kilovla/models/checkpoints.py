@@ -303,6 +303,12 @@ def plan_load(model: nn.Module, checkpoint: Checkpoint, source: str | None = Non
     own = {k: v for k, v in own.items() if k not in fresh}
     stored = {k: (checkpoint.upcycled[k], *checkpoint.tensors[s].shape) if k in checkpoint.upcycled
               else checkpoint.tensors[s].shape for k, s in mapping.items()}
+    misfit = [k for k in checkpoint.upcycled if stored[k] != tuple(own[k])]
+    if misfit:  # every expert is a copy of the dense MLP: it must be as wide
+        k = misfit[0]
+        raise KilovlaError(f"{checkpoint.path}: upcycling copies its dense MLP {mapping[k]} {tuple(stored[k][1:])} into "
+                           f"every expert, but {k} is {tuple(own[k])}: leave policy.moe.expert_dim unset "
+                           "(the dense MLP's width) to upcycle, or start the MoE model without this checkpoint")
     owner, mine = _checkpoint_family(checkpoint.layout, mapping), family_of(model)
     hint = ""
     if owner is not None and owner is not mine:

@@ -277,7 +277,7 @@ def moe_run(train_dataset, tmp_path_factory):
     return _train_moe(train_dataset, tmp_path_factory.mktemp("moe") / "run")
 
 
-def test_resuming_an_moe_run_without_its_moe_settings_is_refused_in_one_line(moe_run, train_dataset, tmp_path):
+def test_resuming_an_moe_run_without_its_moe_settings_is_refused_in_one_line(moe_run, train_dataset, tmp_path, capsys):
     """Its experts would not fit the dense model (or another E): one line naming each setting, not the key list."""
     import shutil
 
@@ -295,6 +295,7 @@ def test_resuming_an_moe_run_without_its_moe_settings_is_refused_in_one_line(moe
     summary = train(load_config(TrainConfig, None, [*base, "--policy.moe.num_experts=4", "--policy.moe.top_k=2"]),
                     resume="auto")
     assert summary["checkpoint"].endswith("step_000003")
+    assert "kilovla train: pi05-tiny with an MoE action expert (E=4, K=2), 1 rank(s)" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module", params=OTHERS)

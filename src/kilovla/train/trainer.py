@@ -57,7 +57,7 @@ from kilovla.data.writer import _atomic_write_text
 from kilovla.errors import KilovlaError
 from kilovla.folders import RUN, claim_run_dir, clear
 from kilovla.models.batch import PaddedBatch
-from kilovla.models.family import chunk_length, family_of
+from kilovla.models.family import chunk_length, family_of, moe_of
 from kilovla.models.moe import MoEMeter, training_loss
 from kilovla.models.presets import build_model, policy_defaults, preset
 from kilovla.progress import StepProgress
@@ -435,7 +435,9 @@ class Trainer:
         mesh += f" (ep={world.ep}: {world.ep} ranks split the experts)" if world.ep > 1 else ""
         lora = (f", LoRA rank {self.lora.rank} ({self.n_trainable:,} parameters trained)"
                 if self.lora is not None else "")
-        line = (f"kilovla train: {cfg.policy.preset}, {world.size} rank(s)"
+        moe = moe_of(mc)
+        experts = f" with an MoE action expert (E={moe.num_experts}, K={moe.top_k})" if moe else ""
+        line = (f"kilovla train: {cfg.policy.preset}{experts}, {world.size} rank(s)"
                 f"{f' ({cfg.parallel.strategy}{mesh})' if world.size > 1 else ''}, attention {self.backend}{asked}, "
                 f"{'bf16' if self.bf16 else 'fp32'}{lora}, from step {self.step}"
                 f"{', frames from the frame cache' if self.frames_from_cache else ''}")

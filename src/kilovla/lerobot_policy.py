@@ -85,8 +85,7 @@ class LeRobotSmolVLA:
 
     @classmethod
     def read(cls, folder: Path, preset_name: str | None = None) -> LeRobotSmolVLA:
-        from kilovla.models.family import family, family_of
-        from kilovla.models.presets import check_preset, preset
+        from kilovla.models.presets import preset
 
         where = folder / CONFIG
         cfg = read_json(where)
@@ -99,15 +98,8 @@ class LeRobotSmolVLA:
         if cfg.get("num_expert_layers", -1) > 0 and cfg["num_expert_layers"] != cfg.get("num_vlm_layers", 16):
             raise KilovlaError(f"{where}: num_expert_layers={cfg['num_expert_layers']}: kilovla's SmolVLA has one "
                                "expert layer per VLM layer")
-        vlm = cfg.get("vlm_model_name", "")
-        name = preset_name or VLM_PRESETS.get(vlm)
-        if name is None:
-            raise KilovlaError(f"{where}: vlm_model_name {vlm!r} has no kilovla preset; name the preset with its "
-                               f"shapes, --policy.preset=NAME (known: {', '.join(VLM_PRESETS)})")
-        check_preset(name, "--policy.preset")
-        base = preset(name)
-        if family_of(base).name != "smolvla":
-            raise KilovlaError(f"--policy.preset={name}: not a SmolVLA preset ({', '.join(family('smolvla').presets)})")
+        name, base = converted_preset(where, "vlm_model_name", cfg.get("vlm_model_name", ""), VLM_PRESETS,
+                                      preset_name, "smolvla")
         overrides = {field: cfg[key] for key, field in FIELDS.items()
                      if key in cfg and cfg[key] != getattr(base, field, None)}
         inputs, outputs = _features(cfg, "input_features", where), _features(cfg, "output_features", where)
@@ -225,6 +217,25 @@ def convert_lerobot_policy(source: str | Path, output: str | Path, tokenizer: st
                       image_resize=spec.image_resize, image_size=spec.image_size,
                       init_from={"path": str(source.resolve()), "layout": "lerobot"})
     return write_converted(meta, source, output, layout="lerobot")
+
+
+def converted_preset(where: Path, field: str, value: str, known: dict[str, str], preset_name: str | None,
+                     family_name: str) -> tuple[str, object]:
+    """(preset name, its config) a published folder converts to: `--policy.preset`, else the one `known` maps
+    its config.json's `field` (the backbone's name) to; a preset of another family is refused."""
+    from kilovla.models.family import family, family_of
+    from kilovla.models.presets import check_preset, preset
+
+    name = preset_name or known.get(value)
+    if name is None:
+        raise KilovlaError(f"{where}: {field} {value!r} has no kilovla preset; name the preset with its "
+                           f"shapes, --policy.preset=NAME (known: {', '.join(known)})")
+    check_preset(name, "--policy.preset")
+    base = preset(name)
+    if family_of(base).name != family_name:
+        raise KilovlaError(f"--policy.preset={name}: not a {family(family_name).title} preset "
+                           f"({', '.join(family(family_name).presets)})")
+    return name, base
 
 
 def check_conversion(source: str | Path, output: str | Path, what: str) -> tuple[Path, Path]:

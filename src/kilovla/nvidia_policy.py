@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kilovla.errors import KilovlaError
-from kilovla.lerobot_policy import ACTION, CONFIG, IMAGES, STATE, check_conversion, read_json, write_converted
+from kilovla.lerobot_policy import (ACTION, CONFIG, IMAGES, STATE, check_conversion, converted_preset, read_json,
+                                    write_converted)
 from kilovla.models.processor import STATS_FOR, PolicyMeta
 
 MODEL_TYPE = "Gr00tN1d7"
@@ -80,24 +81,14 @@ def is_groot_n17(folder: str | Path) -> bool:
 
 def read_model(folder: Path, preset_name: str | None) -> tuple[str, dict]:
     """config.json as (preset, overrides), every value checked as a config's are."""
-    from kilovla.models.family import family, family_of
-    from kilovla.models.presets import check_preset, preset
+    from kilovla.models.presets import preset
 
     where = folder / CONFIG
     cfg = read_json(where, HOLDS)
     for key, runs_as in UNSUPPORTED:
         if cfg.get(key, runs_as) != runs_as:
             raise KilovlaError(f"{where}: {key}={cfg[key]!r} is not supported (kilovla's GR00T N1.7 runs {runs_as!r})")
-    backbone = cfg.get("model_name", "")
-    name = preset_name or BACKBONES.get(backbone)
-    if name is None:
-        raise KilovlaError(f"{where}: model_name {backbone!r} has no kilovla preset; name the preset with its "
-                           f"shapes, --policy.preset=NAME (known: {', '.join(BACKBONES)})")
-    check_preset(name, "--policy.preset")
-    base = preset(name)
-    if family_of(base).name != "groot-n17":
-        raise KilovlaError(f"--policy.preset={name}: not a GR00T N1.7 preset "
-                           f"({', '.join(family('groot-n17').presets)})")
+    name, base = converted_preset(where, "model_name", cfg.get("model_name", ""), BACKBONES, preset_name, "groot-n17")
     overrides: dict = {}
     for key, target in FIELDS.items():
         value = _lookup(cfg, key, where)

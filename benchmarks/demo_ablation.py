@@ -62,6 +62,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # issue 46: the EMA (decay 0.995, ~200 steps) trailed the final weights in 5 of 6 runs at 1000 steps
     "final_weights": ("the final weights evaluated, no EMA", dict(ema_decay=None)),
     "final_1500": ("the final weights, 1500 steps", dict(ema_decay=None, train_steps=1500)),
+    # reach-v3's failures stop 5-7 cm from the goal, just outside its 5 cm radius: the demonstrations ended at
+    # the first success, at that radius's edge
+    "hold_10": ("the final weights; demonstrations run 10 steps past their first success",
+                dict(ema_decay=None, collect_hold=10)),
 }
 
 
@@ -75,7 +79,8 @@ def _key(recipe: DemoRecipe, fields: tuple[str, ...]) -> str:
     return hashlib.sha1(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
-DATA_FIELDS = ("tasks", "episodes_per_task", "collect_noise", "collect_labels", "collect_seed", "resolution", "workers")
+DATA_FIELDS = ("tasks", "episodes_per_task", "collect_noise", "collect_labels", "collect_seed", "collect_hold",
+               "resolution", "workers")
 EVAL_FIELDS = ("n_action_steps", "eval_episodes", "eval_seed", "videos_per_task", "workers")
 
 

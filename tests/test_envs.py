@@ -65,6 +65,17 @@ def test_scripted_expert_solves_every_default_task(task):
     assert all(e.steps < 500 for e in episodes)
 
 
+def test_success_hold_runs_an_episode_on_past_its_first_success():
+    """Collection's success_hold: the same seed's episode ends at its first success with 0, and that many steps
+    later with 4 (the expert still acting, its success counted)."""
+    runs = {}
+    for hold in (0, 4):
+        with EnvPool([EnvConfig("metaworld", {"task": "reach-v3", "render": False, "success_hold": hold})]) as pool:
+            runs[hold] = run_episodes(pool, MetaWorldExpertPolicy(), [0])[0]
+    assert runs[0].success and runs[4].success
+    assert runs[4].steps == runs[0].steps + 4
+
+
 @pytest.mark.parametrize("dist,check", [
     ("constant", lambda d: np.allclose(d, 0.01)),
     ("lognormal", lambda d: abs(np.mean(d) - 0.01) < 0.001 and np.std(d) > 0.002),

@@ -57,6 +57,7 @@ class DemoRecipe:
     collect_noise: float = 0.1  # std of the Gaussian noise on the expert's actions while recording
     collect_labels: str = "expert"  # the action recorded: "executed" (noisy) or "expert" (noise-free, DART)
     collect_seed: int = 0
+    collect_hold: int = 0  # steps each demonstration runs past its first success (the expert settling into the goal)
     resolution: int = 32  # both cameras, pixels
     # decode the demonstrations' videos once into a frame cache (data/frame_cache.py) before training:
     # bit-identical frames, and the ~12 epochs of training stop decoding on the training cores. False
@@ -174,7 +175,7 @@ def collect_demonstrations(recipe: DemoRecipe, data: Path):
         return collect(data, tasks=list(recipe.tasks), episodes_per_task=recipe.episodes_per_task,
                        resolution=recipe.resolution, noise_std=recipe.collect_noise, seed=recipe.collect_seed,
                        labels=recipe.collect_labels, batch_size=5, num_workers=recipe.workers, overwrite=True,
-                       progress=update)
+                       success_hold=recipe.collect_hold, progress=update)
 
 
 def build_demo_cache(data: Path):

@@ -57,9 +57,10 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
             cameras: tuple[str, ...] = ("scene", "wrist"), resolution: int = 96, noise_std: float = 0.0,
             seed: int = 0, max_steps: int | None = None, batch_size: int = 4, num_workers: int = 0,
             codec: str = "libsvtav1", labels: str = "executed", overwrite: bool = False,
-            progress=None) -> CollectReport:
+            success_hold: int = 0, progress=None) -> CollectReport:
     """Write `episodes_per_task` successful episodes per task (attempts continue until reached,
-    up to 3x the target). `progress(task, kept, target)` is called as episodes finish."""
+    up to 3x the target). `success_hold`: steps each episode runs past its first success (Meta-World).
+    `progress(task, kept, target)` is called as episodes finish."""
     sim, spec = check_collect(out, env=env, tasks=tasks, episodes_per_task=episodes_per_task, cameras=cameras,
                               seed=seed, max_steps=max_steps, labels=labels, overwrite=overwrite)
     features = spec.features(resolution)
@@ -70,7 +71,10 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
     report = CollectReport(root=str(out))
     writer = DatasetWriter(out, fps=spec.fps, features=features, robot_type=f"{env}-{sim.robot}", video_codec=codec,
                            overwrite=overwrite, info={"kilovla_seed_rule": SEED_RULE})
-    kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {})}
+    if success_hold and env != "metaworld":
+        raise KilovlaError(f"success_hold runs Meta-World episodes past their success; {env} has no such option")
+    kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {}),
+              **({"success_hold": success_hold} if success_hold else {})}
     try:
         for t, task in enumerate(tasks):
             configs = [EnvConfig(env, {"task": task, **kwargs})] * min(batch_size, episodes_per_task)

@@ -133,7 +133,8 @@ class MetaWorldEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array"]}
 
     def __init__(self, task: str = "push-v3", cameras=DEFAULT_CAMERAS, resolution: int = 96,
-                 max_steps: int = MAX_STEPS, terminate_on_success: bool = True, render: bool = True):
+                 max_steps: int = MAX_STEPS, terminate_on_success: bool = True, render: bool = True,
+                 success_hold: int = 0):
         from metaworld.env_dict import ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE
 
         check_tasks("metaworld", [task], task_names())
@@ -143,7 +144,10 @@ class MetaWorldEnv(gym.Env):
         self.task, self.instruction = task, instruction(task)
         self.cameras = tuple(cameras)
         self.resolution, self.max_steps = resolution, max_steps
-        self.terminate_on_success = terminate_on_success
+        # steps an episode runs on past its first success before it terminates (collection: the expert's
+        # approach into the goal, not only to the edge of its success radius)
+        self.terminate_on_success, self.success_hold = terminate_on_success, success_hold
+        self._success_at: int | None = None
         self._render_images = render
         self._env = ALL_V3_ENVIRONMENTS_GOAL_OBSERVABLE[f"{task}-goal-observable"](seed=0)
         self._env.max_path_length = max(max_steps, 1) + 1
@@ -187,7 +191,7 @@ class MetaWorldEnv(gym.Env):
         env.seeded_rand_vec = True
         env.seed(int(self.np_random.integers(2**31)) if seed is None else seed)
         state, _ = env.reset()
-        self._steps = 0
+        self._steps, self._success_at = 0, None
         return self._obs(state), {"is_success": False, "task": self.task}
 
     def step(self, action):
@@ -195,7 +199,10 @@ class MetaWorldEnv(gym.Env):
         state, reward, _, _, info = self._env.step(action)
         self._steps += 1
         success = bool(info.get("success", 0.0))
-        terminated = success and self.terminate_on_success
+        if success and self._success_at is None:
+            self._success_at = self._steps
+        terminated = (self.terminate_on_success and self._success_at is not None
+                      and self._steps - self._success_at >= self.success_hold)
         truncated = self._steps >= self.max_steps and not terminated
         return self._obs(state), float(reward), terminated, truncated, {"is_success": success, "task": self.task}
 

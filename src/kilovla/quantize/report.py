@@ -65,7 +65,8 @@ def compare_actions(baseline, quantized, rows: list[dict], seed: int = 0) -> dic
     # layer names of the bases (an RL folder's residual actor is not quantized): what weight_sqnr is keyed by
     base, quantized_base = base_of(baseline.model), base_of(quantized.model)
     names = {n for n, m in quantized_base.named_modules() if isinstance(m, Fp8Weights)}
-    captured: dict[str, list[tuple]] = {n: [] for n in names}  # whole calls: GR00T's per-embodiment layers take two inputs, expert stacks their row counts
+    # whole calls: GR00T's per-embodiment layers take two inputs, expert stacks their row counts
+    captured: dict[str, list[tuple]] = {n: [] for n in names}
     counts = dict.fromkeys(names, 0)
 
     def capture(name):

@@ -34,15 +34,15 @@ def overrides(cfg: GrootConfig, s: ModelSettings) -> dict:
 def freeze_groups(model) -> dict:
     return {"vision": [model.eagle.vision_model, model.eagle.mlp1], "vlm": [model.backbone]}
 
+# What a GR00T config (N1.5's and N1.7's, which name these fields alike) says of its shapes
+CONFIG_SHAPES = dict(chunk_length=lambda cfg: cfg.action_horizon, camera_tokens=lambda cfg: cfg.vision.tokens,
+                     action_tokens=lambda cfg: cfg.action_head_tokens, vocab_size=lambda cfg: cfg.llm.vocab_size,
+                     image_token_id=lambda cfg: cfg.image_token_id, pooled_width=lambda cfg: cfg.llm.width)
+
 
 FAMILY = Family(
     name="groot", title="GR00T", config_class=GrootConfig, model_class=GrootModel, presets=PRESETS, recipes=RECIPES,
-    chunk_length=lambda cfg: cfg.action_horizon, overrides=overrides,
-    camera_tokens=lambda cfg: cfg.vision.tokens,
-    action_tokens=lambda cfg: cfg.action_head_tokens,
-    vocab_size=lambda cfg: cfg.llm.vocab_size,
-    image_token_id=lambda cfg: cfg.image_token_id,
-    pooled_width=lambda cfg: cfg.llm.width,
+    overrides=overrides, **CONFIG_SHAPES,
     flow_time=flow_time,
     freeze_groups=freeze_groups, gradient_checkpointing=False,
     fsdp_units=parallelize.fsdp_units, tp_layers=parallelize.tp_layers, tp_split=parallelize.tp_split,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kilovla.models.family import Family, KeyMap, ModelSettings
+from kilovla.models.groot.spec import CONFIG_SHAPES
 from kilovla.models.groot_n17 import parallelize
 from kilovla.models.groot_n17.model import GrootN17Config, GrootN17Model, flow_time
 from kilovla.models.groot_n17.presets import PRESETS, RECIPES
@@ -32,12 +33,7 @@ def freeze_groups(model) -> dict:
 
 FAMILY = Family(
     name="groot-n17", title="GR00T N1.7", config_class=GrootN17Config, model_class=GrootN17Model, presets=PRESETS,
-    recipes=RECIPES, chunk_length=lambda cfg: cfg.action_horizon, overrides=overrides,
-    camera_tokens=lambda cfg: cfg.vision.tokens,
-    action_tokens=lambda cfg: cfg.action_head_tokens,
-    vocab_size=lambda cfg: cfg.llm.vocab_size,
-    image_token_id=lambda cfg: cfg.image_token_id,
-    pooled_width=lambda cfg: cfg.llm.width,
+    recipes=RECIPES, overrides=overrides, **CONFIG_SHAPES,
     flow_time=flow_time,
     freeze_groups=freeze_groups, gradient_checkpointing=False,
     fsdp_units=parallelize.fsdp_units, tp_layers=parallelize.tp_layers, tp_split=parallelize.tp_split,

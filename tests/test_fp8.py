@@ -158,12 +158,15 @@ def test_pi05_default_takes_the_language_model_and_the_action_expert():
             "time_mlp_in", f"{expert}.0.input_layernorm.dense"} <= kept
 
 
+# a GR00T DiT block's Linear layers (N1.5 and N1.7 alike)
+DIT_PROJECTIONS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")
+
+
 def test_groot_default_takes_the_llm_layers_and_the_dit():
     model = build_model("groot-n15-3b", device="meta")
     chosen = set(select_layers(model))
     llm = {f"backbone.eagle_model.language_model.model.layers.{i}.{p}" for i in range(12) for p in PROJECTIONS}
-    dit = {f"action_head.model.transformer_blocks.{i}.{p}" for i in range(16)
-           for p in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")}
+    dit = {f"action_head.model.transformer_blocks.{i}.{p}" for i in range(16) for p in DIT_PROJECTIONS}
     assert chosen == llm | dit
     assert not any(k in n for n in chosen for k in ("vision_model", "vl_self_attention", "norm1", "proj_out", "mlp1"))
 
@@ -172,8 +175,7 @@ def test_groot_n17_default_takes_the_llm_layers_and_the_dit_and_never_the_vision
     model = build_model("groot-n17-3b", device="meta")
     chosen = set(select_layers(model))
     llm = {f"backbone.model.model.language_model.layers.{i}.{p}" for i in range(16) for p in PROJECTIONS}
-    dit = {f"action_head.model.transformer_blocks.{i}.{p}" for i in range(32)
-           for p in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj", "ff.net.2")}
+    dit = {f"action_head.model.transformer_blocks.{i}.{p}" for i in range(32) for p in DIT_PROJECTIONS}
     assert chosen == llm | dit
     assert not any(".visual." in n for n in select_layers(model, scope="all"))
 

@@ -205,3 +205,20 @@ def test_a_restartable_group_on_the_shared_rendezvous_store_is_warned_about(monk
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     elastic.warn_shared_store(2)  # no restarts
     assert caplog.text == ""
+
+
+def test_a_rank_that_aborts_in_native_code_prints_its_python_stacks(tmp_path):
+    """A C++ `terminate` (SIGABRT) in one rank of a gloo group leaves more than torchrun's "Signal 6": every
+    thread's Python stack, so the log says where in the step or the teardown it died."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "abort_rank1.py"
+    script.write_text("import os\nfrom kilovla.train import distributed\n\n\ndef lose_rank_one(world):\n"
+                      "    if world.rank == 1:\n        os.abort()\n    distributed.barrier(world, 'the end')\n\n\n"
+                      "lose_rank_one(distributed.init(timeout_s=30))\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-3000:]
+    assert 'abort_rank1.py", line 7 in lose_rank_one' in proc.stderr

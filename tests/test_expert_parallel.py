@@ -55,8 +55,15 @@ def test_expert_parallel_ranks_give_the_one_process_gradients(dataset, reference
 MOE_LOSSES = [*MOE[:2], "--policy.moe.aux_loss_coef=0.1", "--policy.moe.z_loss_coef=0.01", *PACKED]
 
 
-@pytest.mark.parametrize("family,mesh", [("pi05-tiny", "--parallel.tp=2"), ("pi05-tiny", "--parallel.pp=2"),
-                                         ("groot-tiny", "--parallel.pp=2")])
+# The pp runs go to make test's timed phase, as test_mesh's do: a 2-stage gloo run on 2 cores shared with the
+# other pytest worker has aborted in native code (`terminate called without an active exception`) 1 time in
+# CI (stop 53) and in 0 of 124 runs here, 3 or 4 at once; ranks now print their Python stacks when they do.
+PIPELINE = pytest.mark.slow
+
+
+@pytest.mark.parametrize("family,mesh", [("pi05-tiny", "--parallel.tp=2"),
+                                         pytest.param("pi05-tiny", "--parallel.pp=2", marks=PIPELINE),
+                                         pytest.param("groot-tiny", "--parallel.pp=2", marks=PIPELINE)])
 def test_moe_on_tensor_and_pipeline_parallel_ranks_gives_the_one_process_gradients(dataset, references, tmp_path,
                                                                                   family, mesh):
     """One replica over 2 ranks, so its rows are the one process's and the routing losses (means over a

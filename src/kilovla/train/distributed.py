@@ -24,6 +24,7 @@ rank and what it was doing (`CollectiveTimeout`), never a silent hang.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import math
 import os
@@ -130,6 +131,10 @@ def init(timeout_s: float = 1800.0, tp: int = 1, pp: int = 1, ep: int = 1) -> Wo
         torch.cuda.set_device(device)
     control = None
     if size > 1:
+        # A rank that dies in native code (SIGABRT from a C++ `terminate`, SIGSEGV) prints every thread's Python
+        # stack to stderr first, which torchrun passes on: where in the step, or in the teardown, it died.
+        if not faulthandler.is_enabled():
+            faulthandler.enable(all_threads=True)
         timeout = timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)

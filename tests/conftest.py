@@ -68,6 +68,39 @@ def lerobot_expected() -> dict:
     return {k: z[k] for k in z.files}
 
 
+# Qwen3-VL's chat template for user turns, system turns and text answers, written here in its shape (Isaac-GR00T
+# reads the backbone's own from the checkpoint's processor assets; kilovla renders whichever the tokenizer's folder holds)
+QWEN3VL_TEMPLATE = """{%- if messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}{%- if message.role != 'system' %}<|im_start|>{{ message.role }}
+{% if message.content is string %}{{ message.content }}{% else %}{% for part in message.content %}
+{%- if part.type == 'image' or 'image' in part %}<|vision_start|><|image_pad|><|vision_end|>
+{%- elif 'text' in part %}{{ part.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>
+{% endif %}{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+QWEN3VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+
+
+@pytest.fixture(scope="session")
+def qwen3vl_dir(tmp_path_factory):
+    """A tiny byte-level BPE with Qwen3-VL's added tokens and the chat template beside it (GR00T N1.7's prompt)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # the alphabet of these texts only, so the vocabulary fits the byte-sized embedding of the tiny presets
+    tok.train_from_iterator(["pick up the cube\n", "open the drawer\n", "user system assistant\n"] * 10,
+                            trainers.BpeTrainer(vocab_size=120, show_progress=False))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN3VL_SPECIALS])
+    folder = tmp_path_factory.mktemp("qwen3vl")
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(QWEN3VL_TEMPLATE)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
     """4 episodes, 2 AV1 cameras at 64x96, 10 fps."""

@@ -127,6 +127,24 @@ def test_convert_takes_weights_cameras_dims_and_stats_of_the_chosen_tag(tmp_path
     assert json.loads((dst / "policy.json").read_text())["init_from"]["embodiment_tag"] == tag
 
 
+def test_with_the_backbones_tokenizer_the_prompt_is_nvidias_chat_template(tmp_path, qwen3vl_dir):
+    """A real Qwen3-VL tokenizer (its chat template beside it): the converted policy places each camera at its
+    <|image_pad|> run, as NVIDIA's processor does, and the folder carries the template."""
+    from kilovla.models.tokenize import QwenTokenizer, qwen3vl_prompt_ids
+    from kilovla.policy_folder import load_policy_folder
+
+    src, dst = tmp_path / "nvidia", tmp_path / "converted"
+    write_nvidia_folder(src)
+    assert main(["convert-policy", str(src), str(dst), f"--policy.tokenizer={qwen3vl_dir / 'tokenizer.json'}",
+                 "--policy.preset=groot-n17-tiny", "--policy.robot=libero_sim"]) == 0
+    policy = load_policy_folder(dst)
+    tok = QwenTokenizer(qwen3vl_dir / "tokenizer.json")
+    pad = tok.token_id("<|image_pad|>")
+    assert policy.meta.overrides["image_token_id"] == pad and (dst / "tokenizer" / "chat_template.jinja").is_file()
+    ids, placeholders = policy.processor.prompt_ids("Open the drawer.")
+    assert ids == qwen3vl_prompt_ids(tok, "open the drawer", 2, 4, pad) and placeholders == 8
+
+
 def test_the_only_tag_needs_no_robot_flag_and_the_assets_may_lie_in_processor(tmp_path):
     from kilovla.policy_folder import load_policy_folder
 
@@ -158,6 +176,7 @@ def test_the_only_tag_needs_no_robot_flag_and_the_assets_may_lie_in_processor(tm
     ("mixed modes", "keys normalised differently (state.eef_pos: mean_std, state.gripper: quantile"),
     ("per-step stats", "libero_sim.action.grip.q01 must be a list of numbers (per-step statistics"),
     ("unsupported model", "{src}/config.json: use_alternate_vl_dit=False is not supported"),
+    ("task as given", "formalize_language is False: kilovla's N1.7 prompt formalises the task"),
     ("built-in projector index", "{src}/embodiment_id.json: libero_sim's projector index 2 is not below "
                                  "config.json's max_num_embodiments 2"),
 ])
@@ -180,6 +199,8 @@ def test_what_cannot_be_converted_is_refused_in_one_line_writing_nothing(tmp_pat
         stats["libero_sim"]["action"]["grip"]["q01"] = [[0.0]] * 6
     elif case == "built-in projector index":  # no embodiment_id.json: Isaac-GR00T's table gives libero_sim 2
         (src / "embodiment_id.json").unlink()
+    elif case == "task as given":
+        processor["processor_kwargs"]["formalize_language"] = False
     elif case == "unsupported model":
         (src / "config.json").write_text(json.dumps({**CONFIG, "use_alternate_vl_dit": False}))
     (src / "processor_config.json").write_text(json.dumps(processor))

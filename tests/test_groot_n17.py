@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_training_reduces_loss
+from conftest import QWEN3VL_TEMPLATE, assert_training_reduces_loss
 
 from kilovla.cli import main
 from kilovla.data.synthetic import make_synthetic_dataset
@@ -209,6 +209,26 @@ def test_the_cli_trains_the_tiny_preset_packed_and_records_the_family(tmp_path):
     assert json.loads(policy.read_text())["family"] == "groot-n17"
 
 
+def test_a_run_with_the_chat_template_trains_packed_and_its_folder_carries_the_template(qwen3vl_dir, tmp_path):
+    from kilovla.policy_folder import load_policy_folder, save_policy
+    from kilovla.models.tokenize import QwenTokenizer
+
+    pad = QwenTokenizer(qwen3vl_dir / "tokenizer.json").token_id("<|image_pad|>")
+    data = make_synthetic_dataset(tmp_path / "ds", episodes=3, frames=(12, 16), resolution=(32, 32), seed=4)
+    run = tmp_path / "run"
+    assert main(["train", f"--run_dir={run}", "--steps=2", f"--dataset.roots=[{data}]", "--batch.global_batch_size=4",
+                 "--batch.token_budget=200", "--checkpoint.every=2", "--policy.preset=groot-n17-tiny",
+                 "--policy.overrides.packing=true", "--progress=false", "--optim.warmup_steps=1",
+                 f"--policy.tokenizer={qwen3vl_dir / 'tokenizer.json'}", f"--policy.overrides.image_token_id={pad}"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and min(r["samples"] / r["rows_per_rank"] for r in rows) > 1
+    policy = load_policy_folder(run / "checkpoints" / "step_000002")
+    ids, _ = policy.processor.prompt_ids("open the drawer")
+    save_policy(policy, tmp_path / "copy")  # the template goes with the tokenizer
+    assert (tmp_path / "copy" / "tokenizer" / "chat_template.jinja").read_text() == QWEN3VL_TEMPLATE
+    assert load_policy_folder(tmp_path / "copy").processor.prompt_ids("open the drawer")[0] == ids
+
+
 def test_every_trainable_parameter_gets_a_gradient():
     # DDP (no find_unused_parameters) needs it; the LLM's final norm is frozen: the feature is taken before it
     model = _model().train()
@@ -269,15 +289,69 @@ def test_a_trained_folder_quantizes_evaluates_and_serves(packed_run, tmp_path):
         np.testing.assert_allclose(got, alone, atol=1e-5)
 
 
-def test_a_chat_template_prompt_is_refused_by_the_processor_in_one_line():
-    # the model places images at placeholder runs (the chat-template tests above); the processor builds only
-    # N1.5's Eagle prompt, which would be the wrong template here
+def test_the_n17_prompt_is_qwen3_vl_processors(qwen3vl_dir):
+    """transformers' Qwen3VLProcessor on the same tokenizer and template (as Isaac-GR00T's N1.7 processor calls
+    it: apply_chat_template without the generation prompt, then the processor on the text and the images): the
+    same ids, each image's <|image_pad|> grown to its merged patches; the task formalised as NVIDIA does."""
+    import numpy as np
+    from PIL import Image
+    from transformers import PreTrainedTokenizerFast, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from kilovla.models.tokenize import QwenTokenizer, qwen3vl_prompt_ids
+
+    class ImagesOnly(Qwen3VLProcessor):  # its class check of the video processor imports torchvision, which kilovla
+        def check_argument_for_proper_class(self, name, argument):  # does not install; no video is processed here
+            return None if name == "video_processor" else super().check_argument_for_proper_class(name, argument)
+
+    reference = ImagesOnly(
+        image_processor=Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                                 min_pixels=32 * 32, max_pixels=32 * 32),
+        tokenizer=PreTrainedTokenizerFast(tokenizer_file=str(qwen3vl_dir / "tokenizer.json")),
+        video_processor=None, chat_template=QWEN3VL_TEMPLATE)
+    tok = QwenTokenizer(qwen3vl_dir / "tokenizer.json")
+    pad = tok.token_id("<|image_pad|>")
+    images = [Image.fromarray(np.full((32, 32, 3), v, np.uint8)) for v in (10, 200)]
+    for n in (1, 2):
+        conversation = [{"role": "user", "content": [*({"type": "image", "image": im} for im in images[:n]),
+                                                     {"type": "text", "text": "pick up the cube"}]}]
+        text = reference.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+        expected = reference(text=[text], images=images[:n], return_tensors="np")["input_ids"][0].tolist()
+        ids = qwen3vl_prompt_ids(tok, "Pick up the Cube!", n, 4, pad)  # 32 px, 8-px patches, 2x2 merge: 4 tokens
+        assert ids == expected
+        assert ids.count(pad) == 4 * n and tok.decode(ids).startswith("<|im_start|>user\n<|vision_start|>")
+
+
+def _n17_processor(tokenizer, cameras=2):
     from kilovla.models.processor import PolicyMeta, Processor
 
-    cfg = preset("groot-n17-tiny", image_token_id=IMAGE, llm={"vocab_size": 300})
-    stats = {k: {"q01": [-1.0] * 4, "q99": [1.0] * 4} for k in ("observation.state", "action")}
-    with pytest.raises(KilovlaError, match="GR00T N1.7's chat template is not built yet"):
-        Processor(cfg, PolicyMeta(preset="groot-n17-tiny", state_dim=4, action_dim=4, stats=stats))
+    tok_id = __import__("kilovla.models.tokenize", fromlist=["QwenTokenizer"]).QwenTokenizer(tokenizer)
+    cfg = preset("groot-n17-tiny", image_token_id=tok_id.token_id("<|image_pad|>"))
+    stats = {k: {"min": [-1.0] * 4, "max": [1.0] * 4} for k in ("observation.state", "action")}
+    camera_map = {f"observation.images.{c}": c for c in cfg.cameras[:cameras]}
+    return Processor(cfg, PolicyMeta(preset="groot-n17-tiny", state_dim=4, action_dim=4, stats=stats,
+                                     camera_map=camera_map, tokenizer=str(tokenizer), normalization="min_max"))
+
+
+def test_the_processor_places_each_camera_at_its_placeholder_run(qwen3vl_dir):
+    processor = _n17_processor(qwen3vl_dir / "tokenizer.json")
+    ids, placeholders = processor.prompt_ids("open the drawer")
+    pad, per = processor.image_token_id, processor.cfg.vision.tokens
+    assert placeholders == 2 * per and ids.count(pad) == 2 * per
+    runs = "".join("I" if i == pad else "t" for i in ids)
+    assert runs.count("t" + "I" * per + "t") == 2  # one run per camera, each between vision start and end
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_in_one_line(qwen3vl_dir, tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes((qwen3vl_dir / "tokenizer.json").read_bytes())
+    with pytest.raises(KilovlaError, match=r"no chat template beside the tokenizer .* looked for chat_template.jinja"):
+        _n17_processor(tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content[0].text }}")  # writes no image
+    with pytest.raises(KilovlaError, match=r"chat_template.jinja: the chat template writes 0 <\|image_pad\|> for 2"):
+        _n17_processor(tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")  # not closed
+    with pytest.raises(KilovlaError, match=r"the chat template does not render"):
+        _n17_processor(tmp_path / "tokenizer.json")
 
 
 @pytest.mark.parametrize("prefix", ["", "_groot_model."], ids=["isaac-gr00t", "lerobot"])

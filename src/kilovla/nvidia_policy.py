@@ -195,6 +195,9 @@ def _check_representable(kwargs: dict, state: dict, action: dict, where: str) ->
     if kwargs.get("use_relative_action") and relative:
         raise KilovlaError(f"{where}.action: relative actions {relative} (use_relative_action): kilovla's actions "
                            "are absolute, not relative to the state")
+    if kwargs.get("formalize_language", True) is not True:
+        raise KilovlaError(f"{where}: formalize_language is {kwargs['formalize_language']!r}: kilovla's N1.7 prompt "
+                           "formalises the task (lower case, no punctuation), as NVIDIA's default does")
 
 
 def _mode(kwargs: dict, state: dict, action: dict, where: str) -> str:
@@ -247,7 +250,7 @@ def convert_groot_n17_policy(source: str | Path, output: str | Path, tokenizer: 
                              preset_name: str | None = None, robot: str | None = None) -> Path:
     """`source` (an Isaac-GR00T N1.7 folder) as the kilovla policy folder `output` (which must not exist)."""
     from kilovla.models.presets import preset
-    from kilovla.models.tokenize import find_tokenizer
+    from kilovla.models.tokenize import QWEN3VL_IMAGE_TOKEN, QwenTokenizer, find_tokenizer
 
     source, output = check_conversion(source, output, "an Isaac-GR00T N1.7 checkpoint folder")
     name, overrides = read_model(source, preset_name)
@@ -262,6 +265,8 @@ def convert_groot_n17_policy(source: str | Path, output: str | Path, tokenizer: 
         raise KilovlaError(f"{body.folder / PROCESSOR}: {body.tag}'s action horizon {body.horizon} exceeds "
                            f"config.json's action_horizon {cfg.action_horizon}")
     tok = find_tokenizer("qwen3", tokenizer, [source], name, near_flag=f"the Isaac-GR00T folder {source}")
+    if tok != "byte":  # NVIDIA's prompt: the backbone's chat template, each camera at its <|image_pad|> run
+        overrides["image_token_id"] = QwenTokenizer(tok).token_id(QWEN3VL_IMAGE_TOKEN)
     meta = PolicyMeta(preset=name, overrides=overrides, camera_map={IMAGES + c: c for c in body.cameras},
                       state_keys=[STATE], state_dim=len(next(iter(body.state_stats.values()))),
                       action_dim=len(next(iter(body.action_stats.values()))),

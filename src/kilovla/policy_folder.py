@@ -412,6 +412,10 @@ def save_policy(policy, folder: str | Path, *, state: dict | None = None, metada
                 shutil.copytree(tokenizer, dst, dirs_exist_ok=True)
             else:
                 shutil.copy2(tokenizer, dst)
+                # the chat template beside a tokenizer.json goes beside the copy (GR00T N1.7 places its images by it)
+                template = getattr(policy.processor.tokenizer, "chat_template_file", None)
+                if template is not None:
+                    shutil.copy2(template, dst.parent / template.name)
         meta = dataclasses.replace(meta, tokenizer=f"tokenizer/{tokenizer.name}")
     write_policy_json(folder, meta, quantization)
     return folder

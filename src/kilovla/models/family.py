@@ -176,6 +176,10 @@ class Family:
     # how a tokenizer file is read (models/tokenize.py load_tokenizer), and so which prompt the processor builds:
     # "smolvlm2" (SmolVLA's); None: by the file (a .model: PaliGemma's, else Qwen3's)
     tokenizer_kind: str | None = None
+    # the chat template that places the images in the prompt when the config sets image_token_id (models/tokenize.py
+    # IMAGE_PROMPTS): "eagle" (GR00T N1.5's, built in), "qwen3-vl" (N1.7's, read beside the tokenizer); None: none,
+    # the images go before the prompt
+    image_prompt: str | None = None
     moe: Callable[[object], object] | None = None  # config -> its MoEConfig; None: no MoE option
 
     def build(self, config) -> nn.Module:

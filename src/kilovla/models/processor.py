@@ -9,9 +9,9 @@ inference (`observation_batch(obs)` from env observations), so both see identica
 - state: the `state_keys` features concatenated, normalised with the dataset stats (q01/q99 ->
   [-1, 1] for pi0.5, mean/std for pi0, min/max -> [-1, 1] for GR00T), zero-padded to max_state_dim;
 - language: the family's prompt (`models/tokenize.py`): openpi's pi0 / pi0.5 format (the discretised
-  state in the text when `state_in_prompt`), GR00T's Eagle chat template with image placeholders, or
-  LeRobot SmolVLA's (task + "\\n") with SmolVLM2's tokenizer, tokenised with the policy's tokenizer
-  ("byte", or a path to a real one);
+  state in the text when `state_in_prompt`), a chat template with image placeholders (GR00T N1.5's
+  Eagle one; N1.7's Qwen3-VL one, read beside the tokenizer), or LeRobot SmolVLA's (task + "\\n") with
+  SmolVLM2's tokenizer, tokenised with the policy's tokenizer ("byte", or a path to a real one);
 - actions (training): normalised, zero-padded to max_action_dim, `action_dim_mask` marks real dims.
 """
 
@@ -27,8 +27,8 @@ from kilovla.errors import KilovlaError
 from kilovla.models.batch import PaddedBatch
 from kilovla.models.family import chunk_length, family_of, vocab_size
 from kilovla.models.images import RESIZE_MODES, ImageAugmentation, resize_images
-from kilovla.models.tokenize import (EAGLE_IMAGE_TOKEN, PAD, eagle_prompt_ids, load_tokenizer, openpi_prompt_ids,
-                                     pad_prompts, smolvla_prompt_ids, truncate)
+from kilovla.models.tokenize import (IMAGE_PROMPTS, PAD, load_tokenizer, openpi_prompt_ids, pad_prompts,
+                                     smolvla_prompt_ids, truncate)
 
 
 @dataclass
@@ -127,25 +127,26 @@ class Processor:
         if self.image_token_id is None:
             return
         fam = family_of(cfg)
-        if fam.name != "groot":  # eagle_prompt_ids below is GR00T N1.5's template
-            raise KilovlaError(f"{self.meta.preset}: image_token_id is set, but {fam.title}'s chat template is not built "
-                               "yet (only GR00T N1.5's Eagle prompt is); leave image_token_id unset: the images then "
-                               "go before the prompt")
+        if fam.image_prompt is None:
+            raise KilovlaError(f"{self.meta.preset}: image_token_id is set, but {fam.title} places no images by a chat "
+                               "template; leave image_token_id unset: the images then go before the prompt")
+        placeholder = IMAGE_PROMPTS[fam.image_prompt][0]
         if tok.kind != "qwen3":
-            raise KilovlaError(f"{self.meta.preset} builds Eagle chat prompts with <IMG_CONTEXT> placeholders: it needs "
+            raise KilovlaError(f"{self.meta.preset} builds chat prompts with {placeholder} placeholders: it needs "
                                f"a Qwen3 tokenizer (--policy.tokenizer=PATH), not the {tok.kind} tokenizer")
-        if tok.token_id(EAGLE_IMAGE_TOKEN) != self.image_token_id:
-            raise KilovlaError(f"{tok.path}: {EAGLE_IMAGE_TOKEN} is token {tok.token_id(EAGLE_IMAGE_TOKEN)}, the model "
+        if tok.token_id(placeholder) != self.image_token_id:
+            raise KilovlaError(f"{tok.path}: {placeholder} is token {tok.token_id(placeholder)}, the model "
                                f"expects {self.image_token_id} (config image_token_id)")
         if self.meta.state_in_prompt:
             raise KilovlaError("GR00T reads the state through its state encoder; state_in_prompt is pi0.5's")
+        self.prompt_ids("check")  # a chat template that is missing or does not render fails here, not mid-run
 
     def prompt_ids(self, task: str, state: np.ndarray | None = None) -> tuple[list[int], int]:
-        """The prompt's token ids and how many of them are image placeholders (GR00T's Eagle template)."""
+        """The prompt's token ids and how many of them are image placeholders (a GR00T chat template's)."""
         if self.image_token_id is not None:
             n = len(self.meta.camera_map)
-            ids = eagle_prompt_ids(self.tokenizer, task, n, self.cfg.vision.tokens, self.image_token_id)
-            return ids, n * self.cfg.vision.tokens
+            build = IMAGE_PROMPTS[family_of(self.cfg).image_prompt][1]
+            return build(self.tokenizer, task, n, self.cfg.vision.tokens, self.image_token_id), n * self.cfg.vision.tokens
         if self.tokenizer.kind == "smolvlm2":
             return smolvla_prompt_ids(self.tokenizer, task, self.cfg.max_language_tokens), 0
         return openpi_prompt_ids(self.tokenizer, task, state if self.meta.state_in_prompt else None), 0

@@ -26,6 +26,13 @@ Prompt formats, exactly as the families build them:
 
   (one line here; no line breaks in between). The model puts each camera's features where its
   ``<IMG_CONTEXT>`` run is (`GrootConfig.image_token_id`).
+- GR00T N1.7 (Isaac-GR00T's `Gr00tN1d7Processor`, Qwen3-VL's processor): the task formalised (lower case,
+  punctuation removed), then the conversation ``[{"role": "user", "content": [image x cameras, task]}]``
+  rendered by the chat template kept beside the tokenizer (`chat_template`; no generation prompt), each
+  ``<|image_pad|>`` it writes grown to the image's tokens. Qwen3-VL's own template gives::
+
+      <|im_start|>user\n<|vision_start|>{<|image_pad|> x P}<|vision_end|>...{task}<|im_end|>\n
+
 - SmolVLA (LeRobot's processor: `SmolVLANewLineProcessor`, then `TokenizerProcessorStep`): the task as
   given (not cleaned), "\\n" appended unless it ends with one, encoded with the tokenizer's own special
   tokens (its tokenizer.json post-processor, as transformers' ``add_special_tokens=True``: no BOS unless
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from collections.abc import Callable
 from typing import Protocol
@@ -140,6 +148,11 @@ class QwenTokenizer:
         except Exception as e:  # tokenizers reports a malformed file as a plain Exception
             raise KilovlaError(f"{path}: not {self.title} tokenizer: {e}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.folder = path if path.is_dir() else path.parent  # where its chat template would be
+
+    @property
+    def chat_template_file(self) -> Path | None:
+        return find_chat_template(self.folder)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -316,6 +329,102 @@ def eagle_prompt_ids(tokenizer, task: str, n_images: int, tokens_per_image: int,
         ids += tokenizer.encode(head + f"<image {k}><img>", bos=False) + [image_token_id] * tokens_per_image
         head = "</img>"
     return ids + tokenizer.encode((head if n_images else EAGLE_SYSTEM) + task + EAGLE_END, bos=False)
+
+
+# Where transformers keeps a chat template beside a tokenizer, in the order it reads them.
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+
+
+def find_chat_template(folder: Path) -> Path | None:
+    """The file of `folder` that holds a chat template (`CHAT_TEMPLATE_FILES`), or None (a JSON file that
+    does not parse holds none)."""
+    for name in CHAT_TEMPLATE_FILES:
+        path = folder / name
+        if path.is_file() and name.endswith(".jinja"):
+            return path
+        if path.is_file():
+            try:
+                if "chat_template" in _json_file(path):
+                    return path
+            except KilovlaError:
+                continue
+    return None
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KilovlaError(f"{path}: not a JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise KilovlaError(f"{path}: not a JSON object")
+    return data
+
+
+def read_chat_template(path: Path) -> str:
+    """The template text of a `find_chat_template` file (a .jinja file, or a JSON file's "chat_template")."""
+    if path.suffix == ".jinja":
+        return path.read_text(encoding="utf-8")
+    template = _json_file(path)["chat_template"]
+    if isinstance(template, list):  # transformers' named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str):
+        raise KilovlaError(f"{path}: its chat_template is not a template string")
+    return template
+
+
+def render_chat_template(template: str, messages: list[dict], source: Path) -> str:
+    """`messages` through a Jinja chat template as transformers renders it (a sandbox, trimmed blocks, loop
+    controls, `raise_exception`), without the generation prompt."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise KilovlaError(f"{source}: the chat template refused the prompt: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=False)
+    except jinja2.TemplateError as e:
+        raise KilovlaError(f"{source}: the chat template does not render: {e}") from None
+
+
+QWEN3VL_IMAGE_TOKEN = "<|image_pad|>"
+
+
+def formalize_language(task: str) -> str:
+    """Isaac-GR00T's `formalize_language` (on by default for N1.7): lower case, punctuation removed."""
+    return re.sub(r"[^\w\s]", "", task.lower())
+
+
+def qwen3vl_prompt_ids(tokenizer: QwenTokenizer, task: str, n_images: int, tokens_per_image: int,
+                       image_token_id: int) -> list[int]:
+    """GR00T N1.7's prompt (module docstring): the tokenizer's chat template on one user turn of `n_images`
+    images and the formalised task, each image's ``<|image_pad|>`` grown to `tokens_per_image` placeholders
+    (as Qwen3-VL's processor does for an image of that many merged patches)."""
+    source = tokenizer.chat_template_file
+    if source is None:
+        raise KilovlaError(f"{tokenizer.path}: no chat template beside the tokenizer (GR00T N1.7 places its images "
+                           f"by it); looked for {', '.join(CHAT_TEMPLATE_FILES)} in {tokenizer.folder}")
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": formalize_language(task)}]
+    text = render_chat_template(read_chat_template(source), [{"role": "user", "content": content}], source)
+    pieces = text.split(QWEN3VL_IMAGE_TOKEN)
+    if len(pieces) != n_images + 1:
+        raise KilovlaError(f"{source}: the chat template writes {len(pieces) - 1} {QWEN3VL_IMAGE_TOKEN} for "
+                           f"{n_images} image(s)")
+    ids = []
+    for k, piece in enumerate(pieces):  # the pieces meet at a special token: their ids are the whole text's
+        ids += tokenizer.encode(piece, bos=False) + ([image_token_id] * tokens_per_image if k < n_images else [])
+    return ids
+
+
+# The chat templates that place a family's images in its prompt (`Family.image_prompt`): the placeholder each
+# image's run is made of, and the prompt builder (tokenizer, task, images, tokens per image, placeholder id).
+IMAGE_PROMPTS = {"eagle": (EAGLE_IMAGE_TOKEN, eagle_prompt_ids), "qwen3-vl": (QWEN3VL_IMAGE_TOKEN, qwen3vl_prompt_ids)}
 
 
 def smolvla_prompt_ids(tokenizer: SmolVLM2Tokenizer, task: str, max_length: int) -> list[int]:

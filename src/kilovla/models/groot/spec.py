@@ -58,5 +58,5 @@ FAMILY = Family(
                 unused=re.compile(r"backbone\.eagle_model\.vision_model\.vision_model\.head\."),
                 rename=lambda key, name: key, own_prefixes=("backbone.eagle_model.", "action_head."),
                 layouts=("groot", "lerobot-groot"), native_layout="groot"),
-    moe=lambda cfg: cfg.moe,
+    moe=lambda cfg: cfg.moe, image_prompt="eagle",
 )

@@ -48,5 +48,5 @@ FAMILY = Family(
     # checkpoint's processor assets (embodiment tags, modality config) are read by kilovla/nvidia_policy.py.
     keys=KeyMap(embed="backbone.model.model.language_model.embed_tokens.weight", tied="backbone.model.lm_head.weight",
                 rename=lambda key, name: key, own_prefixes=("backbone.model.",)),
-    moe=lambda cfg: cfg.moe,
+    moe=lambda cfg: cfg.moe, image_prompt="qwen3-vl",
 )

@@ -65,6 +65,21 @@ def test_scripted_expert_solves_every_default_task(task):
     assert all(e.steps < 500 for e in episodes)
 
 
+@pytest.mark.parametrize("task", ["reach-v3", "reach-wall-v3"])
+def test_the_reach_experts_bring_the_tcp_onto_the_goal(task):
+    """Success is measured at the TCP, 4.5 cm below the hand the state reports: Meta-World's own reach
+    experts settle 4.6 cm from the goal (inside the 5 cm radius by 4 mm); ours end within 1.5 cm."""
+    from kilovla.envs.metaworld import MetaWorldEnv, scripted_expert
+
+    env, expert = MetaWorldEnv(task, render=False, terminate_on_success=False), scripted_expert(task)
+    for seed in range(3):
+        obs, _ = env.reset(seed=seed)
+        for _ in range(100):
+            obs, *_ = env.step(expert.get_action(obs["observation.environment_state"]))
+        assert np.linalg.norm(env._env.tcp_center - env._env._target_pos) < 0.015, seed
+    env.close()
+
+
 def test_success_hold_runs_an_episode_on_past_its_first_success():
     """Collection's success_hold: the same seed's episode ends at its first success with 0, and that many steps
     later with 4 (the expert still acting, its success counted)."""

@@ -225,15 +225,16 @@ def test_demo_takes_dotted_overrides_of_its_recipe(capsys):
                    "--seed=3", "--output_dir=d"])
     recipe = cfg.recipe()
     assert (recipe.preset, recipe.train_steps, cfg.output_dir) == ("pi0-tiny", QUICK.train_steps, "d")
-    assert recipe.model == {"expert": {"width": 128, "mlp_dim": 256}}  # merged into the recipe's, not replacing it
+    moe = {"num_experts": 4, "top_k": 2, "expert_dim": 128}  # the demo's MoE action expert
+    assert recipe.model == {"expert": {"width": 128, "mlp_dim": 256}, "moe": moe}  # merged into the recipe's
     assert (recipe.collect_seed, recipe.train_seed, recipe.eval_seed) == (3, 3, 4)
     # the wide expert is pi0-tiny's: another preset's overrides merge into its own model's (none)
     other = _config(["demo", "--quick", "--policy.preset=pi05-tiny", "--policy.overrides.expert.width=128"]).recipe()
     assert (other.preset, other.model) == ("pi05-tiny", {"expert": {"width": 128}})
     assert _config(["demo", "--policy.preset=groot-tiny"]).recipe().preset_model() == {}
-    # train's --policy.moe.* goes into the model overrides, beside the recipe's wide expert
-    moe = _config(["demo", "--quick", "--policy.moe.num_experts=4", "--policy.moe.top_k=2"]).recipe()
-    assert moe.model == {"expert": {"width": 64, "mlp_dim": 256}, "moe": {"num_experts": 4, "top_k": 2}}
+    # train's --policy.moe.* merges into the recipe's MoE settings, beside its wide expert
+    dense = _config(["demo", "--quick", "--policy.moe.num_experts=0"]).recipe()
+    assert dense.model == {"expert": {"width": 64, "mlp_dim": 256}, "moe": {**moe, "num_experts": 0}}
     assert _config(["demo"]).recipe() == FULL and _config(["demo", "--quick", "--out", "x"]).recipe() == QUICK
     assert main(["demo", "--policy.overides.x=1"]) == 2
     assert "unknown config key 'policy.overides.x' (did you mean 'policy.overrides'?)" in capsys.readouterr().err
@@ -289,9 +290,9 @@ def test_the_demo_writes_pi0_tinys_model_settings_as_before():
     assert model_overrides(FULL) == {
         "chunk_size": 10, "max_state_dim": 48, "packing": True, "language_padding": "longest",
         "disabled_cameras": ["right_wrist_0_rgb"], "expert": {"width": 64, "mlp_dim": 256},
-        "vision": {"image_size": 32}}
+        "moe": {"num_experts": 4, "top_k": 2, "expert_dim": 128}, "vision": {"image_size": 32}}
     assert list(model_overrides(FULL)) == ["chunk_size", "max_state_dim", "packing", "language_padding",
-                                           "disabled_cameras", "expert", "vision"]
+                                           "disabled_cameras", "expert", "moe", "vision"]
 
 
 def test_a_demo_whose_collection_is_refused_leaves_no_folder_and_no_staging_behind(tmp_path, monkeypatch):

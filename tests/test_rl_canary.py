@@ -51,7 +51,9 @@ def weak_start(tmp_path_factory):
     from kilovla.demo import FULL, build_demo_cache, collect_demonstrations, train_policy
 
     root = tmp_path_factory.mktemp("canary")
-    recipe = FULL.replace(tasks=("reach-v3",), episodes_per_task=20, train_steps=500, ema_decay=None)
+    # the dense action expert the canary was calibrated on (the demo's is MoE since stop 54)
+    recipe = FULL.replace(tasks=("reach-v3",), episodes_per_task=20, train_steps=500, ema_decay=None,
+                          model={"expert": {"width": 64, "mlp_dim": 256}})
     collect_demonstrations(recipe, root / "data")
     build_demo_cache(root / "data")
     good = train_policy(recipe, root / "data", root / "run", progress=False)["checkpoint"]

@@ -352,6 +352,33 @@ def test_a_tokenizer_without_a_chat_template_is_refused_in_one_line(qwen3vl_dir,
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")  # not closed
     with pytest.raises(KilovlaError, match=r"the chat template does not render"):
         _n17_processor(tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(KilovlaError, match=r"chat_template.jinja: not a readable UTF-8 template"):
+        _n17_processor(tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "chat_template.json").write_text('{"chat_template": "unclosed')  # named, not skipped for another
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3VL_TEMPLATE}))
+    with pytest.raises(KilovlaError, match=r"chat_template.json: not a JSON file"):
+        _n17_processor(tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": ""}]}))
+    with pytest.raises(KilovlaError, match=r"named chat templates \['tool_use'\] but no \"default\" one"):
+        _n17_processor(tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.json").unlink()  # tokenizer_config.json's template is read then
+    assert _n17_processor(tmp_path / "tokenizer.json").chat_template_file == tmp_path / "tokenizer_config.json"
+
+
+def test_a_template_tokenizer_without_image_token_id_is_warned_about(qwen3vl_dir, caplog, monkeypatch):
+    import kilovla.models.processor as processor_module
+    from kilovla.models.processor import PolicyMeta, Processor
+
+    monkeypatch.setattr(processor_module, "_warned_unplaced", False)
+    stats = {k: {"min": [-1.0] * 4, "max": [1.0] * 4} for k in ("observation.state", "action")}
+    meta = PolicyMeta(preset="groot-n17-tiny", state_dim=4, action_dim=4, stats=stats, normalization="min_max",
+                      tokenizer=str(qwen3vl_dir / "tokenizer.json"))
+    with caplog.at_level("WARNING"):
+        processor = Processor(preset("groot-n17-tiny"), meta)
+    assert processor.prompt_ids("open the drawer")[1] == 0  # the images go before the prompt
+    assert "image_token_id is unset" in caplog.text and "--policy.overrides.image_token_id=" in caplog.text
 
 
 @pytest.mark.parametrize("prefix", ["", "_groot_model."], ids=["isaac-gr00t", "lerobot"])

@@ -412,8 +412,8 @@ def save_policy(policy, folder: str | Path, *, state: dict | None = None, metada
                 shutil.copytree(tokenizer, dst, dirs_exist_ok=True)
             else:
                 shutil.copy2(tokenizer, dst)
-                # the chat template beside a tokenizer.json goes beside the copy (GR00T N1.7 places its images by it)
-                template = getattr(policy.processor.tokenizer, "chat_template_file", None)
+                # the chat template the prompt is built by goes beside the copy (GR00T N1.7 places its images by it)
+                template = policy.processor.chat_template_file
                 if template is not None:
                     shutil.copy2(template, dst.parent / template.name)
         meta = dataclasses.replace(meta, tokenizer=f"tokenizer/{tokenizer.name}")

@@ -17,6 +17,7 @@ inference (`observation_batch(obs)` from env observations), so both see identica
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +28,11 @@ from kilovla.errors import KilovlaError
 from kilovla.models.batch import PaddedBatch
 from kilovla.models.family import chunk_length, family_of, vocab_size
 from kilovla.models.images import RESIZE_MODES, ImageAugmentation, resize_images
-from kilovla.models.tokenize import (IMAGE_PROMPTS, PAD, load_tokenizer, openpi_prompt_ids, pad_prompts,
-                                     smolvla_prompt_ids, truncate)
+from kilovla.models.tokenize import (IMAGE_PROMPTS, PAD, QWEN3VL_IMAGE_TOKEN, load_tokenizer, openpi_prompt_ids,
+                                     pad_prompts, smolvla_prompt_ids, truncate)
+
+log = logging.getLogger(__name__)
+_warned_unplaced = False  # `Processor._warn_unplaced_images` speaks once per process
 
 
 @dataclass
@@ -112,6 +116,7 @@ class Processor:
         if meta.image_resize not in RESIZE_MODES:
             raise KilovlaError(f"image_resize must be one of {RESIZE_MODES}, not {meta.image_resize!r}")
         self.image_token_id = family_of(model_config).image_token_id(model_config)
+        self.chat_template_file: Path | None = None  # the template file the prompt is built by, where one is
         self._check_tokenizer()
 
     def _check_tokenizer(self) -> None:
@@ -124,9 +129,10 @@ class Processor:
         if wanted is not None and tok.kind not in ("byte", wanted):
             raise KilovlaError(f"{self.meta.preset} reads a {wanted} tokenizer (a tokenizer.json), not the {tok.kind} "
                                f"tokenizer {tok.path}")
-        if self.image_token_id is None:
-            return
         fam = family_of(cfg)
+        if self.image_token_id is None:
+            self._warn_unplaced_images(fam)
+            return
         if fam.image_prompt is None:
             raise KilovlaError(f"{self.meta.preset}: image_token_id is set, but {fam.title} places no images by a chat "
                                "template; leave image_token_id unset: the images then go before the prompt")
@@ -140,6 +146,26 @@ class Processor:
         if self.meta.state_in_prompt:
             raise KilovlaError("GR00T reads the state through its state encoder; state_in_prompt is pi0.5's")
         self.prompt_ids("check")  # a chat template that is missing or does not render fails here, not mid-run
+        if fam.image_prompt == "qwen3-vl":  # the prompt reads it: a policy folder copies it beside the tokenizer
+            self.chat_template_file = tok.chat_template_file
+
+    def _warn_unplaced_images(self, fam) -> None:
+        """A tokenizer that can build the family's chat prompt while image_token_id is unset: the images go
+        before the prompt instead, which is not the published model's input. Said once per process."""
+        global _warned_unplaced
+        tok = self.tokenizer
+        if _warned_unplaced or fam.image_prompt != "qwen3-vl" or tok.kind != "qwen3":
+            return
+        try:
+            template = tok.chat_template_file
+        except KilovlaError:  # a tokenizer_config.json that does not parse: no prompt would be built from it
+            return
+        if tok.has_token(QWEN3VL_IMAGE_TOKEN) and template is not None:
+            _warned_unplaced = True
+            log.warning("%s: the tokenizer %s has %s and a chat template, but image_token_id is unset: the images go "
+                        "before the prompt, not at the template's placeholders as NVIDIA's processor puts them; set "
+                        "--policy.overrides.image_token_id=%d for NVIDIA's prompt", self.meta.preset, tok.path,
+                        QWEN3VL_IMAGE_TOKEN, tok.token_id(QWEN3VL_IMAGE_TOKEN))
 
     def prompt_ids(self, task: str, state: np.ndarray | None = None) -> tuple[list[int], int]:
         """The prompt's token ids and how many of them are image placeholders (a GR00T chat template's)."""

@@ -154,6 +154,9 @@ class QwenTokenizer:
     def chat_template_file(self) -> Path | None:
         return find_chat_template(self.folder)
 
+    def has_token(self, token: str) -> bool:
+        return self._tok.token_to_id(token) is not None
+
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -163,7 +166,7 @@ class QwenTokenizer:
     def token_id(self, token: str) -> int:
         i = self._tok.token_to_id(token)
         if i is None:
-            raise KilovlaError(f"{self.path}: the tokenizer has no {token!r} token (not an Eagle/Qwen3 tokenizer?)")
+            raise KilovlaError(f"{self.path}: the tokenizer has no {token!r} token (another model's tokenizer?)")
         return i
 
 
@@ -336,18 +339,13 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_c
 
 
 def find_chat_template(folder: Path) -> Path | None:
-    """The file of `folder` that holds a chat template (`CHAT_TEMPLATE_FILES`), or None (a JSON file that
-    does not parse holds none)."""
+    """The file of `folder` that holds a chat template (`CHAT_TEMPLATE_FILES`), or None. A chat_template.* file
+    is the template's whatever it holds (`read_chat_template` says what is wrong with it); tokenizer_config.json
+    holds one when it has the key, and one that does not parse is refused naming it."""
     for name in CHAT_TEMPLATE_FILES:
         path = folder / name
-        if path.is_file() and name.endswith(".jinja"):
+        if path.is_file() and (name.startswith("chat_template") or "chat_template" in _json_file(path)):
             return path
-        if path.is_file():
-            try:
-                if "chat_template" in _json_file(path):
-                    return path
-            except KilovlaError:
-                continue
     return None
 
 
@@ -364,11 +362,16 @@ def _json_file(path: Path) -> dict:
 def read_chat_template(path: Path) -> str:
     """The template text of a `find_chat_template` file (a .jinja file, or a JSON file's "chat_template")."""
     if path.suffix == ".jinja":
-        return path.read_text(encoding="utf-8")
-    template = _json_file(path)["chat_template"]
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise KilovlaError(f"{path}: not a readable UTF-8 template ({e})") from None
+    template = _json_file(path).get("chat_template")
     if isinstance(template, list):  # transformers' named templates: [{"name": "default", "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        if "default" not in named:
+            raise KilovlaError(f"{path}: named chat templates {sorted(map(str, named))} but no \"default\" one")
+        template = named["default"]
     if not isinstance(template, str):
         raise KilovlaError(f"{path}: its chat_template is not a template string")
     return template
@@ -389,8 +392,8 @@ def render_chat_template(template: str, messages: list[dict], source: Path) -> s
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=False)
-    except jinja2.TemplateError as e:
-        raise KilovlaError(f"{source}: the chat template does not render: {e}") from None
+    except (jinja2.TemplateError, RecursionError) as e:
+        raise KilovlaError(f"{source}: the chat template does not render: {type(e).__name__}: {e}") from None
 
 
 QWEN3VL_IMAGE_TOKEN = "<|image_pad|>"

@@ -44,7 +44,7 @@ DEMO_PRESET = "pi0-tiny"
 # The demo's model overrides by preset; a preset not named trains its own model. pi0-tiny: the action
 # expert twice the preset's width (its MLP 4x), as its 32-wide expert under-fit (docs/demo_ablation.md,
 # `wide_expert`: 62 % -> 95 % of the expert at the same step count), its MLPs 4 routed experts of 128 with 2
-# per token (the dense MLP's active width): push-v3 85 / 75 / 75 % -> 90 / 85 / 85 % on seeds 0-2, 95.3 % ->
+# per token (the dense MLP's active width): push-v3 75 / 75 / 85 % -> 90 / 85 / 85 % on seeds 0-2, 95.3 % ->
 # 97.3 % pooled (`moe_final` against `final_weights`, stop 54).
 PRESET_MODELS = {DEMO_PRESET: {"expert": {"width": 64, "mlp_dim": 256},
                                "moe": {"num_experts": 4, "top_k": 2, "expert_dim": 128}}}

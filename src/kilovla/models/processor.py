@@ -147,7 +147,7 @@ class Processor:
             raise KilovlaError("GR00T reads the state through its state encoder; state_in_prompt is pi0.5's")
         self.prompt_ids("check")  # a chat template that is missing or does not render fails here, not mid-run
         if fam.image_prompt == "qwen3-vl":  # the prompt reads it: a policy folder copies it beside the tokenizer
-            self.chat_template_file = tok.chat_template_file
+            self.chat_template_file = tok.chat_template.path
 
     def _warn_unplaced_images(self, fam) -> None:
         """A tokenizer that can build the family's chat prompt while image_token_id is unset: the images go
@@ -157,7 +157,7 @@ class Processor:
         if _warned_unplaced or fam.image_prompt != "qwen3-vl" or tok.kind != "qwen3":
             return
         try:
-            template = tok.chat_template_file
+            template = tok.chat_template
         except KilovlaError:  # a tokenizer_config.json that does not parse: no prompt would be built from it
             return
         if tok.has_token(QWEN3VL_IMAGE_TOKEN) and template is not None:

@@ -28,7 +28,7 @@ Prompt formats, exactly as the families build them:
   ``<IMG_CONTEXT>`` run is (`GrootConfig.image_token_id`).
 - GR00T N1.7 (Isaac-GR00T's `Gr00tN1d7Processor`, Qwen3-VL's processor): the task formalised (lower case,
   punctuation removed), then the conversation ``[{"role": "user", "content": [image x cameras, task]}]``
-  rendered by the chat template kept beside the tokenizer (`chat_template`; no generation prompt), each
+  rendered by the chat template kept beside the tokenizer (`ChatTemplate`; no generation prompt), each
   ``<|image_pad|>`` it writes grown to the image's tokens. Qwen3-VL's own template gives::
 
       <|im_start|>user\n<|vision_start|>{<|image_pad|> x P}<|vision_end|>...{task}<|im_end|>\n
@@ -47,9 +47,11 @@ per process that gives the counts.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 from typing import Protocol
@@ -150,9 +152,10 @@ class QwenTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.folder = path if path.is_dir() else path.parent  # where its chat template would be
 
-    @property
-    def chat_template_file(self) -> Path | None:
-        return find_chat_template(self.folder)
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """The chat template beside the tokenizer, read and compiled once (`load_chat_template`); None: none."""
+        return load_chat_template(self.folder)
 
     def has_token(self, token: str) -> bool:
         return self._tok.token_to_id(token) is not None
@@ -377,23 +380,44 @@ def read_chat_template(path: Path) -> str:
     return template
 
 
-def render_chat_template(template: str, messages: list[dict], source: Path) -> str:
-    """`messages` through a Jinja chat template as transformers renders it (a sandbox, trimmed blocks, loop
-    controls, `raise_exception`), without the generation prompt."""
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template compiled as transformers compiles it (a sandbox, trimmed blocks, loop controls,
+    `raise_exception`); `path`: the file it was read from, which its errors name."""
+
+    path: Path
+    compiled: object  # a jinja2 Template
+
+    def render(self, messages: list[dict]) -> str:
+        """`messages` through the template, without the generation prompt."""
+        import jinja2
+
+        try:
+            return self.compiled.render(messages=messages, add_generation_prompt=False)
+        except (jinja2.TemplateError, RecursionError) as e:
+            raise KilovlaError(f"{self.path}: the chat template does not render: {type(e).__name__}: {e}") from None
+
+
+def load_chat_template(folder: Path) -> ChatTemplate | None:
+    """`folder`'s chat template (`find_chat_template`, `read_chat_template`) compiled, or None where it has none."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    path = find_chat_template(folder)
+    if path is None:
+        return None
+
     def raise_exception(message):
-        raise KilovlaError(f"{source}: the chat template refused the prompt: {message}")
+        raise KilovlaError(f"{path}: the chat template refused the prompt: {message}")
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=False)
+        return ChatTemplate(path, env.from_string(read_chat_template(path)))
     except (jinja2.TemplateError, RecursionError) as e:
-        raise KilovlaError(f"{source}: the chat template does not render: {type(e).__name__}: {e}") from None
+        raise KilovlaError(f"{path}: the chat template does not render: {type(e).__name__}: {e}") from None
 
 
 QWEN3VL_IMAGE_TOKEN = "<|image_pad|>"
@@ -409,15 +433,14 @@ def qwen3vl_prompt_ids(tokenizer: QwenTokenizer, task: str, n_images: int, token
     """GR00T N1.7's prompt (module docstring): the tokenizer's chat template on one user turn of `n_images`
     images and the formalised task, each image's ``<|image_pad|>`` grown to `tokens_per_image` placeholders
     (as Qwen3-VL's processor does for an image of that many merged patches)."""
-    source = tokenizer.chat_template_file
-    if source is None:
+    template = tokenizer.chat_template
+    if template is None:
         raise KilovlaError(f"{tokenizer.path}: no chat template beside the tokenizer (GR00T N1.7 places its images "
                            f"by it); looked for {', '.join(CHAT_TEMPLATE_FILES)} in {tokenizer.folder}")
     content = [{"type": "image"}] * n_images + [{"type": "text", "text": formalize_language(task)}]
-    text = render_chat_template(read_chat_template(source), [{"role": "user", "content": content}], source)
-    pieces = text.split(QWEN3VL_IMAGE_TOKEN)
+    pieces = template.render([{"role": "user", "content": content}]).split(QWEN3VL_IMAGE_TOKEN)
     if len(pieces) != n_images + 1:
-        raise KilovlaError(f"{source}: the chat template writes {len(pieces) - 1} {QWEN3VL_IMAGE_TOKEN} for "
+        raise KilovlaError(f"{template.path}: the chat template writes {len(pieces) - 1} {QWEN3VL_IMAGE_TOKEN} for "
                            f"{n_images} image(s)")
     ids = []
     for k, piece in enumerate(pieces):  # the pieces meet at a special token: their ids are the whole text's

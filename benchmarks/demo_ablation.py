@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from kilovla.demo import (DEMO_PRESET, FULL, PRESET_MODELS, DemoRecipe, build_demo_cache, collect_demonstrations,
-                          evaluate_both, train_policy)
+from kilovla.demo import (DEMO_PRESET, DENSE_MODEL, FULL, PRESET_MODELS, DemoRecipe, build_demo_cache,
+                          collect_demonstrations, evaluate_both, train_policy)
 
 # The demo before this ablation: pi0.5 sees images and the prompt only (it has no state projection,
 # and the state stayed out of the prompt), 64 px, the noisy executed actions recorded, no EMA.
@@ -38,9 +38,6 @@ MAIN_BEFORE = dict(preset="pi05-tiny", state_in_prompt=False, resolution=64, col
 
 # The `make demo` recipe before the wide action expert (62 % of the expert at full scale).
 NARROW = dict(model={})
-# The dense wide action expert, the demo's model from the wide_expert row to stop 54 (MoE since); the rows
-# measured on it keep it
-DENSE = {"expert": {"width": 64, "mlp_dim": 256}}
 
 VARIANTS: dict[str, tuple[str, dict]] = {
     "before": ("main's demo recipe: pi0.5, no state input", MAIN_BEFORE),
@@ -59,18 +56,18 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # one field of the earlier `make demo` recipe (the preset's 32-wide action expert, 62 %) changed: does
     # more fitting per minute close the gap? wide_expert did, and is the recipe since
     "narrow_expert": ("the earlier make-demo recipe: the preset's action expert (32, MLP 64)", NARROW),
-    "wide_expert": ("action expert 2x wider (64, MLP 256)", dict(NARROW, model=DENSE)),
+    "wide_expert": ("action expert 2x wider (64, MLP 256)", dict(NARROW, model=DENSE_MODEL)),
     "small_batch": ("half the tokens per step, twice the steps",
                     dict(NARROW, batch_tokens=6000, train_steps=2 * FULL.train_steps)),
     "lr_2e-3": ("learning rate 2e-3", dict(NARROW, lr=2e-3)),
     # issue 46: the EMA (decay 0.995, ~200 steps) trailed the final weights in 5 of 6 runs at 1000 steps
     "final_weights": ("the final weights evaluated, no EMA; the dense action expert",
-                      dict(ema_decay=None, model=DENSE)),
-    "final_1500": ("the final weights, 1500 steps", dict(ema_decay=None, train_steps=1500, model=DENSE)),
+                      dict(ema_decay=None, model=DENSE_MODEL)),
+    "final_1500": ("the final weights, 1500 steps", dict(ema_decay=None, train_steps=1500, model=DENSE_MODEL)),
     # reach-v3's failures stop 5-7 cm from the goal, just outside its 5 cm radius: the demonstrations ended at
     # the first success, at that radius's edge
     "hold_10": ("the final weights; demonstrations run 10 steps past their first success",
-                dict(ema_decay=None, collect_hold=10, model=DENSE)),
+                dict(ema_decay=None, collect_hold=10, model=DENSE_MODEL)),
     # stop 54: with the reach expert aiming its TCP at the goal, push-v3 (grasp misses, a puck lost on the way) is
     # the task left short; MoE at the dense demo's active width gained push 0-10 points at stop 52
     "moe_final": ("the final weights; MoE action expert (4 experts of 128, top 2): the demo's recipe since stop 54",

@@ -325,8 +325,9 @@ def test_the_n17_prompt_is_qwen3_vl_processors(qwen3vl_dir):
 def _n17_processor(tokenizer, cameras=2):
     from kilovla.models.processor import PolicyMeta, Processor
 
-    tok_id = __import__("kilovla.models.tokenize", fromlist=["QwenTokenizer"]).QwenTokenizer(tokenizer)
-    cfg = preset("groot-n17-tiny", image_token_id=tok_id.token_id("<|image_pad|>"))
+    from kilovla.models.tokenize import QwenTokenizer
+
+    cfg = preset("groot-n17-tiny", image_token_id=QwenTokenizer(tokenizer).token_id("<|image_pad|>"))
     stats = {k: {"min": [-1.0] * 4, "max": [1.0] * 4} for k in ("observation.state", "action")}
     camera_map = {f"observation.images.{c}": c for c in cfg.cameras[:cameras]}
     return Processor(cfg, PolicyMeta(preset="groot-n17-tiny", state_dim=4, action_dim=4, stats=stats,

@@ -48,12 +48,11 @@ def miscalibrated(folder: str, out: Path, dim: int = 2, fraction: float = 0.5) -
 
 @pytest.fixture(scope="module")
 def weak_start(tmp_path_factory):
-    from kilovla.demo import FULL, build_demo_cache, collect_demonstrations, train_policy
+    from kilovla.demo import DENSE_MODEL, FULL, build_demo_cache, collect_demonstrations, train_policy
 
     root = tmp_path_factory.mktemp("canary")
     # the dense action expert the canary was calibrated on (the demo's is MoE since stop 54)
-    recipe = FULL.replace(tasks=("reach-v3",), episodes_per_task=20, train_steps=500, ema_decay=None,
-                          model={"expert": {"width": 64, "mlp_dim": 256}})
+    recipe = FULL.replace(tasks=("reach-v3",), episodes_per_task=20, train_steps=500, ema_decay=None, model=DENSE_MODEL)
     collect_demonstrations(recipe, root / "data")
     build_demo_cache(root / "data")
     good = train_policy(recipe, root / "data", root / "run", progress=False)["checkpoint"]

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kilovla.bench.common import DEFAULT_OUT, Row, write_suite
+from kilovla.demo import DENSE_MODEL
 from kilovla.errors import KilovlaError
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ WEAK_TASKS = ("reach-v3", "push-v3")
 # reach expert aims its TCP at the goal (stop 54): 500 steps then scored 75 % (reach 91 %), 250 steps 49.5 %.
 # The model is pinned (the demo's dense pi0-tiny) so that a change of the demo's own model leaves the start as it is.
 START_RECIPE = {"tasks": WEAK_TASKS, "episodes_per_task": 10, "train_steps": 250, "warmup_steps": 50, "ema_decay": None,
-                "model": {"expert": {"width": 64, "mlp_dim": 256}}}
+                "model": DENSE_MODEL}
 # The gain rows' RL recipe (residual SAC): 12 envs in 2 workers at the policy's resolution, Meta-World's
 # 200-step evaluation horizon, 8-chunk segments, a policy version (an actor sync) every 12 segments;
 # off-policy, so rollouts may run ahead of the learner by several versions. Reward: progress shaping

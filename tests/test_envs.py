@@ -142,6 +142,49 @@ def test_a_killed_worker_is_reported_with_its_envs():
             pool.step([np.zeros(4)] * 2)
 
 
+def test_rebuild_plays_the_next_task_in_the_same_workers_as_a_new_pool_would():
+    import os
+    import signal
+
+    def config(task):
+        return EnvConfig("metaworld", {"task": task, "resolution": 16})
+
+    actions = np.random.default_rng(0).uniform(-1, 1, (5, 3, 4)).astype(np.float32)
+
+    def roll(pool):
+        first = pool.reset([7, 8, 9])
+        return [[o[0]["observation.images.scene"] for o in first]] + [
+            [r[0]["observation.images.scene"] for r in pool.step(list(a))] for a in actions]
+
+    with EnvPool([config("drawer-close-v3")] * 3, num_workers=2) as fresh:
+        expected = roll(fresh)
+    with EnvPool([config("reach-v3")] * 2, num_workers=2) as pool:
+        workers = [p.pid for p in pool._procs]
+        roll_reach = pool.reset([1, 2])
+        pool.rebuild([config("drawer-close-v3")] * 3)  # another task, another count of envs
+        assert [p.pid for p in pool._procs] == workers
+        assert pool.num_envs == 3 and pool.configs[0].kwargs["task"] == "drawer-close-v3"
+        np.testing.assert_array_equal(np.array(roll(pool)), np.array(expected))
+        # A crash leaves the workers' replies out of step: the next rebuild starts new ones.
+        os.kill(pool._procs[0].pid, signal.SIGKILL)
+        pool._procs[0].join(10)
+        with pytest.raises(EnvCrashed):
+            pool.step([np.zeros(4)] * 3)
+        pool.rebuild([config("drawer-close-v3")] * 3)
+        assert not set(p.pid for p in pool._procs) & set(workers)
+        np.testing.assert_array_equal(np.array(roll(pool)), np.array(expected))
+    assert roll_reach[0][0]["task"] == "reach the red goal"
+
+
+def test_each_env_worker_renders_with_its_share_of_the_cores(monkeypatch):
+    from kilovla.envs.vector import gl_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert [gl_threads(w) for w in (1, 2, 8, 16, 32)] == [16, 8, 2, 0, 0]  # 0: in the worker's own thread
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert gl_threads(2) == 0
+
+
 def test_bad_env_configs_fail_before_any_step():
     with pytest.raises(KilovlaError, match="cannot build envs"):
         EnvPool([EnvConfig("metaworld", {"task": "reach-v3", "cameras": ("nope",)})], num_workers=1)

@@ -24,7 +24,7 @@ from kilovla.data.writer import DatasetWriter, check_dataset_destination
 from kilovla.envs.base import env_type
 from kilovla.envs.rollout import run_episodes, stack_observations
 from kilovla.envs.seeds import SEED_RULE, collect_seed
-from kilovla.envs.vector import EnvConfig, EnvPool
+from kilovla.envs.vector import EnvConfig, WarmPool
 from kilovla.errors import KilovlaError
 
 
@@ -75,48 +75,48 @@ def collect(out: str | Path, *, env: str = "metaworld", tasks: list[str], episod
         raise KilovlaError(f"success_hold runs Meta-World episodes past their success; {env} has no such option")
     kwargs = {"cameras": tuple(cameras), "resolution": resolution, **({"max_steps": max_steps} if max_steps else {}),
               **({"success_hold": success_hold} if success_hold else {})}
-    try:
-        for t, task in enumerate(tasks):
-            configs = [EnvConfig(env, {"task": task, **kwargs})] * min(batch_size, episodes_per_task)
-            buffers: dict[int, list] = {}
-            kept = dropped = 0
+    with WarmPool(num_workers) as pools:  # one set of env workers for every task
+        try:
+            for t, task in enumerate(tasks):
+                pool = pools.with_envs([EnvConfig(env, {"task": task, **kwargs})] * min(batch_size, episodes_per_task))
+                buffers: dict[int, list] = {}
+                kept = dropped = 0
 
-            def on_step(ep, obs, action, reward, info):
-                frame = {k: v for k, v in obs.items() if k.startswith("observation.")}
-                if clean is not None:
-                    action = clean.select_action(stack_observations([obs], [task]))[0, 0]
-                frame.update(action=np.asarray(action, np.float32), task=obs["task"],
-                             **{"next.success": np.array([bool(info.get("is_success"))])})
-                buffers.setdefault(ep.index, []).append(frame)
+                def on_step(ep, obs, action, reward, info):
+                    frame = {k: v for k, v in obs.items() if k.startswith("observation.")}
+                    if clean is not None:
+                        action = clean.select_action(stack_observations([obs], [task]))[0, 0]
+                    frame.update(action=np.asarray(action, np.float32), task=obs["task"],
+                                 **{"next.success": np.array([bool(info.get("is_success"))])})
+                    buffers.setdefault(ep.index, []).append(frame)
 
-            def on_end(ep, last_obs):
-                nonlocal kept, dropped
-                frames = buffers.pop(ep.index)
-                if ep.success and kept < episodes_per_task:
-                    for frame in frames:
-                        writer.add_frame(frame)
-                    writer.save_episode(seed=ep.seed)  # meta/episodes' `seed`: training records it in policy.json
-                    report.seeds.setdefault(task, []).append(ep.seed)
-                    kept += 1
-                    report.frames += len(frames)
-                else:
-                    dropped += not ep.success
-                if progress is not None:
-                    progress(task, kept, episodes_per_task)
+                def on_end(ep, last_obs):
+                    nonlocal kept, dropped
+                    frames = buffers.pop(ep.index)
+                    if ep.success and kept < episodes_per_task:
+                        for frame in frames:
+                            writer.add_frame(frame)
+                        writer.save_episode(seed=ep.seed)  # meta/episodes' `seed`: training records it in policy.json
+                        report.seeds.setdefault(task, []).append(ep.seed)
+                        kept += 1
+                        report.frames += len(frames)
+                    else:
+                        dropped += not ep.success
+                    if progress is not None:
+                        progress(task, kept, episodes_per_task)
 
-            with EnvPool(configs, num_workers=num_workers) as pool:
                 attempts = 0
                 while kept < episodes_per_task and attempts < 3 * episodes_per_task:
                     n = episodes_per_task - kept
                     seeds = [collect_seed(seed, t, attempts + i) for i in range(n)]
                     attempts += n
                     run_episodes(pool, policy, seeds, on_step=on_step, on_end=on_end)
-            report.kept[task], report.dropped[task] = kept, dropped
-            if kept < episodes_per_task:
-                raise KilovlaError(f"{task}: only {kept} of {episodes_per_task} expert episodes succeeded in "
-                                   f"{attempts} attempts (noise_std={noise_std}); lower the noise")
-        writer.finalize()
-    except BaseException:
-        writer.abort()
-        raise
+                report.kept[task], report.dropped[task] = kept, dropped
+                if kept < episodes_per_task:
+                    raise KilovlaError(f"{task}: only {kept} of {episodes_per_task} expert episodes succeeded in "
+                                       f"{attempts} attempts (noise_std={noise_std}); lower the noise")
+            writer.finalize()
+        except BaseException:
+            writer.abort()
+            raise
     return report

@@ -38,7 +38,7 @@ import numpy as np
 from kilovla.envs.base import env_type
 from kilovla.envs.rollout import run_episodes
 from kilovla.envs.seeds import eval_seeds
-from kilovla.envs.vector import EnvConfig, EnvCrashed, EnvPool
+from kilovla.envs.vector import EnvConfig, EnvCrashed, WarmPool
 from kilovla.errors import KilovlaError
 from kilovla.eval.intervals import wilson_interval
 from kilovla.eval.settings import EvalSettings
@@ -190,12 +190,13 @@ def evaluate(policy, settings: EvalSettings, *, out_dir: str | Path | None = Non
     kwargs = {"cameras": spec.cameras, "resolution": resolution, **({"max_steps": s.max_steps} if s.max_steps else {})}
     per_task: dict[str, dict] = {}
     policy.reset()
-    with policy_threads(s.workers):  # env workers take cores; the policy keeps the rest
+    # env workers take cores, the policy keeps the rest; one set of workers plays every task
+    with policy_threads(s.workers), WarmPool(s.workers) as pools:
         for t, task in enumerate(s.tasks):
             configs = [EnvConfig(s.env, {"task": task, **kwargs})] * min(s.batch_size, s.episodes)
             videos = out / "videos" / task if out and s.videos else None
-            per_task[task] = _evaluate_task(policy, configs, episode_seeds(s.seed, t, s.episodes), s, n_action_steps,
-                                            _VideoRecorder(videos, s.videos, spec.fps),
+            per_task[task] = _evaluate_task(policy, pools, configs, episode_seeds(s.seed, t, s.episodes), s,
+                                            n_action_steps, _VideoRecorder(videos, s.videos, spec.fps),
                                             lambda done, task=task: progress(task, done, s.episodes))
     report = _report(policy, s, per_task, shared, n_action_steps, resolution, spec.cameras)
     if out is not None:
@@ -209,10 +210,10 @@ def evaluate(policy, settings: EvalSettings, *, out_dir: str | Path | None = Non
     return report
 
 
-def _evaluate_task(policy, configs: list[EnvConfig], seeds: list[int], s: EvalSettings, n_action_steps: int | None,
-                   recorder: _VideoRecorder, progress: Callable[[int], None]) -> dict:
+def _evaluate_task(policy, pools: WarmPool, configs: list[EnvConfig], seeds: list[int], s: EvalSettings,
+                   n_action_steps: int | None, recorder: _VideoRecorder, progress: Callable[[int], None]) -> dict:
     """One task's episodes on its seeds -> its row of the report (a crashed env pool: the episodes that
-    finished, the rest counted as failures)."""
+    finished, the rest counted as failures; the next task starts new workers)."""
     episodes = len(seeds)
 
     def on_step(ep, obs, action, reward, info):
@@ -228,9 +229,8 @@ def _evaluate_task(policy, configs: list[EnvConfig], seeds: list[int], s: EvalSe
 
     progress(0)
     try:
-        with EnvPool(configs, num_workers=s.workers) as pool:
-            done = run_episodes(pool, policy, seeds, n_action_steps=n_action_steps, on_step=on_step, on_end=on_end,
-                                frames=lambda ep: recorder.folder is not None and ep.index < s.videos)
+        done = run_episodes(pools.with_envs(configs), policy, seeds, n_action_steps=n_action_steps, on_step=on_step,
+                            on_end=on_end, frames=lambda ep: recorder.folder is not None and ep.index < s.videos)
     except EnvCrashed as e:
         wins = sum(ep.success for ep in finished)
         return {"success_rate": wins / episodes, "success_ci95": wilson_interval(wins, episodes),

@@ -10,7 +10,7 @@ is optional.) The items, each from one `kilovla demo --quick` run's checkpoint:
 - demo.metrics: `kilovla demo --quick`'s per-step training rows (loss, grad norm, lr, token counts);
 - demo.report: its report.json less wall times, rates, paths and the machine;
 - demo.files: sha256 of the recorded dataset's files and of the checkpoint's weights and policy.json;
-- eval: `evaluate` of the demo checkpoint's EMA weights, 2 tasks x 2 episodes (torch seeded first, since
+- eval: `evaluate` of the demo checkpoint (its EMA weights where it has them), 2 tasks x 2 episodes (torch seeded first, since
   a policy draws its flow noise from torch's global generator): every action chunk the policy returned,
   the states it was given, each episode's seed, success, steps and return, and the report's figures;
 - serve.engine: the serve engine's chunks for fixed observations (a seeded request alone, the same in a
@@ -143,7 +143,7 @@ def record_eval(ckpt: Path) -> dict:
     from kilovla.eval import closed_loop
     from kilovla.eval.settings import EvalSettings
 
-    policy = closed_loop.load_policy(str(ckpt), ema=True)
+    policy = closed_loop.load_policy(str(ckpt), ema=(ckpt / "ema.safetensors").is_file())  # the demo writes EMA weights only with ema_decay
     calls: list[tuple[np.ndarray, np.ndarray]] = []
     select = policy.select_action
 

@@ -18,7 +18,7 @@ APT_PACKAGES := libegl1 libegl-mesa0 libgl1 libgles2 libosmesa6 $(if $(strip $(T
 # The official LIBERO source (bddl files, init states; no assets) to check the bundled suites against.
 LIBERO_OFFICIAL := .cache/libero-0.1.1
 
-.PHONY: demo test test-all bench system venv clean
+.PHONY: demo test test-all bench system venv install clean
 
 system:
 	@if [ -z "$(strip $(APT_PACKAGES))" ]; then :; \
@@ -37,13 +37,25 @@ $(BIN)/python:
 # so it goes in --no-deps beside our numpy, with what it imports (dm-tree, pillow, typing_extensions).
 OPENPI_CLIENT := openpi-client==0.1.2
 
+# The pins the last install put in, written when it finished: `venv` installs again only when they, pyproject.toml
+# or this Makefile changed (a satisfied install still takes pip ~6 s, every make demo and make test).
+INSTALLED := $(VENV)/.installed
+PINS := $(TORCH) $(TORCHCODEC) $(OPENPI_CLIENT)
+
 venv: $(BIN)/python
+	@if [ -f $(INSTALLED) ] && [ "$$(cat $(INSTALLED))" = "$(PINS)" ] && [ $(INSTALLED) -nt pyproject.toml ] \
+		&& [ $(INSTALLED) -nt Makefile ]; then echo "$(VENV): installed, pyproject.toml unchanged"; \
+	else $(MAKE) --no-print-directory install; fi
+
+install: $(BIN)/python
+	rm -f $(INSTALLED)
 	@if [ -n "$(TORCH)" ]; then $(BIN)/pip install -q "$(TORCH)"; fi
 	$(BIN)/pip install -q -e ".[dev,rl,sim,libero,serve,lora,tensorboard]"
 	$(BIN)/pip install -q --no-deps "$(OPENPI_CLIENT)"
 	$(BIN)/pip install -q dm-tree pillow typing_extensions
 	@# --no-deps: torchcodec must not pull another torch; its PyPI wheel up to 0.13 is the CPU build.
 	@if [ -n "$(TORCHCODEC)" ]; then $(BIN)/pip install -q --no-deps "$(TORCHCODEC)"; fi
+	@echo "$(PINS)" > $(INSTALLED)
 
 $(LIBERO_OFFICIAL):
 	mkdir -p .cache

@@ -10,9 +10,10 @@ is optional.) The items, each from one `kilovla demo --quick` run's checkpoint:
 - demo.metrics: `kilovla demo --quick`'s per-step training rows (loss, grad norm, lr, token counts);
 - demo.report: its report.json less wall times, rates, paths and the machine;
 - demo.files: sha256 of the recorded dataset's files and of the checkpoint's weights and policy.json;
-- eval: `evaluate` of the demo checkpoint (its EMA weights where it has them), 2 tasks x 2 episodes (torch seeded first, since
-  a policy draws its flow noise from torch's global generator): every action chunk the policy returned,
-  the states it was given, each episode's seed, success, steps and return, and the report's figures;
+- eval: `evaluate` of the demo checkpoint (its EMA weights where it has them), 2 tasks x 2 episodes (torch
+  seeded first, since a policy draws its flow noise from torch's global generator): every action chunk the
+  policy returned, the states it was given, each episode's seed, success, steps and return, and the report's
+  figures;
 - serve.engine: the serve engine's chunks for fixed observations (a seeded request alone, the same in a
   batch of two, one with given noise), in this process;
 - serve.server: the same seeded and given-noise requests through a real `kilovla serve` on a free port,
@@ -143,7 +144,8 @@ def record_eval(ckpt: Path) -> dict:
     from kilovla.eval import closed_loop
     from kilovla.eval.settings import EvalSettings
 
-    policy = closed_loop.load_policy(str(ckpt), ema=(ckpt / "ema.safetensors").is_file())  # the demo writes EMA weights only with ema_decay
+    # the demo writes EMA weights only with its recipe's ema_decay
+    policy = closed_loop.load_policy(str(ckpt), ema=(ckpt / "ema.safetensors").is_file())
     calls: list[tuple[np.ndarray, np.ndarray]] = []
     select = policy.select_action
 

@@ -251,3 +251,19 @@ def test_rendering_can_be_skipped_between_the_observations_a_policy_looks_at(pus
     push.unwrapped.set_rendering(True)
     obs = push.step(np.zeros(4))[0]
     assert obs["observation.images.scene"].shape == (32, 32, 3) and obs["observation.images.wrist"].any()
+
+
+def test_a_policy_that_reads_no_camera_gets_no_rendered_frame_not_even_at_reset():
+    # A new renderer costs ~0.4 s (its GL context and the meshes' upload): the scripted expert's evaluation made one
+    # per env and task only to render the reset frames nobody read.
+    seen = []
+
+    class StateOnly(MetaWorldExpertPolicy):  # cameras = (): it acts on the state alone
+        def select_action(self, batch):
+            seen.append(sorted(k for k in batch if k.startswith("observation.images.")))
+            return super().select_action(batch)
+
+    with EnvPool([EnvConfig("metaworld", {"task": "reach-v3", "resolution": 16, "max_steps": 5})] * 2) as pool:
+        run_episodes(pool, StateOnly(), [0, 1, 2])
+        assert all(env.unwrapped._renderer is None for env in pool._envs)
+    assert seen and seen == [[]] * len(seen)

@@ -77,7 +77,7 @@ def run_episodes(pool: EnvPool, policy, seeds: Sequence[int], *, n_action_steps:
                 slots[slot] = Episode(i, seed, tasks[slot])
                 wanted[slot] = seed
                 queues[slot].clear()
-        pool.set_rendering([True if wanted[s] is not None and (policy_sees_images or frames(slots[s])) else None
+        pool.set_rendering([None if wanted[s] is None else policy_sees_images or frames(slots[s])
                             for s in range(pool.num_envs)])
         for slot, out in enumerate(pool.reset(wanted)):
             if out is not None:

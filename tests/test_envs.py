@@ -273,7 +273,7 @@ def test_a_policy_that_reads_no_camera_gets_no_rendered_frame_not_even_at_reset(
 def test_geoms_outside_the_camera_s_view_are_skipped_and_the_images_stay_the_same(task):
     from kilovla.envs.metaworld import CAMERAS, ROTATED_180, skip_outside_view
 
-    env = make_env("metaworld", task=task, resolution=32)
+    env = make_env("metaworld", task=task, resolution=32, cameras=tuple(CAMERAS))  # every camera kilovla names
     rng = np.random.default_rng(0)
     skipped = {}
     try:

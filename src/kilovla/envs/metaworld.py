@@ -150,35 +150,6 @@ def spec(task: str, cameras=DEFAULT_CAMERAS, max_steps: int = MAX_STEPS, **_) ->
                    extra_state=(("observation.environment_state", 39),))
 
 
-def skip_outside_view(scene, model) -> int:
-    """Mark the scene's geoms whose bounding sphere lies wholly outside the camera's view frustum as drawing nothing
-    (`mjGEOM_NONE`); returns how many. The image is the same pixel for pixel (tests/test_envs.py) as long as nothing
-    off-screen can show, i.e. without shadows or reflections, both of which `MetaWorldEnv` turns off. Software GL
-    still transforms every vertex of a geom it draws: the wrist camera sees 21 of push-v3's 32 geoms, and the arm
-    links behind it hold most of the scene's 67 k mesh faces."""
-    import mujoco
-
-    cam = scene.camera[0]
-    if cam.frustum_near <= 0 or cam.frustum_center != 0 or cam.frustum_bottom != -cam.frustum_top:
-        return 0  # not a centred perspective frustum: draw everything
-    # a square image: the frustum's half-width at distance 1 is its half-height; the side planes' unit normals
-    # n = (+-1, 0, tan) / sqrt(1 + tan^2) in (right, up, forward) coordinates
-    tan = cam.frustum_top / cam.frustum_near
-    norm = np.sqrt(1.0 + tan * tan)
-    eye, forward, up = np.asarray(cam.pos), np.asarray(cam.forward), np.asarray(cam.up)
-    right = np.cross(forward, up)
-    skipped = 0
-    for g in scene.geoms[: scene.ngeom]:
-        if g.objtype != mujoco.mjtObj.mjOBJ_GEOM or model.geom_rbound[g.objid] <= 0:  # planes: unbounded
-            continue
-        radius, rel = model.geom_rbound[g.objid], np.asarray(g.pos) - eye
-        z, x, y = rel @ forward, abs(rel @ right), abs(rel @ up)
-        if z + radius < cam.frustum_near or (tan * z - max(x, y)) / norm < -radius:
-            g.type = mujoco.mjtGeom.mjGEOM_NONE
-            skipped += 1
-    return skipped
-
-
 class MetaWorldEnv(gym.Env):
     """One Meta-World task (see the module docstring)."""
 
@@ -228,7 +199,6 @@ class MetaWorldEnv(gym.Env):
         for cam in self.cameras:
             name = CAMERAS.get(cam, cam)
             self._renderer.update_scene(self._env.data, camera=name)
-            skip_outside_view(self._renderer.scene, self._env.model)
             img = self._renderer.render()
             out[f"observation.images.{cam}"] = img[::-1, ::-1].copy() if name in ROTATED_180 else img.copy()
         return out

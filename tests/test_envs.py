@@ -173,6 +173,18 @@ def test_rebuild_plays_the_next_task_in_the_same_workers_as_a_new_pool_would():
         pool.rebuild([config("drawer-close-v3")] * 3)
         assert not set(p.pid for p in pool._procs) & set(workers)
         np.testing.assert_array_equal(np.array(roll(pool)), np.array(expected))
+        # A worker that died between tasks: the next task starts on new workers too.
+        workers = [p.pid for p in pool._procs]
+        os.kill(workers[1], signal.SIGKILL)
+        pool._procs[1].join(10)
+        pool.rebuild([config("drawer-close-v3")] * 3)
+        assert not set(p.pid for p in pool._procs) & set(workers)
+        np.testing.assert_array_equal(np.array(roll(pool)), np.array(expected))
+        # Envs that cannot be built end their workers: the next rebuild starts new ones.
+        with pytest.raises(KilovlaError, match="cannot build envs"):
+            pool.rebuild([EnvConfig("metaworld", {"task": "reach-v3", "cameras": ("nope",)})] * 2)
+        pool.rebuild([config("drawer-close-v3")] * 3)
+        np.testing.assert_array_equal(np.array(roll(pool)), np.array(expected))
     assert roll_reach[0][0]["task"] == "reach the red goal"
 
 

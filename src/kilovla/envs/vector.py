@@ -10,10 +10,10 @@ A crashed worker raises `EnvCrashed` naming the envs (and their tasks and seeds)
 
 `rebuild(configs)` swaps the envs (the next task) inside the same worker processes: a new pool of 5
 Meta-World envs in 2 workers took ~2.4 s to its first observations (the simulator imported, the first
-GL context, every renderer made), a rebuilt one ~1 s (each env ~0.1 s, its renderer ~0.4 s). Each worker's software GL (llvmpipe) renders with the
-worker's share of the cores: on 2 cores with 2 workers, in the worker's own thread
-(`LP_NUM_THREADS=0`), which renders the same pixels ~10 % faster than llvmpipe's default of a render
-thread per core in every process.
+GL context, every renderer made), a rebuilt one ~1 s (each env ~0.1 s, its renderer ~0.4 s). Each
+worker's software GL (llvmpipe) renders with the worker's share of the cores: on 2 cores with 2
+workers, in the worker's own thread (`LP_NUM_THREADS=0`), which renders the same pixels ~10 % faster
+than llvmpipe's default of a render thread per core in every process.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def gl_threads(num_workers: int) -> int:
 
 
 def _worker(conn, configs: list[EnvConfig], threads: int) -> None:
-    os.environ.setdefault("LP_NUM_THREADS", str(threads))  # read when the first GL context is made; a user's wins
+    # read when the first GL context is made; a value the forkserver was started with (a user's) wins
+    os.environ.setdefault("LP_NUM_THREADS", str(threads))
     envs = _build(conn, configs)
     if envs is None:
         return
@@ -152,14 +153,15 @@ class EnvPool:
 
     def rebuild(self, configs: Sequence[EnvConfig]) -> None:
         """Replace every env with those of `configs` (any number: a worker may hold none), in the same worker
-        processes; new ones where a command failed part-way (a crashed env) and left them out of step."""
+        processes; in new ones where a worker has died (between tasks, or with envs it could not build) or a command
+        failed part-way (a crashed env) and left them out of step."""
         if self.num_workers == 0:
             for env in self._envs:
                 env.close()
             self._take(configs)
             self._envs = [c.build() for c in self.configs]
             return
-        restart = self._broken
+        restart = self._broken or not all(proc.is_alive() for proc in self._procs)  # one died between tasks
         if restart:
             self.close()
         self._take(configs)

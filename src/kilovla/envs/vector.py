@@ -117,12 +117,13 @@ class EnvPool:
         self.num_workers = min(num_workers, len(configs))
         self._context = context
         self._take(configs)
+        self._start()
+
+    def _start(self) -> None:
+        """`configs`' envs, in this process or in new worker processes."""
         if self.num_workers == 0:
             self._envs = [c.build() for c in self.configs]
-        else:
-            self._start_workers()
-
-    def _start_workers(self) -> None:
+            return
         ctx = mp.get_context(self._context)
         self._conns, self._procs = [], []
         self._broken = False  # a command failed part-way: the workers' replies may be out of step
@@ -155,18 +156,12 @@ class EnvPool:
         """Replace every env with those of `configs` (any number: a worker may hold none), in the same worker
         processes; in new ones where a worker has died (between tasks, or with envs it could not build) or a command
         failed part-way (a crashed env) and left them out of step."""
-        if self.num_workers == 0:
-            for env in self._envs:
-                env.close()
-            self._take(configs)
-            self._envs = [c.build() for c in self.configs]
-            return
-        restart = self._broken or not all(proc.is_alive() for proc in self._procs)  # one died between tasks
-        if restart:
-            self.close()
+        # in this process, or a worker died between tasks, or replies out of step: start afresh
+        restart = self.num_workers == 0 or self._broken or not all(proc.is_alive() for proc in self._procs)
         self._take(configs)
         if restart:
-            self._start_workers()
+            self.close()
+            self._start()
             return
         for w, idx in enumerate(self._slices):
             self._send(w, ("build", [self.configs[i] for i in idx]))

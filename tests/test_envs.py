@@ -119,15 +119,24 @@ def test_latency_is_seeded():
 
 
 def test_worker_processes_reproduce_in_process_rollouts():
+    """States and images are the same in this process, in 2 workers (2 envs and 1) and in one worker per env
+    (the demo's)."""
     config = EnvConfig("metaworld", {"task": "push-v3", "resolution": 16})
     actions = np.random.default_rng(0).uniform(-1, 1, (10, 3, 4)).astype(np.float32)
 
     def roll(workers):
         with EnvPool([config] * 3, num_workers=workers) as pool:
             pool.reset([7, 8, 9])
-            return [[r[0]["observation.environment_state"] for r in pool.step(list(a))] for a in actions]
+            steps = [[r[0] for r in pool.step(list(a))] for a in actions]
+        return {key: np.array([[obs[key] for obs in step] for step in steps]) for key in steps[0][0]}
 
-    np.testing.assert_array_equal(np.array(roll(0)), np.array(roll(2)))
+    here = roll(0)
+    assert {"observation.environment_state", "observation.images.scene", "observation.images.wrist"} <= here.keys()
+    for workers in (2, 3):
+        got = roll(workers)
+        assert got.keys() == here.keys()
+        for key in here:
+            np.testing.assert_array_equal(got[key], here[key], err_msg=f"{key}, {workers} workers")
 
 
 def test_a_killed_worker_is_reported_with_its_envs():

@@ -258,3 +258,32 @@ def test_eval_ema_loads_the_folder_s_ema_weights(monkeypatch, capsys):
     monkeypatch.setattr(closed_loop, "load_policy", load_policy)
     assert main(["eval", "--policy", "some/folder", "--ema", "--tasks", "reach-v3"]) == 2
     assert asked["ema"] is True
+
+
+def test_an_evaluation_beside_plays_in_its_own_process_and_reports_as_evaluate_does(tmp_path, capfd):
+    import os
+    import signal
+    import time
+
+    from kilovla.eval.closed_loop import Beside
+
+    settings = EvalSettings(tasks=["reach-v3", "drawer-close-v3"], episodes=2, batch_size=2, **FAST)
+    here = evaluate(load_policy("scripted"), settings)
+    with Beside("scripted", settings, tmp_path / "beside", "eval expert") as beside:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "beside" / "report.json").exists():  # it plays while this process does other work
+            assert beside._process.is_alive() and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert beside._process.pid != os.getpid()
+        there = beside.result()
+    assert there["per_task"] == here["per_task"]
+    said = capfd.readouterr().out  # the line is said here, once (not also by the process, under a progress bar)
+    assert said.count(f"eval expert: success rate {here['overall_success_rate']:.1%} (") == 1
+
+    with Beside("scripted", EvalSettings(tasks=["nope-v3"], episodes=1, **FAST), tmp_path / "bad", "eval expert") as bad:
+        with pytest.raises(KilovlaError, match=r"^eval expert: .*nope-v3"):
+            bad.result()
+    with Beside("scripted", settings, tmp_path / "killed", "eval expert") as killed:
+        os.kill(killed._process.pid, signal.SIGKILL)
+        with pytest.raises(KilovlaError, match=r"eval expert: its process ended \(exit code -9\) before its report"):
+            killed.result()

@@ -209,9 +209,9 @@ def train_policy(recipe: DemoRecipe, data: Path, run: Path, progress: bool = Tru
 
 
 def evaluate_both(recipe: DemoRecipe, checkpoint: str, out: Path, train_seeds: dict[str, list[int]]) -> tuple[dict, dict]:
-    """The learned policy (with videos) and the scripted expert (state only: it renders nothing but the resets) on the
-    same seeds, which must not be seeds the demonstrations were recorded on."""
-    from kilovla.eval.closed_loop import episode_seeds, evaluate, load_policy, task_progress
+    """The learned policy (with videos) and, beside it in a process of its own, the scripted expert (state only: it
+    renders nothing) on the same seeds, which must not be seeds the demonstrations were recorded on."""
+    from kilovla.eval.closed_loop import Beside, episode_seeds, evaluate, load_policy, task_progress
 
     tasks = list(recipe.tasks)
     for t, task in enumerate(tasks):
@@ -220,14 +220,15 @@ def evaluate_both(recipe: DemoRecipe, checkpoint: str, out: Path, train_seeds: d
             raise KilovlaError(f"{task}: evaluation seeds {sorted(shared)[:5]} were also demonstration seeds; "
                                "choose another eval_seed")
     settings = recipe.evaluation()
-    progress, update = task_progress("eval policy")
-    with progress:
-        learned = evaluate(load_policy(checkpoint, ema=bool(recipe.ema_decay)), settings, out_dir=out / "eval-policy",
-                           progress=update)
-    progress, update = task_progress("eval expert")
-    with progress:
-        expert = evaluate(load_policy("scripted"), dataclasses.replace(settings, videos=0), out_dir=out / "eval-expert",
-                          progress=update)
+    # the expert in a process of its own with its envs (no workers), beside the policy's evaluation: ~10 s of one
+    # core, which the policy's one-thread inference leaves idle while the env workers wait for it
+    with Beside("scripted", dataclasses.replace(settings, videos=0, workers=0), out / "eval-expert",
+                "eval expert") as scripted:
+        progress, update = task_progress("eval policy")
+        with progress:
+            learned = evaluate(load_policy(checkpoint, ema=bool(recipe.ema_decay)), settings,
+                               out_dir=out / "eval-policy", progress=update)
+        expert = scripted.result()
     return learned, expert
 
 
@@ -282,7 +283,7 @@ def run_demo(out_dir: str | Path = "demo-output", quick: bool = False, recipe: D
     summary = train_policy(recipe, data, out / "run")
     phase_s["train"] = time.perf_counter() - t
 
-    console.rule("3/4 closed-loop evaluation (policy, then the scripted expert on the same seeds)")
+    console.rule("3/4 closed-loop evaluation (the policy, and beside it the scripted expert on the same seeds)")
     t = time.perf_counter()
     learned, expert = evaluate_both(recipe, summary["checkpoint"], out, collected.seeds)
     phase_s["evaluate"] = time.perf_counter() - t

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -201,13 +202,83 @@ def evaluate(policy, settings: EvalSettings, *, out_dir: str | Path | None = Non
     report = _report(policy, s, per_task, shared, n_action_steps, resolution, spec.cameras)
     if out is not None:
         write_report(out, report)
+    result(summary_line(report, label, out))
+    return report
+
+
+def summary_line(report: dict, label: str, out: Path | None) -> str:
+    """The one line an evaluation ends with: its success rate, episodes, interval, crashes and folder."""
+    per_task = report["per_task"]
     wins, played = sum(r["successes"] for r in per_task.values()), sum(r["episodes"] for r in per_task.values())
     low, high = report["overall_success_ci95"]
-    result(f"{label}: success rate {report['overall_success_rate']:.1%} ({wins}/{played} episodes, "
-          f"{len(per_task)} task(s); 95 % Wilson {low:.1%} - {high:.1%})"
-          + (f"; {report['crashed_episodes']} crashed, counted as failures" if report["crashed_episodes"] else "")
-          + (f"; wrote {out}" if out is not None else ""))
-    return report
+    return (f"{label}: success rate {report['overall_success_rate']:.1%} ({wins}/{played} episodes, "
+            f"{len(per_task)} task(s); 95 % Wilson {low:.1%} - {high:.1%})"
+            + (f"; {report['crashed_episodes']} crashed, counted as failures" if report["crashed_episodes"] else "")
+            + (f"; wrote {out}" if out is not None else ""))
+
+
+class Beside:
+    """`evaluate(load_policy(spec), settings, out_dir=...)` in a process of its own, started at once, while
+    this process does other work; `result()` waits for its report and says its line. The demo plays the
+    scripted expert (state only, ~10 s on one core) beside the learned policy, whose batched inference on one
+    thread leaves a core idle between the env workers' steps. An error there is raised by `result()` here, as
+    one KilovlaError; leaving the `with` block ends a process that is still playing.
+
+        with Beside("scripted", settings, out / "eval-expert", "eval expert") as expert:
+            learned = evaluate(policy, settings, out_dir=out / "eval-policy")
+            scripted = expert.result()
+    """
+
+    def __init__(self, spec: str, settings: EvalSettings, out_dir: str | Path, label: str):
+        import multiprocessing as mp
+
+        self.label, self.out = label, Path(out_dir)
+        ctx = mp.get_context("forkserver")  # never a fork of a process that has rendered (envs/vector.py)
+        self._conn, child = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_evaluate_beside, args=(child, spec, settings, self.out, label),
+                                    name=f"kilovla {label}")
+        self._process.start()
+        child.close()
+
+    def result(self) -> dict:
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self._process.join()
+            raise KilovlaError(f"{self.label}: its process ended (exit code {self._process.exitcode}) before its "
+                               "report") from None
+        self._process.join()
+        if status == "error":
+            raise KilovlaError(f"{self.label}: {value}")
+        result(summary_line(value, self.label, self.out))
+        return value
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._process.terminate()
+        self._process.join()
+        self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _evaluate_beside(conn, spec: str, settings: EvalSettings, out: Path, label: str) -> None:
+    import sys
+
+    sys.stdout = open(os.devnull, "w")  # the parent says the result line, not under its own progress bar
+    try:
+        report = evaluate(load_policy(spec), settings, out_dir=out, progress=lambda *a: None, label=label)
+    except KilovlaError as e:
+        conn.send(("error", str(e)))
+    except BaseException as e:  # anything else, named with where it happened
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+    else:
+        conn.send(("ok", report))
+    conn.close()
 
 
 def _evaluate_task(policy, pools: WarmPool, configs: list[EnvConfig], seeds: list[int], s: EvalSettings,

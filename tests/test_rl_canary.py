@@ -52,7 +52,8 @@ def weak_start(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("canary")
     # the dense action expert the canary was calibrated on (the demo's is MoE since stop 54)
-    recipe = FULL.replace(tasks=("reach-v3",), episodes_per_task=20, train_steps=500, ema_decay=None, model=DENSE_MODEL)
+    recipe = FULL.replace(tasks=("reach-v3",), episodes_per_task=20, train_steps=500, ema_decay=None, model=DENSE_MODEL,
+                          token_budget=4096)  # and the rows it was calibrated on (the demo's: one per step since stop 56)
     collect_demonstrations(recipe, root / "data")
     build_demo_cache(root / "data")
     good = train_policy(recipe, root / "data", root / "run", progress=False)["checkpoint"]

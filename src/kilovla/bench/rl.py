@@ -64,9 +64,10 @@ WEAK_TASKS = ("reach-v3", "push-v3")
 # tasks, few demonstrations and few steps, no EMA (the folder's weights are what is evaluated and fine-
 # tuned). Measured on 2 cores: see docs/rl_finetune.md (closed loop between 25 % and 65 %). 250 steps since the
 # reach expert aims its TCP at the goal (stop 54): 500 steps then scored 75 % (reach 91 %), 250 steps 49.5 %.
-# The model is pinned (the demo's dense pi0-tiny) so that a change of the demo's own model leaves the start as it is.
+# The model and its packed rows are pinned (the demo's dense pi0-tiny, 4096-token rows; the demo's steps are one row
+# since stop 56) so that a change of the demo's own recipe leaves the start as it is.
 START_RECIPE = {"tasks": WEAK_TASKS, "episodes_per_task": 10, "train_steps": 250, "warmup_steps": 50, "ema_decay": None,
-                "model": DENSE_MODEL}
+                "model": DENSE_MODEL, "token_budget": 4096}
 # The gain rows' RL recipe (residual SAC): 12 envs in 2 workers at the policy's resolution, Meta-World's
 # 200-step evaluation horizon, 8-chunk segments, a policy version (an actor sync) every 12 segments;
 # off-policy, so rollouts may run ahead of the learner by several versions. Reward: progress shaping

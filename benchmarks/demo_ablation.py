@@ -75,7 +75,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # issue 46's time bar: training is ~half of the demo's wall time, and 1500 steps gained nothing over 1000 (stop 53)
     "moe_800": ("moe_final with 800 training steps",
                 dict(ema_decay=None, model=PRESET_MODELS[DEMO_PRESET], token_budget=4096, train_steps=800)),
-    # the same tokens per step in one packed row instead of three: 1.5-1.8x the training steps per second
+    # the same tokens per step in one packed row instead of three: 1.2-1.6x the training steps per second
     "one_row": ("moe_final with each step one packed row of 12000 tokens (not 3 of 4096): the demo's recipe since stop 56",
                 dict(ema_decay=None, model=PRESET_MODELS[DEMO_PRESET], token_budget=12000)),
 }

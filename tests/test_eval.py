@@ -276,14 +276,29 @@ def test_an_evaluation_beside_plays_in_its_own_process_and_reports_as_evaluate_d
             time.sleep(0.2)
         assert beside._process.pid != os.getpid()
         there = beside.result()
+        assert beside.result() is there  # asked again: the same report
     assert there["per_task"] == here["per_task"]
     said = capfd.readouterr().out  # the line is said here, once (not also by the process, under a progress bar)
     assert said.count(f"eval expert: success rate {here['overall_success_rate']:.1%} (") == 1
 
+    # bad input is the evaluation's KilovlaError; a fault and a death are RuntimeErrors
     with Beside("scripted", EvalSettings(tasks=["nope-v3"], episodes=1, **FAST), tmp_path / "bad", "eval expert") as bad:
         with pytest.raises(KilovlaError, match=r"^eval expert: .*nope-v3"):
             bad.result()
+    (tmp_path / "a-file").write_text("")
+    with Beside("scripted", settings, tmp_path / "a-file" / "out", "eval expert") as faulty:
+        with pytest.raises(RuntimeError, match=r"^eval expert: (NotADirectoryError|FileExistsError).*\nTraceback"):
+            faulty.result()
     with Beside("scripted", settings, tmp_path / "killed", "eval expert") as killed:
         os.kill(killed._process.pid, signal.SIGKILL)
-        with pytest.raises(KilovlaError, match=r"eval expert: its process ended \(exit code -9\) before its report"):
+        with pytest.raises(RuntimeError, match=r"eval expert: its process ended \(exit code -9\) before its report"):
             killed.result()
+
+    # leaving the block ends a process still playing (its env workers too), and says so when asked after
+    long = EvalSettings(tasks=["push-v3"], episodes=40, batch_size=4, workers=2, **FAST)
+    with pytest.raises(ValueError), Beside("random", long, tmp_path / "left", "eval random") as left:
+        time.sleep(3)
+        raise ValueError("the parent's own error")
+    assert left._process.exitcode == 128 + signal.SIGTERM  # it exited (closing its pool), not killed mid-write
+    with pytest.raises(RuntimeError, match="closed before its report"):
+        left.result()

@@ -97,9 +97,10 @@ class DemoRecipe:
     eval_seed: int = 1  # closed_loop.episode_seeds(eval_seed, ...): disjoint from the collection seeds
     train_seed: int = 0  # the training run's seed (model init, sampling order)
     videos_per_task: int = 1
-    # env processes: one per env stepped together (5), which the OS spreads over the cores. 2 workers held 3 and 2
-    # envs, so one core idled a third of every step: collection 104 -> 92 s on 2 cores, the same demonstrations and
-    # evaluation (every env is seeded per episode, whatever process it is in)
+    # env processes: one per env stepped together (5), which the OS spreads over the cores; 2 workers held 3 and 2
+    # envs, so one core idled a third of every step. Collection 104-107 -> 92 s on 2 cores back to back, 105.9 ->
+    # 105.1 s in a paired demo run; the same demonstrations and evaluation (every env is seeded per episode, whatever
+    # process it is in; on 2 cores the policy keeps one torch thread either way)
     workers: int = 5
 
     def replace(self, **changes) -> DemoRecipe:
@@ -231,7 +232,7 @@ def evaluate_both(recipe: DemoRecipe, checkpoint: str, out: Path, train_seeds: d
         progress, update = task_progress("eval policy")
         with progress:
             learned = evaluate(load_policy(checkpoint, ema=bool(recipe.ema_decay)), settings,
-                               out_dir=out / "eval-policy", progress=update)
+                               out_dir=out / "eval-policy", progress=update, label="eval policy")
         expert = scripted.result()
     return learned, expert
 

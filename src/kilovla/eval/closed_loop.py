@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -219,10 +220,12 @@ def summary_line(report: dict, label: str, out: Path | None) -> str:
 
 class Beside:
     """`evaluate(load_policy(spec), settings, out_dir=...)` in a process of its own, started at once, while
-    this process does other work; `result()` waits for its report and says its line. The demo plays the
-    scripted expert (state only, ~10 s on one core) beside the learned policy, whose batched inference on one
-    thread leaves a core idle between the env workers' steps. An error there is raised by `result()` here, as
-    one KilovlaError; leaving the `with` block ends a process that is still playing.
+    this process does other work; `result()` waits for its report (a line every 10 s while it does) and says its
+    result line. The demo plays the scripted expert (state only, ~10 s on one core) beside the learned policy,
+    whose batched inference on one thread leaves a core idle between the env workers' steps. What `evaluate`
+    refuses there is raised by `result()` here as that KilovlaError; a failure or the process's death as a
+    RuntimeError, with the child's traceback. Leaving the `with` block ends a process still playing (its env
+    workers close with it).
 
         with Beside("scripted", settings, out / "eval-expert", "eval expert") as expert:
             learned = evaluate(policy, settings, out_dir=out / "eval-policy")
@@ -233,6 +236,7 @@ class Beside:
         import multiprocessing as mp
 
         self.label, self.out = label, Path(out_dir)
+        self._outcome: tuple[str, object] | None = None
         ctx = mp.get_context("forkserver")  # never a fork of a process that has rendered (envs/vector.py)
         self._conn, child = ctx.Pipe(duplex=False)
         self._process = ctx.Process(target=_evaluate_beside, args=(child, spec, settings, self.out, label),
@@ -241,17 +245,31 @@ class Beside:
         child.close()
 
     def result(self) -> dict:
+        """The report (the same one on every call), or what the process raised or how it ended."""
+        if self._outcome is None:
+            self._outcome = self._wait()
+            if self._outcome[0] == "ok":
+                result(summary_line(self._outcome[1], self.label, self.out))
+        status, value = self._outcome
+        if status == "refused":
+            raise KilovlaError(f"{self.label}: {value}")
+        if status != "ok":
+            raise RuntimeError(f"{self.label}: {value}")
+        return value
+
+    def _wait(self) -> tuple[str, object]:
+        if self._conn.closed:
+            return "failed", "closed before its report"
+        t0 = time.monotonic()
         try:
-            status, value = self._conn.recv()
+            while not self._conn.poll(10):
+                print(f"{self.label}: still playing in its own process after {time.monotonic() - t0:.0f}s", flush=True)
+            return self._conn.recv()
         except EOFError:
             self._process.join()
-            raise KilovlaError(f"{self.label}: its process ended (exit code {self._process.exitcode}) before its "
-                               "report") from None
-        self._process.join()
-        if status == "error":
-            raise KilovlaError(f"{self.label}: {value}")
-        result(summary_line(value, self.label, self.out))
-        return value
+            return "failed", f"its process ended (exit code {self._process.exitcode}) before its report"
+        finally:
+            self._process.join()
 
     def close(self) -> None:
         if self._process.is_alive():
@@ -267,15 +285,18 @@ class Beside:
 
 
 def _evaluate_beside(conn, spec: str, settings: EvalSettings, out: Path, label: str) -> None:
+    import signal
     import sys
 
+    # terminate() (the parent left its `with` block) ends the evaluation as an exception would: its env workers close
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     sys.stdout = open(os.devnull, "w")  # the parent says the result line, not under its own progress bar
     try:
         report = evaluate(load_policy(spec), settings, out_dir=out, progress=lambda *a: None, label=label)
-    except KilovlaError as e:
-        conn.send(("error", str(e)))
-    except BaseException as e:  # anything else, named with where it happened
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+    except KilovlaError as e:  # bad input, as evaluate words it
+        conn.send(("refused", str(e)))
+    except Exception as e:  # a fault: its traceback goes with it
+        conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     else:
         conn.send(("ok", report))
     conn.close()

@@ -264,12 +264,11 @@ class Beside:
         try:
             while not self._conn.poll(10):
                 print(f"{self.label}: still playing in its own process after {time.monotonic() - t0:.0f}s", flush=True)
-            return self._conn.recv()
-        except EOFError:
-            self._process.join()
-            return "failed", f"its process ended (exit code {self._process.exitcode}) before its report"
-        finally:
-            self._process.join()
+            outcome = self._conn.recv()
+        except EOFError:  # it ended without a word
+            outcome = None
+        self._process.join()
+        return outcome or ("failed", f"its process ended (exit code {self._process.exitcode}) before its report")
 
     def close(self) -> None:
         if self._process.is_alive():

@@ -39,6 +39,9 @@ MAIN_BEFORE = dict(preset="pi05-tiny", state_in_prompt=False, resolution=64, col
 # The `make demo` recipe before the wide action expert (62 % of the expert at full scale).
 NARROW = dict(model={})
 
+# The `make demo` recipe of stops 54-55: MoE action expert, final weights, each step 3 packed rows of 4096 tokens.
+MOE_FINAL = dict(ema_decay=None, model=PRESET_MODELS[DEMO_PRESET], token_budget=4096)
+
 VARIANTS: dict[str, tuple[str, dict]] = {
     "before": ("main's demo recipe: pi0.5, no state input", MAIN_BEFORE),
     "state_token": ("pi0: the state as one continuous token", dict(MAIN_BEFORE, preset="pi0-tiny")),
@@ -71,13 +74,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # stop 54: with the reach expert aiming its TCP at the goal, push-v3 (grasp misses, a puck lost on the way) is
     # the task left short; MoE at the dense demo's active width gained push 0-10 points at stop 52
     "moe_final": ("the final weights; MoE action expert (4 experts of 128, top 2): the demo's recipe at stops 54-55",
-                  dict(ema_decay=None, model=PRESET_MODELS[DEMO_PRESET], token_budget=4096)),
+                  MOE_FINAL),
     # issue 46's time bar: training is ~half of the demo's wall time, and 1500 steps gained nothing over 1000 (stop 53)
-    "moe_800": ("moe_final with 800 training steps",
-                dict(ema_decay=None, model=PRESET_MODELS[DEMO_PRESET], token_budget=4096, train_steps=800)),
+    "moe_800": ("moe_final with 800 training steps", dict(MOE_FINAL, train_steps=800)),
     # the same tokens per step in one packed row instead of three: 1.2-1.6x the training steps per second
     "one_row": ("moe_final with each step one packed row of 12000 tokens (not 3 of 4096): the demo's recipe since stop 56",
-                dict(ema_decay=None, model=PRESET_MODELS[DEMO_PRESET], token_budget=12000)),
+                dict(MOE_FINAL, token_budget=12000)),
 }
 
 
